@@ -1,0 +1,15 @@
+//! The fusec op-graph IR: dtypes, symbolic shapes, ops with their type rules, the graph, its
+//! canonical `.graph` text form, the verifier and the reference interpreter (the oracle every
+//! pass and backend is tested against). Nothing here knows that a backend exists.
+
+mod dtype;
+mod graph;
+pub mod infer;
+mod op;
+pub mod rng;
+mod shape;
+
+pub use dtype::DType;
+pub use graph::{Graph, Node, NodeId, ValueId, ValueInfo};
+pub use op::{BinaryOp, CmpOp, Op, ReduceOp, UnaryOp};
+pub use shape::{Bindings, Dim, Shape, Type};

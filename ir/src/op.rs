@@ -1,0 +1,248 @@
+//! The operations of the IR, each with its semantics.
+//!
+//! Primitives are small and orthogonal; composites are the ops a transformer is made of, with
+//! hand-written reference semantics (in the interpreter) and hand-written backward rules (in the
+//! `autodiff` pass). Result types are computed by [`crate::infer::result_types`].
+//!
+//! Conventions: binary elementwise ops need operands of identical type (broadcasting is the
+//! explicit [`Op::Broadcast`]); axes are 0-based; "last axis" means the innermost (contiguous)
+//! dimension; all tensors are row-major.
+
+use crate::{DType, Dim, Shape, Type};
+
+/// Elementwise unary functions on floats.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum UnaryOp {
+    /// `-x`.
+    Neg,
+    /// `e^x`.
+    Exp,
+    /// Natural logarithm.
+    Log,
+    /// Square root.
+    Sqrt,
+    /// `1 / sqrt(x)` (exact, not an approximation).
+    Rsqrt,
+    /// Hyperbolic tangent.
+    Tanh,
+    /// `1 / x`.
+    Recip,
+}
+
+/// Elementwise binary functions; operands and result share one type.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum BinaryOp {
+    /// `a + b`.
+    Add,
+    /// `a - b`.
+    Sub,
+    /// `a * b`.
+    Mul,
+    /// `a / b`.
+    Div,
+    /// `max(a, b)` (a NaN operand gives NaN).
+    Max,
+    /// `min(a, b)` (a NaN operand gives NaN).
+    Min,
+}
+
+/// Elementwise comparisons; the result is i32 0 or 1.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum CmpOp {
+    /// `a < b`.
+    Lt,
+    /// `a <= b`.
+    Le,
+    /// `a > b`.
+    Gt,
+    /// `a >= b`.
+    Ge,
+    /// `a == b`.
+    Eq,
+    /// `a != b`.
+    Ne,
+}
+
+/// Reduction kinds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ReduceOp {
+    /// Sum.
+    Sum,
+    /// Maximum.
+    Max,
+}
+
+/// One operation. Inputs are listed per variant as `(name: type)`; results likewise.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Op {
+    // ---- sources -------------------------------------------------------------------------
+    /// A trainable parameter, bound by name (checkpoint tensors map to parameters by name).
+    /// No inputs; result `ty`.
+    Param { name: String, ty: Type },
+    /// A per-step input (tokens, targets, runtime scalars such as the learning rate).
+    /// No inputs; result `ty`.
+    Input { name: String, ty: Type },
+    /// Every element equal to `value` (rounded to the dtype). No inputs; result `ty`.
+    Const { value: f64, ty: Type },
+    /// Index along `axis`: element `[i0, .., in]` is `i_axis`. No inputs; result `ty` (i32 or float).
+    Iota { axis: usize, ty: Type },
+
+    // ---- elementwise ---------------------------------------------------------------------
+    /// `f(x)` per element. `(x: float T) -> T`.
+    Unary(UnaryOp),
+    /// `f(a, b)` per element. `(a: T, b: T) -> T`.
+    Binary(BinaryOp),
+    /// Comparison per element. `(a: T, b: T) -> i32 with T's shape` (1 where true).
+    Compare(CmpOp),
+    /// `cond != 0 ? a : b`. `(cond: i32[S], a: T[S], b: T[S]) -> T[S]`.
+    Select,
+    /// Conversion to `to` (round-to-nearest-even; float to i32 truncates). `(x: T[S]) -> to[S]`.
+    Cast { to: DType },
+
+    // ---- layout --------------------------------------------------------------------------
+    /// Same elements in row-major order, new shape of equal element count. `(x) -> dtype(x)[shape]`.
+    Reshape { shape: Shape },
+    /// Operand axis `i` becomes result axis `dims[i]` (strictly increasing); an operand dim must
+    /// equal the result dim or be 1; other result axes repeat the operand. `(x) -> dtype(x)[shape]`.
+    Broadcast { dims: Vec<usize>, shape: Shape },
+    /// Result axis `i` is operand axis `perm[i]`. `(x) -> permuted`.
+    Permute { perm: Vec<usize> },
+    /// Elements `start..end` along `axis` (constant bounds). `(x) -> x with that axis = end-start`.
+    Slice { axis: usize, start: u64, end: u64 },
+    /// Operands joined along `axis`; other dims equal. `(x0, x1, ..) -> joined`.
+    Concat { axis: usize },
+
+    // ---- reductions and contractions -----------------------------------------------------
+    /// Reduces over `axes` (sorted, distinct), removing them. `(x: T[S]) -> T[S without axes]`.
+    Reduce { op: ReduceOp, axes: Vec<usize> },
+    /// Batched matrix product of the last two axes, `op(a) @ op(b)`, where `op` transposes when
+    /// the flag is set. `a: [..., M, K]`, `b: [..., K, N]` with equal batch dims, or `b` rank 2
+    /// (shared across a's batch). Result `[..., M, N]`. Accumulation is in f32 (f64 in f64 mode).
+    MatMul { trans_a: bool, trans_b: bool },
+
+    // ---- indexing ------------------------------------------------------------------------
+    /// Row lookup: `(table: T[N, C], idx: i32[S]) -> T[S, C]`, `out[s, c] = table[idx[s], c]`.
+    Gather,
+    /// Adjoint of `Gather`: `(src: T[S, C], idx: i32[S]) -> T[rows, C]`, zeros plus
+    /// `out[idx[s], c] += src[s, c]` in increasing order of `s`.
+    ScatterAdd { rows: Dim },
+
+    // ---- composites ----------------------------------------------------------------------
+    /// GELU, tanh form: `0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`. `(x: T) -> T`.
+    Gelu,
+    /// Gradient of GELU: `(x: T, dy: T) -> dx: T`.
+    GeluGrad,
+    /// LayerNorm over the last axis with biased variance:
+    /// `(x: f32[S, C], w: f32[C], b: f32[C]) -> (y: f32[S, C], mean: f32[S], rstd: f32[S])`,
+    /// `rstd = 1 / sqrt(var + eps)`, `y = (x - mean) * rstd * w + b`.
+    LayerNorm { eps: f64 },
+    /// Gradient of LayerNorm from its saved statistics:
+    /// `(dy: [S, C], x: [S, C], w: [C], mean: [S], rstd: [S]) -> (dx: [S, C], dw: [C], db: [C])`.
+    LayerNormGrad,
+    /// Softmax over the last axis (max-subtracted). `(x: T[S, N]) -> T[S, N]`.
+    Softmax,
+    /// Gradient of softmax from its output: `(y: [S, N], dy: [S, N]) -> dx = y * (dy - sum(dy*y))`.
+    SoftmaxGrad,
+    /// Per-position cross-entropy over the first `vocab` of the last axis:
+    /// `(logits: f32[S, Vp], targets: i32[S]) -> loss: f32[S]`,
+    /// `loss = logsumexp(logits[.., :vocab]) - logits[target]`.
+    CrossEntropy { vocab: u64 },
+    /// Gradient of `CrossEntropy`: `(logits, targets, dloss: f32[S]) -> dlogits: f32[S, Vp]`,
+    /// `(softmax(logits[:vocab]) - onehot(target)) * dloss`, zero in the padding columns.
+    CrossEntropyGrad { vocab: u64 },
+    /// Causal attention per head: `(q, k, v: f32[..., T, D]) -> (out: [..., T, D], lse: [..., T])`
+    /// with `s = scale * q k^T` masked to `j <= i`, `p = softmax(s)`, `out = p v`, and `lse` the
+    /// log-sum-exp of each masked row of `s` (saved for the backward).
+    Attention { scale: f64 },
+    /// Gradient of `Attention`: `(q, k, v, out, lse, dout) -> (dq, dk, dv)`.
+    AttentionGrad { scale: f64 },
+    /// One AdamW update (PyTorch / llm.c formula) of a parameter tensor:
+    /// `(p, g, m, v: f32[S], lr, bc1, bc2: f32[]) -> (p', m', v')` with `m' = b1 m + (1-b1) g`,
+    /// `v' = b2 v + (1-b2) g^2`, `p' = p - lr ((m'/bc1) / (sqrt(v'/bc2) + eps) + wd p)`,
+    /// where `bc1 = 1 - b1^t` and `bc2 = 1 - b2^t` are runtime scalars.
+    AdamW { beta1: f64, beta2: f64, eps: f64, weight_decay: f64 },
+}
+
+impl Op {
+    /// The mnemonic used in `.graph` text.
+    pub fn mnemonic(&self) -> &'static str {
+        use Op::*;
+        match self {
+            Param { .. } => "param",
+            Input { .. } => "input",
+            Const { .. } => "const",
+            Iota { .. } => "iota",
+            Unary(u) => match u {
+                UnaryOp::Neg => "neg",
+                UnaryOp::Exp => "exp",
+                UnaryOp::Log => "log",
+                UnaryOp::Sqrt => "sqrt",
+                UnaryOp::Rsqrt => "rsqrt",
+                UnaryOp::Tanh => "tanh",
+                UnaryOp::Recip => "recip",
+            },
+            Binary(b) => match b {
+                BinaryOp::Add => "add",
+                BinaryOp::Sub => "sub",
+                BinaryOp::Mul => "mul",
+                BinaryOp::Div => "div",
+                BinaryOp::Max => "max",
+                BinaryOp::Min => "min",
+            },
+            Compare(c) => match c {
+                CmpOp::Lt => "lt",
+                CmpOp::Le => "le",
+                CmpOp::Gt => "gt",
+                CmpOp::Ge => "ge",
+                CmpOp::Eq => "eq",
+                CmpOp::Ne => "ne",
+            },
+            Select => "select",
+            Cast { .. } => "cast",
+            Reshape { .. } => "reshape",
+            Broadcast { .. } => "broadcast",
+            Permute { .. } => "permute",
+            Slice { .. } => "slice",
+            Concat { .. } => "concat",
+            Reduce { op: ReduceOp::Sum, .. } => "reduce_sum",
+            Reduce { op: ReduceOp::Max, .. } => "reduce_max",
+            MatMul { .. } => "matmul",
+            Gather => "gather",
+            ScatterAdd { .. } => "scatter_add",
+            Gelu => "gelu",
+            GeluGrad => "gelu_grad",
+            LayerNorm { .. } => "layernorm",
+            LayerNormGrad => "layernorm_grad",
+            Softmax => "softmax",
+            SoftmaxGrad => "softmax_grad",
+            CrossEntropy { .. } => "cross_entropy",
+            CrossEntropyGrad { .. } => "cross_entropy_grad",
+            Attention { .. } => "attention",
+            AttentionGrad { .. } => "attention_grad",
+            AdamW { .. } => "adamw",
+        }
+    }
+
+    /// Whether the op is elementwise (each output element depends only on the same element of
+    /// each input): the ops `fuse-elementwise` chains.
+    pub fn is_elementwise(&self) -> bool {
+        matches!(
+            self,
+            Op::Unary(_) | Op::Binary(_) | Op::Compare(_) | Op::Select | Op::Cast { .. } | Op::Gelu | Op::GeluGrad
+        )
+    }
+
+    /// Whether the op has no inputs.
+    pub fn is_source(&self) -> bool {
+        matches!(self, Op::Param { .. } | Op::Input { .. } | Op::Const { .. } | Op::Iota { .. })
+    }
+
+    /// Every unary op, for generators and parsers.
+    pub const UNARY: [UnaryOp; 7] =
+        [UnaryOp::Neg, UnaryOp::Exp, UnaryOp::Log, UnaryOp::Sqrt, UnaryOp::Rsqrt, UnaryOp::Tanh, UnaryOp::Recip];
+    /// Every binary op.
+    pub const BINARY: [BinaryOp; 6] =
+        [BinaryOp::Add, BinaryOp::Sub, BinaryOp::Mul, BinaryOp::Div, BinaryOp::Max, BinaryOp::Min];
+    /// Every comparison.
+    pub const COMPARE: [CmpOp; 6] = [CmpOp::Lt, CmpOp::Le, CmpOp::Gt, CmpOp::Ge, CmpOp::Eq, CmpOp::Ne];
+}
