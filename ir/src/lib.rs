@@ -3,11 +3,15 @@
 //! pass and backend is tested against). Nothing here knows that a backend exists.
 
 mod dtype;
+pub mod gen;
 mod graph;
 pub mod infer;
+pub mod interp;
 mod op;
 pub mod rng;
 mod shape;
+pub mod text;
+pub mod verify;
 
 pub use dtype::DType;
 pub use graph::{Graph, Node, NodeId, ValueId, ValueInfo};

@@ -1,0 +1,1 @@
+//! Random well-typed graphs for property tests.

@@ -1,0 +1,1 @@
+//! The canonical `.graph` text form: printer and parser.
