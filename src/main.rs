@@ -1,1 +1,51 @@
-fn main() {}
+//! The `fusec` command line: thin wrappers over the library crates.
+
+mod cmd_dump;
+mod cmd_export;
+mod cmd_run;
+
+use clap::{Parser, Subcommand};
+use std::process::ExitCode;
+
+/// fusec: a JIT fusion compiler for transformer training.
+#[derive(Parser)]
+#[command(name = "fusec", version, about, long_about = None)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Print a graph after a pass, as canonical `.graph` text.
+    Dump(cmd_dump::DumpArgs),
+    /// Write a model's graph (forward + loss) as a `.graph` file.
+    Export(cmd_export::ExportArgs),
+    /// Evaluate or train a graph on a target.
+    Run(cmd_run::RunArgs),
+}
+
+/// An error for the user: printed as `error: ...`, exit code 2.
+pub type CliResult = Result<(), String>;
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Dump(a) => cmd_dump::dump(a),
+        Command::Export(a) => cmd_export::export(a),
+        Command::Run(a) => cmd_run::run(a),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+/// Reads and parses a `.graph` file (parse errors come back as `file:line:col: ...`).
+pub fn load_graph(path: &std::path::Path) -> Result<fusec_ir::Graph, String> {
+    let src = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    fusec_ir::text::parse(&src, &path.display().to_string()).map_err(|e| e.to_string())
+}

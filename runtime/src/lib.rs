@@ -1,1 +1,10 @@
-//! placeholder
+//! Executes compiled plans and everything around them: llm.c checkpoints and token files, the
+//! data loader, parameter binding, executors and the training loop.
+
+pub mod checkpoint;
+pub mod data;
+pub mod executor;
+pub mod file_error;
+pub mod params;
+pub mod tokens;
+pub mod train;

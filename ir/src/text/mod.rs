@@ -1,1 +1,218 @@
 //! The canonical `.graph` text form: printer and parser.
+//!
+//! ```text
+//! graph gpt2_tiny(B, T) {
+//!   %0 = param "wte" : f32[512, 64]
+//!   %1 = input "tokens" : i32[B, T]
+//!   %2 = gather %0, %1 : f32[B, T, 64]
+//!   %3 = matmul %2, %0 {trans_a = false, trans_b = true} : f32[B, T, 512]
+//!   %4, %5, %6 = layernorm %2, %w, %b {eps = 1e-5} : f32[B, T, 64], f32[B, T], f32[B, T]
+//!   output "logits" = %3
+//! }
+//! ```
+//!
+//! One node per line, values named `%N` by position of definition (node order, results left to
+//! right), every result type printed, attributes in a fixed order. Attributes that the result
+//! type implies (the type of sources, `cast`'s target, `reshape`/`broadcast`'s shape,
+//! `scatter_add`'s rows) are not printed; the parser takes them from the declared type.
+//! Floats print with round-trip precision (`inf`, `-inf`, `nan` for the non-finite ones).
+//! `print(parse(print(g))) == print(g)` for every graph whose name and symbols are identifiers.
+//!
+//! The parser checks syntax, value numbering, definition before use, declared symbols, and
+//! every declared result type against [`crate::infer::result_types`]; errors are
+//! [`Diagnostic`]s with `file:line:col`. It never panics, whatever the input.
+
+mod lex;
+mod parse;
+
+use std::fmt::{self, Write};
+
+use crate::{Graph, Op, ReduceOp, ValueId};
+
+pub use parse::parse;
+
+/// A parse error: where it is and what was expected versus found.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Diagnostic {
+    /// The file name given to [`parse`].
+    pub file: String,
+    /// 1-based line.
+    pub line: usize,
+    /// 1-based column, in characters.
+    pub col: usize,
+    /// What is wrong.
+    pub msg: String,
+}
+
+impl fmt::Display for Diagnostic {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}:{}:{}: {}", self.file, self.line, self.col, self.msg)
+    }
+}
+
+impl std::error::Error for Diagnostic {}
+
+/// `s` as a quoted `.graph` string literal (escaping `"`, `\`, newline and tab).
+pub fn quote(s: &str) -> String {
+    let mut out = String::with_capacity(s.len() + 2);
+    quote_into(&mut out, s);
+    out
+}
+
+fn quote_into(out: &mut String, s: &str) {
+    out.push('"');
+    for c in s.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\t' => out.push_str("\\t"),
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+}
+
+/// A float as `.graph` text: shortest round-trip form that always looks like a float
+/// (`0.5`, `1e-5`, `1.0`, `-0.0`), or `inf`, `-inf`, `nan`.
+pub fn format_f64(x: f64) -> String {
+    if x.is_nan() {
+        "nan".to_string()
+    } else if x.is_infinite() {
+        if x > 0.0 { "inf" } else { "-inf" }.to_string()
+    } else {
+        format!("{x:?}")
+    }
+}
+
+/// Whether `s` can be printed bare as a graph name or symbol (`[A-Za-z_][A-Za-z0-9_.-]*`).
+pub fn is_ident(s: &str) -> bool {
+    let mut cs = s.chars();
+    cs.next().is_some_and(lex::ident_start) && cs.all(lex::ident_char)
+}
+
+/// The canonical text of `g`. Values are renumbered by position of definition; a graph whose
+/// name is not an identifier gets a quoted name (which the parser also accepts).
+pub fn print(g: &Graph) -> String {
+    let mut out = String::with_capacity(64 + 48 * g.nodes.len());
+    // Value id -> position number.
+    let mut num = vec![u32::MAX; g.values.len()];
+    let mut next = 0u32;
+    for n in &g.nodes {
+        for r in &n.results {
+            if let Some(slot) = num.get_mut(r.0 as usize) {
+                *slot = next;
+            }
+            next = next.wrapping_add(1);
+        }
+    }
+    let name = |out: &mut String, v: ValueId| match num.get(v.0 as usize) {
+        Some(&n) if n != u32::MAX => {
+            let _ = write!(out, "%{n}");
+        }
+        // A malformed graph: printed so that it is visibly wrong (and does not parse).
+        _ => {
+            let _ = write!(out, "%?{}", v.0);
+        }
+    };
+
+    out.push_str("graph ");
+    if is_ident(&g.name) {
+        out.push_str(&g.name);
+    } else {
+        quote_into(&mut out, &g.name);
+    }
+    out.push('(');
+    out.push_str(&g.syms.join(", "));
+    out.push_str(") {\n");
+
+    for n in &g.nodes {
+        out.push_str("  ");
+        for (i, r) in n.results.iter().enumerate() {
+            if i > 0 {
+                out.push_str(", ");
+            }
+            name(&mut out, *r);
+        }
+        out.push_str(" = ");
+        out.push_str(n.op.mnemonic());
+        match &n.op {
+            Op::Param { name, .. } | Op::Input { name, .. } => {
+                out.push(' ');
+                quote_into(&mut out, name);
+            }
+            Op::Const { value, .. } => {
+                out.push(' ');
+                out.push_str(&format_f64(*value));
+            }
+            _ => {}
+        }
+        for (i, v) in n.inputs.iter().enumerate() {
+            out.push_str(if i == 0 { " " } else { ", " });
+            name(&mut out, *v);
+        }
+        print_attrs(&mut out, &n.op);
+        out.push_str(" : ");
+        for (i, r) in n.results.iter().enumerate() {
+            if i > 0 {
+                out.push_str(", ");
+            }
+            match g.values.get(r.0 as usize) {
+                Some(info) => {
+                    let _ = write!(out, "{}", info.ty);
+                }
+                None => out.push_str("?"),
+            }
+        }
+        out.push('\n');
+    }
+    for (oname, v) in &g.outputs {
+        out.push_str("  output ");
+        quote_into(&mut out, oname);
+        out.push_str(" = ");
+        name(&mut out, *v);
+        out.push('\n');
+    }
+    out.push_str("}\n");
+    out
+}
+
+/// Appends ` {k = v, ...}` for the op's printed attributes (nothing for ops without any).
+fn print_attrs(out: &mut String, op: &Op) {
+    fn list(xs: &[usize]) -> String {
+        let items: Vec<String> = xs.iter().map(|x| x.to_string()).collect();
+        format!("[{}]", items.join(", "))
+    }
+    let f = format_f64;
+    let attrs: Vec<(&str, String)> = match op {
+        Op::Iota { axis, .. } => vec![("axis", axis.to_string())],
+        Op::Broadcast { dims, .. } => vec![("dims", list(dims))],
+        Op::Permute { perm } => vec![("perm", list(perm))],
+        Op::Slice { axis, start, end } => {
+            vec![("axis", axis.to_string()), ("start", start.to_string()), ("end", end.to_string())]
+        }
+        Op::Concat { axis } => vec![("axis", axis.to_string())],
+        Op::Reduce { op: ReduceOp::Sum | ReduceOp::Max, axes } => vec![("axes", list(axes))],
+        Op::MatMul { trans_a, trans_b } => vec![("trans_a", trans_a.to_string()), ("trans_b", trans_b.to_string())],
+        Op::LayerNorm { eps } => vec![("eps", f(*eps))],
+        Op::CrossEntropy { vocab } | Op::CrossEntropyGrad { vocab } => vec![("vocab", vocab.to_string())],
+        Op::Attention { scale } | Op::AttentionGrad { scale } => vec![("scale", f(*scale))],
+        Op::AdamW { beta1, beta2, eps, weight_decay } => vec![
+            ("beta1", f(*beta1)),
+            ("beta2", f(*beta2)),
+            ("eps", f(*eps)),
+            ("weight_decay", f(*weight_decay)),
+        ],
+        _ => return,
+    };
+    out.push_str(" {");
+    for (i, (k, v)) in attrs.iter().enumerate() {
+        if i > 0 {
+            out.push_str(", ");
+        }
+        out.push_str(k);
+        out.push_str(" = ");
+        out.push_str(v);
+    }
+    out.push('}');
+}

@@ -1,0 +1,642 @@
+//! The parser of the `.graph` text (grammar in the parent module's docs).
+//!
+//! The grammar is flat (no recursion), every number is converted with checked arithmetic, and
+//! every node is type-checked against [`result_types`] as soon as it is read, so a bad input is
+//! reported at the first offending token and never panics.
+
+use std::collections::HashSet;
+
+use super::lex::{clip, tokenize, Pos, Tok, Token};
+use super::Diagnostic;
+use crate::infer::result_types;
+use crate::{BinaryOp, CmpOp, DType, Dim, Graph, Op, ReduceOp, Shape, Type, UnaryOp, ValueId};
+
+/// Parses `.graph` text; `file` is only used in diagnostics. Checks syntax, that the n-th
+/// defined value is named `%n`, that operands are defined before use, that symbols are declared
+/// in the header, and that every declared result type is what the op produces.
+pub fn parse(src: &str, file: &str) -> Result<Graph, Diagnostic> {
+    let toks = tokenize(src, file)?;
+    let mut p = Parser { toks, i: 0, file, syms: HashSet::new(), g: Graph::default() };
+    p.graph()?;
+    Ok(p.g)
+}
+
+/// An attribute value as written.
+enum AttrVal {
+    Num(String),
+    Bool(bool),
+    List(Vec<u64>),
+}
+
+/// The attributes of one node, consumed by name while building its op.
+struct Attrs {
+    items: Vec<(String, Pos, AttrVal)>,
+}
+
+/// What kind of op a mnemonic names (attributes are filled in later).
+#[derive(Clone, Copy, PartialEq)]
+enum Kind {
+    Param,
+    Input,
+    Const,
+    Iota,
+    Unary(UnaryOp),
+    Binary(BinaryOp),
+    Compare(CmpOp),
+    Select,
+    Cast,
+    Reshape,
+    Broadcast,
+    Permute,
+    Slice,
+    Concat,
+    Reduce(ReduceOp),
+    MatMul,
+    Gather,
+    ScatterAdd,
+    Gelu,
+    GeluGrad,
+    LayerNorm,
+    LayerNormGrad,
+    Softmax,
+    SoftmaxGrad,
+    CrossEntropy,
+    CrossEntropyGrad,
+    Attention,
+    AttentionGrad,
+    AdamW,
+}
+
+fn kind_of(m: &str) -> Option<Kind> {
+    use Kind::*;
+    for u in Op::UNARY {
+        if Op::Unary(u).mnemonic() == m {
+            return Some(Unary(u));
+        }
+    }
+    for b in Op::BINARY {
+        if Op::Binary(b).mnemonic() == m {
+            return Some(Binary(b));
+        }
+    }
+    for c in Op::COMPARE {
+        if Op::Compare(c).mnemonic() == m {
+            return Some(Compare(c));
+        }
+    }
+    Some(match m {
+        "param" => Param,
+        "input" => Input,
+        "const" => Const,
+        "iota" => Iota,
+        "select" => Select,
+        "cast" => Cast,
+        "reshape" => Reshape,
+        "broadcast" => Broadcast,
+        "permute" => Permute,
+        "slice" => Slice,
+        "concat" => Concat,
+        "reduce_sum" => Reduce(ReduceOp::Sum),
+        "reduce_max" => Reduce(ReduceOp::Max),
+        "matmul" => MatMul,
+        "gather" => Gather,
+        "scatter_add" => ScatterAdd,
+        "gelu" => Gelu,
+        "gelu_grad" => GeluGrad,
+        "layernorm" => LayerNorm,
+        "layernorm_grad" => LayerNormGrad,
+        "softmax" => Softmax,
+        "softmax_grad" => SoftmaxGrad,
+        "cross_entropy" => CrossEntropy,
+        "cross_entropy_grad" => CrossEntropyGrad,
+        "attention" => Attention,
+        "attention_grad" => AttentionGrad,
+        "adamw" => AdamW,
+        _ => return None,
+    })
+}
+
+/// The attribute names a kind takes, in printing order.
+fn attr_names(k: Kind) -> &'static [&'static str] {
+    use Kind::*;
+    match k {
+        Iota | Concat => &["axis"],
+        Broadcast => &["dims"],
+        Permute => &["perm"],
+        Slice => &["axis", "start", "end"],
+        Reduce(_) => &["axes"],
+        MatMul => &["trans_a", "trans_b"],
+        LayerNorm => &["eps"],
+        CrossEntropy | CrossEntropyGrad => &["vocab"],
+        Attention | AttentionGrad => &["scale"],
+        AdamW => &["beta1", "beta2", "eps", "weight_decay"],
+        _ => &[],
+    }
+}
+
+struct Parser<'a> {
+    toks: Vec<Token>,
+    i: usize,
+    file: &'a str,
+    syms: HashSet<String>,
+    g: Graph,
+}
+
+type R<T> = Result<T, Diagnostic>;
+
+impl<'a> Parser<'a> {
+    fn peek(&self) -> &Token {
+        // `tokenize` always ends with `Eof`, and `bump` never moves past it.
+        &self.toks[self.i.min(self.toks.len() - 1)]
+    }
+
+    fn bump(&mut self) -> Token {
+        let t = self.peek().clone();
+        if t.tok != Tok::Eof {
+            self.i += 1;
+        }
+        t
+    }
+
+    fn err<T>(&self, pos: Pos, msg: String) -> R<T> {
+        Err(Diagnostic { file: self.file.to_string(), line: pos.line, col: pos.col, msg })
+    }
+
+    /// An error at the next token: "expected {what}, found {token}".
+    fn expected<T>(&self, what: &str) -> R<T> {
+        let t = self.peek();
+        self.err(t.pos, format!("expected {what}, found {}", t.tok.describe()))
+    }
+
+    fn is_punct(&self, c: char) -> bool {
+        self.peek().tok == Tok::Punct(c)
+    }
+
+    fn eat_punct(&mut self, c: char) -> bool {
+        let yes = self.is_punct(c);
+        if yes {
+            self.bump();
+        }
+        yes
+    }
+
+    fn expect_punct(&mut self, c: char, context: &str) -> R<Pos> {
+        if self.is_punct(c) {
+            Ok(self.bump().pos)
+        } else {
+            self.expected(&format!("`{c}` {context}"))
+        }
+    }
+
+    fn ident(&mut self, what: &str) -> R<(String, Pos)> {
+        match &self.peek().tok {
+            Tok::Ident(_) => match self.bump() {
+                Token { tok: Tok::Ident(s), pos } => Ok((s, pos)),
+                t => self.err(t.pos, format!("expected {what}")),
+            },
+            _ => self.expected(what),
+        }
+    }
+
+    fn string(&mut self, what: &str) -> R<String> {
+        match &self.peek().tok {
+            Tok::Str(_) => match self.bump().tok {
+                Tok::Str(s) => Ok(s),
+                _ => self.expected(what),
+            },
+            _ => self.expected(what),
+        }
+    }
+
+    fn int_of(&self, lexeme: &str, pos: Pos) -> R<u64> {
+        if !lexeme.bytes().all(|b| b.is_ascii_digit()) {
+            return self.err(pos, format!("expected a non-negative integer, found `{}`", clip(lexeme)));
+        }
+        match lexeme.parse::<u64>() {
+            Ok(n) => Ok(n),
+            Err(_) => self.err(pos, format!("integer `{}` does not fit in 64 bits", clip(lexeme))),
+        }
+    }
+
+    fn int(&mut self, what: &str) -> R<u64> {
+        match &self.peek().tok {
+            Tok::Num(s) => {
+                let (s, pos) = (s.clone(), self.peek().pos);
+                let n = self.int_of(&s, pos)?;
+                self.bump();
+                Ok(n)
+            }
+            _ => self.expected(what),
+        }
+    }
+
+    fn float_of(&self, lexeme: &str, pos: Pos) -> R<f64> {
+        let x = match lexeme {
+            "inf" => return Ok(f64::INFINITY),
+            "-inf" => return Ok(f64::NEG_INFINITY),
+            "nan" => return Ok(f64::NAN),
+            s => s.parse::<f64>(),
+        };
+        match x {
+            Ok(x) if x.is_finite() => Ok(x),
+            Ok(_) => self.err(pos, format!("float `{}` is out of range (write `inf` for infinity)", clip(lexeme))),
+            Err(_) => self.err(pos, format!("expected a float, found `{}`", clip(lexeme))),
+        }
+    }
+
+    fn float(&mut self, what: &str) -> R<f64> {
+        let t = self.peek();
+        match &t.tok {
+            Tok::Num(s) => {
+                let x = self.float_of(s, t.pos)?;
+                self.bump();
+                Ok(x)
+            }
+            Tok::Ident(s) if s == "inf" || s == "nan" => {
+                let x = self.float_of(s, t.pos)?;
+                self.bump();
+                Ok(x)
+            }
+            _ => self.expected(what),
+        }
+    }
+
+    /// `%N` naming an already-defined value.
+    fn value_ref(&mut self, what: &str) -> R<ValueId> {
+        let t = self.peek().clone();
+        let Tok::Value(d) = &t.tok else { return self.expected(what) };
+        let n = d.parse::<u64>().ok().filter(|&n| n < self.g.values.len() as u64);
+        match n {
+            Some(n) => {
+                self.bump();
+                Ok(ValueId(n as u32))
+            }
+            None => self.err(t.pos, format!("value %{} used before it is defined", clip(d))),
+        }
+    }
+
+    fn graph(&mut self) -> R<()> {
+        match &self.peek().tok {
+            Tok::Ident(s) if s == "graph" => {
+                self.bump();
+            }
+            _ => return self.expected("`graph` at the start of the text"),
+        }
+        self.g.name = match &self.peek().tok {
+            Tok::Ident(_) => self.ident("the graph name")?.0,
+            Tok::Str(_) => self.string("the graph name")?,
+            _ => return self.expected("the graph name"),
+        };
+        self.expect_punct('(', "after the graph name")?;
+        if !self.eat_punct(')') {
+            loop {
+                let (s, pos) = self.ident("a symbol name")?;
+                if !self.syms.insert(s.clone()) {
+                    return self.err(pos, format!("symbol `{}` is declared twice", clip(&s)));
+                }
+                self.g.syms.push(s);
+                if self.eat_punct(')') {
+                    break;
+                }
+                self.expect_punct(',', "or `)` after a symbol")?;
+            }
+        }
+        self.expect_punct('{', "to open the graph body")?;
+        loop {
+            match &self.peek().tok {
+                Tok::Value(_) => self.node()?,
+                Tok::Ident(s) if s == "output" => self.output()?,
+                Tok::Punct('}') => {
+                    self.bump();
+                    break;
+                }
+                Tok::Eof => return self.expected("`}` to close the graph"),
+                _ => return self.expected("a node `%N = ...`, `output` or `}`"),
+            }
+        }
+        if self.peek().tok != Tok::Eof {
+            return self.expected("end of input after the closing `}`");
+        }
+        Ok(())
+    }
+
+    fn output(&mut self) -> R<()> {
+        self.bump();
+        let name = self.string("the quoted output name after `output`")?;
+        self.expect_punct('=', "after the output name")?;
+        let v = self.value_ref("the output value `%N`")?;
+        self.g.output(&name, v);
+        Ok(())
+    }
+
+    fn node(&mut self) -> R<()> {
+        let node_pos = self.peek().pos;
+        // Result names: the n-th defined value must be `%n`.
+        let mut n_results = 0u64;
+        loop {
+            let t = self.peek().clone();
+            let want = self.g.values.len() as u64 + n_results;
+            match &t.tok {
+                Tok::Value(d) if d.parse::<u64>().ok() == Some(want) => {}
+                Tok::Value(d) => {
+                    return self.err(
+                        t.pos,
+                        format!("expected `%{want}` (values are numbered in order of definition), found `%{}`", clip(d)),
+                    )
+                }
+                _ => return self.expected("a result name `%N` after `,`"),
+            }
+            self.bump();
+            n_results += 1;
+            if !self.eat_punct(',') {
+                break;
+            }
+        }
+        self.expect_punct('=', "after the result names")?;
+        let (m, op_pos) = self.ident("an op name after `=`")?;
+        let Some(kind) = kind_of(&m) else { return self.err(op_pos, format!("unknown op `{}`", clip(&m))) };
+
+        // Operands (or the name / value of a source).
+        let mut name = String::new();
+        let mut value = 0.0;
+        let mut inputs: Vec<ValueId> = Vec::new();
+        match kind {
+            Kind::Param | Kind::Input => name = self.string(&format!("the quoted name of the {m}"))?,
+            Kind::Const => value = self.float("the constant's value (a float)")?,
+            _ => {
+                if matches!(self.peek().tok, Tok::Value(_)) {
+                    loop {
+                        inputs.push(self.value_ref("an operand `%N`")?);
+                        if !self.eat_punct(',') {
+                            break;
+                        }
+                    }
+                }
+            }
+        }
+        let attrs = if self.is_punct('{') { self.attrs()? } else { Attrs { items: Vec::new() } };
+        self.expect_punct(':', "before the result type")?;
+        let mut types: Vec<(Type, Pos)> = Vec::new();
+        loop {
+            types.push(self.ty()?);
+            if !self.eat_punct(',') {
+                break;
+            }
+        }
+
+        let op = self.build_op(kind, &m, name, value, attrs, &types)?;
+        if types.len() as u64 != n_results {
+            let msg = format!("{n_results} result name(s) but {} result type(s)", types.len());
+            return self.err(node_pos, msg);
+        }
+        let ins: Vec<&Type> = inputs.iter().map(|v| &self.g.values[v.0 as usize].ty).collect();
+        if let Op::Concat { axis } = &op {
+            // Guard the element-count sum that `result_types` adds up unchecked.
+            let total = ins.iter().try_fold(0u64, |acc, t| match t.shape.0.get(*axis).and_then(Dim::as_lit) {
+                Some(n) => acc.checked_add(n).ok_or(()),
+                None => Ok(acc),
+            });
+            if total.is_err() {
+                return self.err(op_pos, "concat result dimension overflows 64 bits".to_string());
+            }
+        }
+        let produced = match result_types(&op, &ins) {
+            Ok(t) => t,
+            Err(e) => return self.err(op_pos, e),
+        };
+        if produced.len() != types.len() {
+            let msg = format!("`{m}` produces {} result(s), found {} declared", produced.len(), types.len());
+            return self.err(node_pos, msg);
+        }
+        for (i, (want, (got, pos))) in produced.iter().zip(&types).enumerate() {
+            if want != got {
+                let which = if types.len() > 1 { format!(" for result {i}") } else { String::new() };
+                return self.err(*pos, format!("declared type {got}{which} but `{m}` produces {want}"));
+            }
+        }
+        let tys = types.into_iter().map(|(t, _)| t).collect();
+        self.g.push_unchecked(op, &inputs, tys);
+        Ok(())
+    }
+
+    fn attrs(&mut self) -> R<Attrs> {
+        self.bump(); // `{`
+        let mut items: Vec<(String, Pos, AttrVal)> = Vec::new();
+        if self.eat_punct('}') {
+            return Ok(Attrs { items });
+        }
+        loop {
+            let (k, pos) = self.ident("an attribute name")?;
+            if items.iter().any(|(n, _, _)| *n == k) {
+                return self.err(pos, format!("duplicate attribute `{}`", clip(&k)));
+            }
+            self.expect_punct('=', &format!("after attribute `{}`", clip(&k)))?;
+            let t = self.peek().clone();
+            let v = match &t.tok {
+                Tok::Num(s) => AttrVal::Num(s.clone()),
+                Tok::Ident(s) if s == "true" || s == "false" => AttrVal::Bool(s == "true"),
+                Tok::Ident(s) if s == "inf" || s == "nan" => AttrVal::Num(s.clone()),
+                Tok::Punct('[') => {
+                    self.bump();
+                    let mut xs = Vec::new();
+                    if !self.is_punct(']') {
+                        loop {
+                            xs.push(self.int("an integer in the list")?);
+                            if !self.eat_punct(',') {
+                                break;
+                            }
+                        }
+                    }
+                    if !self.is_punct(']') {
+                        return self.expected("`,` or `]` in the list");
+                    }
+                    AttrVal::List(xs)
+                }
+                _ => return self.expected("an attribute value (a number, `true`, `false` or `[...]`)"),
+            };
+            self.bump();
+            items.push((k, pos, v));
+            if self.eat_punct('}') {
+                return Ok(Attrs { items });
+            }
+            self.expect_punct(',', "or `}` after an attribute")?;
+        }
+    }
+
+    /// `dtype[dim, ...]`.
+    fn ty(&mut self) -> R<(Type, Pos)> {
+        let (d, pos) = self.ident("a result type such as `f32[B, 4]`")?;
+        let Some(dtype) = DType::from_name(&d) else {
+            return self.err(pos, format!("unknown dtype `{}` (expected f32, bf16, f16 or i32)", clip(&d)));
+        };
+        self.expect_punct('[', &format!("after dtype `{d}`"))?;
+        let mut dims = Vec::new();
+        if !self.eat_punct(']') {
+            loop {
+                dims.push(self.dim()?);
+                if self.eat_punct(']') {
+                    break;
+                }
+                self.expect_punct(',', "or `]` in the shape")?;
+            }
+        }
+        Ok((Type::new(dtype, Shape::from(dims)), pos))
+    }
+
+    /// A product of integers and declared symbols, normalized.
+    fn dim(&mut self) -> R<Dim> {
+        let mut d = Dim::lit(1);
+        loop {
+            let t = self.peek().clone();
+            match &t.tok {
+                Tok::Num(s) => {
+                    let n = self.int_of(s, t.pos)?;
+                    let Some(c) = d.coef.checked_mul(n) else {
+                        return self.err(t.pos, "dimension overflows 64 bits".to_string());
+                    };
+                    d.coef = c;
+                }
+                Tok::Ident(s) => {
+                    if !self.syms.contains(s) {
+                        let mut declared: Vec<&str> = self.g.syms.iter().map(|s| s.as_str()).collect();
+                        declared.truncate(8);
+                        let msg = format!(
+                            "symbol `{}` is not declared in the graph header (declared: {})",
+                            clip(s),
+                            if declared.is_empty() { "none".to_string() } else { declared.join(", ") }
+                        );
+                        return self.err(t.pos, msg);
+                    }
+                    d.syms.push(s.clone());
+                }
+                _ => return self.expected("a dimension (an integer or a declared symbol)"),
+            }
+            self.bump();
+            if !self.eat_punct('*') {
+                break;
+            }
+        }
+        d.syms.sort();
+        Ok(d)
+    }
+
+    /// Builds the op from its kind, attributes and (for implied attributes) declared type.
+    fn build_op(&self, kind: Kind, m: &str, name: String, value: f64, a: Attrs, types: &[(Type, Pos)]) -> R<Op> {
+        let allowed = attr_names(kind);
+        for (k, pos, _) in &a.items {
+            if !allowed.contains(&k.as_str()) {
+                let takes = if allowed.is_empty() { "it takes none".to_string() } else { format!("expected: {}", allowed.join(", ")) };
+                return self.err(*pos, format!("unknown attribute `{}` for `{m}` ({takes})", clip(k)));
+            }
+        }
+        let (ty, ty_pos) = (types[0].0.clone(), types[0].1);
+        let mut out = OpBuilder { p: self, m, items: a.items, missing_at: ty_pos };
+        use Kind::*;
+        Ok(match kind {
+            Param => Op::Param { name, ty },
+            Input => Op::Input { name, ty },
+            Const => Op::Const { value, ty },
+            Iota => Op::Iota { axis: out.usize("axis")?, ty },
+            Unary(u) => Op::Unary(u),
+            Binary(b) => Op::Binary(b),
+            Compare(c) => Op::Compare(c),
+            Select => Op::Select,
+            Cast => Op::Cast { to: ty.dtype },
+            Reshape => Op::Reshape { shape: ty.shape },
+            Broadcast => Op::Broadcast { dims: out.list("dims")?, shape: ty.shape },
+            Permute => Op::Permute { perm: out.list("perm")? },
+            Slice => Op::Slice { axis: out.usize("axis")?, start: out.int("start")?, end: out.int("end")? },
+            Concat => Op::Concat { axis: out.usize("axis")? },
+            Reduce(op) => Op::Reduce { op, axes: out.list("axes")? },
+            MatMul => Op::MatMul { trans_a: out.bool("trans_a")?, trans_b: out.bool("trans_b")? },
+            Gather => Op::Gather,
+            ScatterAdd => match ty.shape.0.first() {
+                Some(rows) => Op::ScatterAdd { rows: rows.clone() },
+                None => return self.err(ty_pos, format!("`scatter_add` produces a rank-2 type, found declared {ty}")),
+            },
+            Gelu => Op::Gelu,
+            GeluGrad => Op::GeluGrad,
+            LayerNorm => Op::LayerNorm { eps: out.float("eps")? },
+            LayerNormGrad => Op::LayerNormGrad,
+            Softmax => Op::Softmax,
+            SoftmaxGrad => Op::SoftmaxGrad,
+            CrossEntropy => Op::CrossEntropy { vocab: out.int("vocab")? },
+            CrossEntropyGrad => Op::CrossEntropyGrad { vocab: out.int("vocab")? },
+            Attention => Op::Attention { scale: out.float("scale")? },
+            AttentionGrad => Op::AttentionGrad { scale: out.float("scale")? },
+            AdamW => Op::AdamW {
+                beta1: out.float("beta1")?,
+                beta2: out.float("beta2")?,
+                eps: out.float("eps")?,
+                weight_decay: out.float("weight_decay")?,
+            },
+        })
+    }
+}
+
+/// Typed access to one node's attributes.
+struct OpBuilder<'p, 'a> {
+    p: &'p Parser<'a>,
+    m: &'p str,
+    items: Vec<(String, Pos, AttrVal)>,
+    /// Where a missing attribute is reported (the declared type, just after the braces).
+    missing_at: Pos,
+}
+
+impl OpBuilder<'_, '_> {
+    fn get(&mut self, key: &str) -> R<(Pos, AttrVal)> {
+        match self.items.iter().position(|(k, _, _)| k == key) {
+            Some(i) => {
+                let (_, p, v) = self.items.swap_remove(i);
+                Ok((p, v))
+            }
+            None => self.p.err(self.missing_at, format!("`{}` is missing attribute `{key}`", self.m)),
+        }
+    }
+
+    fn wrong<T>(&self, p: Pos, key: &str, want: &str, v: &AttrVal) -> R<T> {
+        let found = match v {
+            AttrVal::Num(s) => format!("`{}`", clip(s)),
+            AttrVal::Bool(b) => format!("`{b}`"),
+            AttrVal::List(_) => "a list".to_string(),
+        };
+        self.p.err(p, format!("attribute `{key}` of `{}` must be {want}, found {found}", self.m))
+    }
+
+    fn int(&mut self, key: &str) -> R<u64> {
+        match self.get(key)? {
+            (p, AttrVal::Num(s)) => self.p.int_of(&s, p),
+            (p, v) => self.wrong(p, key, "an integer", &v),
+        }
+    }
+
+    fn usize(&mut self, key: &str) -> R<usize> {
+        let at = self.items.iter().find(|(k, _, _)| k == key).map_or(self.missing_at, |(_, p, _)| *p);
+        let n = self.int(key)?;
+        usize::try_from(n).or_else(|_| self.p.err(at, format!("attribute `{key}` of `{}` is too large", self.m)))
+    }
+
+    fn float(&mut self, key: &str) -> R<f64> {
+        match self.get(key)? {
+            (p, AttrVal::Num(s)) => self.p.float_of(&s, p),
+            (p, v) => self.wrong(p, key, "a float", &v),
+        }
+    }
+
+    fn bool(&mut self, key: &str) -> R<bool> {
+        match self.get(key)? {
+            (_, AttrVal::Bool(b)) => Ok(b),
+            (p, v) => self.wrong(p, key, "`true` or `false`", &v),
+        }
+    }
+
+    fn list(&mut self, key: &str) -> R<Vec<usize>> {
+        match self.get(key)? {
+            (p, AttrVal::List(xs)) => xs
+                .into_iter()
+                .map(|x| usize::try_from(x).or_else(|_| self.p.err(p, format!("attribute `{key}` entry {x} is too large"))))
+                .collect(),
+            (p, v) => self.wrong(p, key, "a list `[...]`", &v),
+        }
+    }
+}

@@ -1,0 +1,58 @@
+//! Small graph-building helpers shared by the passes.
+
+use fusec_ir::{BinaryOp, Graph, Op, Type, UnaryOp, ValueId};
+
+/// Appends ops to a graph; the passes build only well-typed nodes, so type errors are bugs.
+pub struct Emit<'a> {
+    /// The graph being extended.
+    pub g: &'a mut Graph,
+}
+
+impl Emit<'_> {
+    /// A single-result op.
+    pub fn op(&mut self, op: Op, ins: &[ValueId]) -> ValueId {
+        self.g.add1(op, ins)
+    }
+    /// `a OP b`.
+    pub fn bin(&mut self, op: BinaryOp, a: ValueId, b: ValueId) -> ValueId {
+        self.g.add1(Op::Binary(op), &[a, b])
+    }
+    /// `OP x`.
+    pub fn un(&mut self, op: UnaryOp, x: ValueId) -> ValueId {
+        self.g.add1(Op::Unary(op), &[x])
+    }
+    /// A splat constant of type `ty`.
+    pub fn splat(&mut self, value: f64, ty: &Type) -> ValueId {
+        self.g.add1(Op::Const { value, ty: ty.clone() }, &[])
+    }
+    /// A splat constant shaped like `like`.
+    pub fn splat_like(&mut self, value: f64, like: ValueId) -> ValueId {
+        let ty = self.g.ty(like).clone();
+        self.splat(value, &ty)
+    }
+    /// A named input.
+    pub fn input(&mut self, name: &str, ty: &Type) -> ValueId {
+        self.g.add1(Op::Input { name: name.to_string(), ty: ty.clone() }, &[])
+    }
+    /// `x * c` for a constant `c`.
+    pub fn scale(&mut self, x: ValueId, c: f64) -> ValueId {
+        let k = self.splat_like(c, x);
+        self.bin(BinaryOp::Mul, x, k)
+    }
+    /// Sum of `x` over every axis, as a scalar (or `x` itself when it is a scalar).
+    pub fn sum_all(&mut self, x: ValueId) -> ValueId {
+        let rank = self.g.ty(x).shape.rank();
+        if rank == 0 {
+            return x;
+        }
+        self.g.add1(Op::Reduce { op: fusec_ir::ReduceOp::Sum, axes: (0..rank).collect() }, &[x])
+    }
+    /// Broadcasts a scalar to the shape of `like`.
+    pub fn broadcast_scalar(&mut self, s: ValueId, like: ValueId) -> ValueId {
+        let shape = self.g.ty(like).shape.clone();
+        if shape.rank() == 0 {
+            return s;
+        }
+        self.g.add1(Op::Broadcast { dims: vec![], shape }, &[s])
+    }
+}

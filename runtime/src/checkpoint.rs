@@ -1,0 +1,401 @@
+//! llm.c GPT-2 checkpoints (`gpt2_*.bin`, version 3 = fp32): reading, writing, the tensor
+//! layout, the mapping to graph parameter names, and GPT-2-style random initialisation.
+//!
+//! Format (all little-endian): a header of 256 int32 — magic 20240326, version 3, max_seq_len,
+//! vocab_size, num_layers, num_heads, channels, padded_vocab_size, the rest 0 — then the 16
+//! parameter tensors as one flat float32 array in the order of [`param_layout`]. The per-layer
+//! tensors hold all layers together (leading dimension L); in the graph each layer's slice is
+//! its own parameter, named `NAME.l` (e.g. `qkvw.2`).
+
+use std::fmt;
+use std::path::Path;
+
+use fusec_ir::rng::Rng;
+
+use crate::file_error::{self, FileError, HEADER_BYTES};
+
+/// Magic number in slot 0 of a checkpoint header.
+pub const CHECKPOINT_MAGIC: i32 = 20240326;
+/// The only supported checkpoint version (fp32 weights).
+pub const CHECKPOINT_VERSION: i32 = 3;
+
+/// Largest accepted values, to reject garbage headers before allocating anything.
+const MAX_SEQ: usize = 1 << 20;
+const MAX_VOCAB: usize = 1 << 24;
+const MAX_LAYERS: usize = 4096;
+const MAX_CHANNELS: usize = 1 << 16;
+const MAX_PARAMS: usize = 1 << 40;
+
+/// The 16 llm.c tensor names in checkpoint order.
+const NAMES: [&str; 16] = [
+    "wte", "wpe", "ln1w", "ln1b", "qkvw", "qkvb", "attprojw", "attprojb", "ln2w", "ln2b", "fcw",
+    "fcb", "fcprojw", "fcprojb", "lnfw", "lnfb",
+];
+
+/// Whether the llm.c tensor `name` has a leading layer dimension (split per layer in graphs).
+fn is_per_layer(name: &str) -> bool {
+    !matches!(name, "wte" | "wpe" | "lnfw" | "lnfb")
+}
+
+/// A GPT-2 model configuration as stored in an llm.c checkpoint header.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct LlmcConfig {
+    /// Maximum sequence length (rows of `wpe`).
+    pub max_seq: usize,
+    /// Real vocabulary size V (tokens and loss use ids below it).
+    pub vocab: usize,
+    /// Padded vocabulary size Vp ≥ V (rows of `wte`).
+    pub padded_vocab: usize,
+    /// Number of transformer blocks L.
+    pub layers: usize,
+    /// Number of attention heads NH.
+    pub heads: usize,
+    /// Channels C (a multiple of NH).
+    pub channels: usize,
+}
+
+impl fmt::Display for LlmcConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "(max_seq_len {}, vocab_size {}, padded_vocab_size {}, num_layers {}, num_heads {}, \
+             channels {})",
+            self.max_seq, self.vocab, self.padded_vocab, self.layers, self.heads, self.channels
+        )
+    }
+}
+
+impl LlmcConfig {
+    /// Checks that every size is positive and sane: channels divisible by heads,
+    /// padded vocab ≥ vocab, nothing absurdly large. The error says which value is wrong.
+    pub fn validate(&self) -> Result<(), String> {
+        let fields = [
+            ("max_seq_len", self.max_seq, MAX_SEQ),
+            ("vocab_size", self.vocab, MAX_VOCAB),
+            ("padded_vocab_size", self.padded_vocab, MAX_VOCAB),
+            ("num_layers", self.layers, MAX_LAYERS),
+            ("num_heads", self.heads, MAX_CHANNELS),
+            ("channels", self.channels, MAX_CHANNELS),
+        ];
+        for (name, value, limit) in fields {
+            if value == 0 {
+                return Err(format!("bad config: {name} is 0; it must be positive"));
+            }
+            if value > limit {
+                return Err(format!(
+                    "bad config: {name} {value} is absurdly large (limit {limit})"
+                ));
+            }
+        }
+        if !self.channels.is_multiple_of(self.heads) {
+            return Err(format!(
+                "bad config: channels {} is not divisible by num_heads {}",
+                self.channels, self.heads
+            ));
+        }
+        if self.padded_vocab < self.vocab {
+            return Err(format!(
+                "bad config: padded_vocab_size {} is smaller than vocab_size {}",
+                self.padded_vocab, self.vocab
+            ));
+        }
+        match self.checked_num_params() {
+            Some(n) if n <= MAX_PARAMS => Ok(()),
+            _ => Err(format!("bad config: {self} has absurdly many parameters")),
+        }
+    }
+
+    /// Total number of parameters (floats in the checkpoint). Saturates for absurd configs;
+    /// call [`LlmcConfig::validate`] first.
+    pub fn num_params(&self) -> usize {
+        self.checked_num_params().unwrap_or(usize::MAX)
+    }
+
+    fn checked_num_params(&self) -> Option<usize> {
+        param_layout(self)
+            .iter()
+            .try_fold(0usize, |acc, (_, shape)| {
+                let n = shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d))?;
+                acc.checked_add(n)
+            })
+    }
+
+    /// Builds a config from a checkpoint header (magic and version already checked);
+    /// rejects negative values, naming the header slot.
+    fn from_header(h: &[i32; 256]) -> Result<LlmcConfig, String> {
+        let slot = |i: usize, name: &str| -> Result<usize, String> {
+            usize::try_from(h[i]).map_err(|_| {
+                format!(
+                    "bad config: {name} is {} (header slot {i}); it must be positive",
+                    h[i]
+                )
+            })
+        };
+        let cfg = LlmcConfig {
+            max_seq: slot(2, "max_seq_len")?,
+            vocab: slot(3, "vocab_size")?,
+            layers: slot(4, "num_layers")?,
+            heads: slot(5, "num_heads")?,
+            channels: slot(6, "channels")?,
+            padded_vocab: slot(7, "padded_vocab_size")?,
+        };
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// The checkpoint header for this config (magic, version 3, sizes, zeros).
+    fn header(&self) -> [i32; 256] {
+        let mut h = [0i32; 256];
+        h[0] = CHECKPOINT_MAGIC;
+        h[1] = CHECKPOINT_VERSION;
+        // validate() bounds every field well below i32::MAX.
+        h[2] = self.max_seq as i32;
+        h[3] = self.vocab as i32;
+        h[4] = self.layers as i32;
+        h[5] = self.heads as i32;
+        h[6] = self.channels as i32;
+        h[7] = self.padded_vocab as i32;
+        h
+    }
+}
+
+/// The 16 llm.c tensors in checkpoint order with their full shapes (per-layer tensors
+/// have a leading dimension L).
+pub fn param_layout(cfg: &LlmcConfig) -> Vec<(&'static str, Vec<usize>)> {
+    let (l, c, vp, t) = (cfg.layers, cfg.channels, cfg.padded_vocab, cfg.max_seq);
+    let shapes: [Vec<usize>; 16] = [
+        vec![vp, c],
+        vec![t, c],
+        vec![l, c],
+        vec![l, c],
+        vec![l, 3 * c, c],
+        vec![l, 3 * c],
+        vec![l, c, c],
+        vec![l, c],
+        vec![l, c],
+        vec![l, c],
+        vec![l, 4 * c, c],
+        vec![l, 4 * c],
+        vec![l, c, 4 * c],
+        vec![l, c],
+        vec![c],
+        vec![c],
+    ];
+    NAMES.into_iter().zip(shapes).collect()
+}
+
+/// Every graph parameter name and shape in checkpoint order: `wte`, `wpe`, then each
+/// per-layer tensor split by layer (`ln1w.0` … `ln1w.{L-1}`, `ln1b.0` …), then `lnfw`, `lnfb`.
+pub fn graph_param_names(cfg: &LlmcConfig) -> Vec<(String, Vec<usize>)> {
+    let mut out = Vec::new();
+    for (name, shape) in param_layout(cfg) {
+        if is_per_layer(name) {
+            for layer in 0..cfg.layers {
+                out.push((format!("{name}.{layer}"), shape[1..].to_vec()));
+            }
+        } else {
+            out.push((name.to_string(), shape));
+        }
+    }
+    out
+}
+
+/// An llm.c checkpoint: the config and all parameters as one flat array in checkpoint order.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Checkpoint {
+    /// The model configuration from the header.
+    pub config: LlmcConfig,
+    /// All `config.num_params()` parameters, in the order of [`param_layout`].
+    pub params: Vec<f32>,
+}
+
+/// Opens a checkpoint, checks magic, version, config and the exact file size.
+/// Returns the open file (positioned after the header), the config and the parameter count.
+fn open_checkpoint(path: &Path) -> Result<(std::fs::File, LlmcConfig, usize), FileError> {
+    let (mut file, len) = file_error::open_with_len(path)?;
+    let h = file_error::read_header(path, &mut file, len, "checkpoint")?;
+    if h[0] != CHECKPOINT_MAGIC {
+        let hint = if h[0] == crate::tokens::TOKENS_MAGIC {
+            " (that is the magic of a token file, not a checkpoint)"
+        } else {
+            ""
+        };
+        return Err(FileError::new(
+            path,
+            format!(
+                "wrong magic number: expected {CHECKPOINT_MAGIC} (llm.c GPT-2 checkpoint), \
+                 found {}{hint}",
+                h[0]
+            ),
+        ));
+    }
+    if h[1] != CHECKPOINT_VERSION {
+        let hint = if h[1] == 5 {
+            " (version 5 holds bf16 weights)"
+        } else {
+            ""
+        };
+        return Err(FileError::new(
+            path,
+            format!(
+                "unsupported checkpoint version {}{hint}: only version {CHECKPOINT_VERSION} \
+                 (fp32 weights) is supported",
+                h[1]
+            ),
+        ));
+    }
+    let config = LlmcConfig::from_header(&h).map_err(|m| FileError::new(path, m))?;
+    let n = config.num_params();
+    let expected = 4 * n as u64;
+    let found = len - HEADER_BYTES as u64;
+    if found != expected {
+        let what = format!("bytes of parameters after the header for config {config}");
+        return Err(FileError::new(
+            path,
+            file_error::size_mismatch(expected, found, &what),
+        ));
+    }
+    Ok((file, config, n))
+}
+
+impl Checkpoint {
+    /// Reads a version-3 (fp32) llm.c checkpoint, checking the header and that the file
+    /// holds exactly the parameters its config needs.
+    pub fn read(path: &Path) -> Result<Checkpoint, FileError> {
+        let (mut file, config, n) = open_checkpoint(path)?;
+        let mut params = Vec::with_capacity(n);
+        file_error::read_body(path, &mut file, 4 * n, |bytes| {
+            params.extend(
+                bytes
+                    .chunks_exact(4)
+                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
+            );
+        })?;
+        Ok(Checkpoint { config, params })
+    }
+
+    /// Reads and validates only the config of a checkpoint (for `--like CKPT`); the file
+    /// size is still checked, the parameters are not read.
+    pub fn read_header(path: &Path) -> Result<LlmcConfig, FileError> {
+        open_checkpoint(path).map(|(_, config, _)| config)
+    }
+
+    /// Writes the checkpoint in llm.c's version-3 format. Fails (without creating the file)
+    /// if the config is invalid or the parameter count does not match it.
+    pub fn write(&self, path: &Path) -> Result<(), FileError> {
+        self.config
+            .validate()
+            .map_err(|m| FileError::new(path, format!("cannot write checkpoint: {m}")))?;
+        let n = self.config.num_params();
+        if self.params.len() != n {
+            return Err(FileError::new(
+                path,
+                format!(
+                    "cannot write checkpoint: config {} needs {n} parameters, have {}",
+                    self.config,
+                    self.params.len()
+                ),
+            ));
+        }
+        let mut chunks = self.params.chunks(1 << 18);
+        file_error::write_file(path, &self.config.header(), |buf| match chunks.next() {
+            Some(c) => {
+                buf.extend(c.iter().flat_map(|v| v.to_le_bytes()));
+                true
+            }
+            None => false,
+        })
+    }
+
+    /// Every graph parameter in checkpoint order with its shape and its slice of `params`
+    /// (per-layer tensors split by layer; see [`graph_param_names`]).
+    pub fn named_tensors(&self) -> Vec<(String, Vec<usize>, &[f32])> {
+        let mut offset = 0;
+        graph_param_names(&self.config)
+            .into_iter()
+            .map(|(name, shape)| {
+                let n: usize = shape.iter().product();
+                let data = &self.params[offset..offset + n];
+                offset += n;
+                (name, shape, data)
+            })
+            .collect()
+    }
+
+    /// The data of one tensor, by llm.c name (`qkvw`: all layers) or graph name (`qkvw.2`).
+    pub fn tensor(&self, name: &str) -> Option<&[f32]> {
+        let mut offset = 0;
+        for (full, shape) in param_layout(&self.config) {
+            let n: usize = shape.iter().product();
+            if full == name {
+                return Some(&self.params[offset..offset + n]);
+            }
+            if let Some(layer) = name
+                .strip_prefix(full)
+                .and_then(|rest| rest.strip_prefix('.'))
+                .and_then(|l| l.parse::<usize>().ok())
+                .filter(|&l| is_per_layer(full) && l < self.config.layers)
+            {
+                let per = n / self.config.layers;
+                return Some(&self.params[offset + layer * per..offset + (layer + 1) * per]);
+            }
+            offset += n;
+        }
+        None
+    }
+
+    /// Assembles a checkpoint from per-graph-parameter tensors: `lookup(name)` must return
+    /// the data of every name in [`graph_param_names`] with the right number of values.
+    pub fn from_named(
+        config: LlmcConfig,
+        lookup: impl Fn(&str) -> Option<Vec<f32>>,
+    ) -> Result<Checkpoint, String> {
+        config.validate()?;
+        let mut params = Vec::with_capacity(config.num_params());
+        for (name, shape) in graph_param_names(&config) {
+            let n: usize = shape.iter().product();
+            let data =
+                lookup(&name).ok_or_else(|| format!("missing tensor {name} (shape {shape:?})"))?;
+            if data.len() != n {
+                return Err(format!(
+                    "tensor {name} has {} values, expected {n} for shape {shape:?}",
+                    data.len()
+                ));
+            }
+            params.extend_from_slice(&data);
+        }
+        Ok(Checkpoint { config, params })
+    }
+}
+
+/// GPT-2-style random initialisation, deterministic per seed: `wte`, `wpe`, `qkvw`, `fcw`
+/// normal with std 0.02; `attprojw`, `fcprojw` std 0.02/√(2L); biases 0; LayerNorm scales 1;
+/// `wte` padding rows (V..Vp) exactly 0. The config must be valid.
+pub fn random_init(cfg: &LlmcConfig, seed: u64) -> Checkpoint {
+    debug_assert!(cfg.validate().is_ok(), "random_init on an invalid config");
+    let mut rng = Rng::new(seed);
+    let proj_std = 0.02 / (2.0 * cfg.layers as f64).sqrt();
+    let mut params = Vec::with_capacity(cfg.num_params());
+    for (name, shape) in param_layout(cfg) {
+        let n: usize = shape.iter().product();
+        match name {
+            "wte" => {
+                let real = cfg.vocab * cfg.channels;
+                params.extend((0..real).map(|_| (0.02 * rng.normal()) as f32));
+                params.extend(std::iter::repeat_n(0.0f32, n - real));
+            }
+            "wpe" | "qkvw" | "fcw" => {
+                params.extend((0..n).map(|_| (0.02 * rng.normal()) as f32));
+            }
+            "attprojw" | "fcprojw" => {
+                params.extend((0..n).map(|_| (proj_std * rng.normal()) as f32));
+            }
+            "ln1w" | "ln2w" | "lnfw" => params.extend(std::iter::repeat_n(1.0f32, n)),
+            _ => params.extend(std::iter::repeat_n(0.0f32, n)),
+        }
+    }
+    Checkpoint {
+        config: *cfg,
+        params,
+    }
+}

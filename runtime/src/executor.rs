@@ -1,0 +1,86 @@
+//! The interface every target implements for the training loop, and the interpreter's version.
+
+use std::collections::HashMap;
+
+use fusec_ir::interp::{self, Precision, Tensor};
+use fusec_ir::{Bindings, Graph};
+
+/// The programs a training run needs, compiled once per run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Program {
+    /// Forward + loss (validation).
+    Eval,
+    /// Forward + backward, accumulating into the `grad.P` tensors (a micro-step).
+    Grad,
+    /// Forward + backward + AdamW (the last micro-step of a step).
+    Step,
+}
+
+/// A target that holds named tensors (parameters, optimizer state, gradient accumulators,
+/// per-step inputs) and runs programs over them.
+pub trait Executor {
+    /// Sets a named tensor.
+    fn set(&mut self, name: &str, t: Tensor) -> Result<(), String>;
+    /// Reads a named tensor back.
+    fn get(&self, name: &str) -> Result<Tensor, String>;
+    /// Sets every gradient accumulator to zero.
+    fn zero_grads(&mut self) -> Result<(), String>;
+    /// Runs a program. Outputs named like a held tensor are written back to it; the scalar
+    /// outputs (`loss`, `grad_norm`) are returned by name.
+    fn run(&mut self, program: Program) -> Result<HashMap<String, f64>, String>;
+}
+
+/// Runs the three programs through the reference interpreter.
+pub struct RefExecutor {
+    graphs: HashMap<Program, Graph>,
+    bindings: Bindings,
+    precision: Precision,
+    tensors: HashMap<String, Tensor>,
+}
+
+impl RefExecutor {
+    /// An executor for the given programs under a binding of `B` and `T`.
+    pub fn new(graphs: HashMap<Program, Graph>, bindings: Bindings, precision: Precision) -> RefExecutor {
+        RefExecutor { graphs, bindings, precision, tensors: HashMap::new() }
+    }
+}
+
+impl Executor for RefExecutor {
+    fn set(&mut self, name: &str, t: Tensor) -> Result<(), String> {
+        self.tensors.insert(name.to_string(), t);
+        Ok(())
+    }
+
+    fn get(&self, name: &str) -> Result<Tensor, String> {
+        self.tensors.get(name).cloned().ok_or_else(|| format!("no tensor named `{name}`"))
+    }
+
+    fn zero_grads(&mut self) -> Result<(), String> {
+        for (name, t) in self.tensors.iter_mut() {
+            if name.starts_with("grad.") {
+                t.data.iter_mut().for_each(|x| *x = 0.0);
+            }
+        }
+        Ok(())
+    }
+
+    fn run(&mut self, program: Program) -> Result<HashMap<String, f64>, String> {
+        let g = self.graphs.get(&program).ok_or_else(|| format!("program {program:?} was not compiled"))?;
+        let mut feeds = HashMap::new();
+        for (name, _) in g.params().into_iter().chain(g.inputs()) {
+            let t = self.tensors.get(name).ok_or_else(|| format!("nothing was set for `{name}`"))?;
+            feeds.insert(name.to_string(), t.clone());
+        }
+        let outs = interp::run(g, &self.bindings, &feeds, self.precision).map_err(|e| e.to_string())?;
+        let mut scalars = HashMap::new();
+        for ((name, _), t) in g.outputs.iter().zip(outs) {
+            if t.shape.is_empty() {
+                scalars.insert(name.clone(), t.data[0]);
+            }
+            if self.tensors.contains_key(name) {
+                self.tensors.insert(name.clone(), t);
+            }
+        }
+        Ok(scalars)
+    }
+}
