@@ -10,6 +10,7 @@ use fusec_models::Gpt2Config;
 use fusec_passes::optimizer::AdamWConfig;
 use fusec_passes::pipeline::{run_until, PipelineOptions};
 use fusec_runtime::checkpoint::{Checkpoint, LlmcConfig};
+use fusec_runtime::corpus::markov_tokens;
 use fusec_runtime::data::DataLoader;
 use fusec_runtime::executor::{Executor, Program, RefExecutor};
 use fusec_runtime::params::{checkpoint_from_params, params_from_checkpoint};
@@ -39,9 +40,9 @@ pub struct RunArgs {
     /// Seed for `--init random`.
     #[arg(long, default_value_t = 1337)]
     seed: u64,
-    /// Training tokens (llm.c token file).
+    /// Training tokens (llm.c token file); default: the embedded generated corpus.
     #[arg(long)]
-    data: PathBuf,
+    data: Option<PathBuf>,
     /// Validation tokens (llm.c token file).
     #[arg(long)]
     val: Option<PathBuf>,
@@ -58,10 +59,10 @@ pub struct RunArgs {
     #[arg(long, default_value_t = 64)]
     seq: usize,
     /// Training steps; 0 evaluates the loss of the first batch.
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 50)]
     steps: usize,
     /// Learning rate.
-    #[arg(long, default_value_t = 3e-4)]
+    #[arg(long, default_value_t = 1e-3)]
     lr: f32,
     /// AdamW weight decay.
     #[arg(long, default_value_t = 0.0)]
@@ -108,8 +109,14 @@ pub fn run(a: RunArgs) -> CliResult {
         l.check_vocab(model.vocab).map_err(|e| format!("{}: {e}", p.display()))?;
         Ok(l)
     };
-    let train_data = loader(&a.data)?;
-    let val_data = a.val.as_ref().map(loader).transpose()?;
+    let (train_data, val_data) = match &a.data {
+        Some(p) => (loader(p)?, a.val.as_ref().map(loader).transpose()?),
+        None => {
+            println!("no --data: training on the embedded corpus (a generated Markov chain over {} tokens)", model.vocab);
+            let corpus = |seed| DataLoader::new(markov_tokens(model.vocab, 200_000, 42, seed), a.batch, a.seq);
+            (corpus(1)?, Some(corpus(2)?))
+        }
+    };
 
     let opts = PipelineOptions {
         adamw: AdamWConfig { weight_decay: a.weight_decay, clip: a.grad_clip.is_some(), ..AdamWConfig::default() },

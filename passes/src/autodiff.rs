@@ -14,7 +14,7 @@ use std::collections::HashMap;
 
 use fusec_ir::{BinaryOp, CmpOp, DType, Dim, Graph, Op, ReduceOp, Type, UnaryOp, ValueId};
 
-use crate::rewrite::Emit;
+use crate::rewrite::{remove_dead_nodes, Emit};
 
 /// Name of the seed input.
 pub const DLOSS: &str = "dloss";
@@ -83,7 +83,8 @@ pub fn autodiff(fwd: &Graph) -> Result<Graph, String> {
         };
         g.output(&grad_name(name), out);
     }
-    Ok(g)
+    // Rules emit every operand's adjoint; drop those no parameter gradient needs.
+    Ok(remove_dead_nodes(&g))
 }
 
 /// Which values lie on a path from a parameter to the loss.

@@ -56,3 +56,36 @@ impl Emit<'_> {
         self.g.add1(Op::Broadcast { dims: vec![], shape }, &[s])
     }
 }
+
+/// Copies `g` without the nodes that no output depends on. Parameters and inputs always stay:
+/// they are the graph's interface. Value numbering stays in program order.
+pub fn remove_dead_nodes(g: &Graph) -> Graph {
+    let mut live = vec![false; g.values.len()];
+    for (_, v) in &g.outputs {
+        live[v.0 as usize] = true;
+    }
+    let mut keep = vec![false; g.nodes.len()];
+    for (i, n) in g.nodes.iter().enumerate().rev() {
+        let interface = matches!(n.op, Op::Param { .. } | Op::Input { .. });
+        if interface || n.results.iter().any(|r| live[r.0 as usize]) {
+            keep[i] = true;
+            for v in &n.inputs {
+                live[v.0 as usize] = true;
+            }
+        }
+    }
+    let mut out = Graph::new(&g.name, &[]);
+    out.syms = g.syms.clone();
+    let mut map: Vec<Option<ValueId>> = vec![None; g.values.len()];
+    for (n, _) in g.nodes.iter().zip(&keep).filter(|(_, k)| **k) {
+        let ins: Vec<ValueId> = n.inputs.iter().map(|v| map[v.0 as usize].expect("inputs precede uses")).collect();
+        let tys = n.results.iter().map(|r| g.ty(*r).clone()).collect();
+        for (old, new) in n.results.iter().zip(out.push_unchecked(n.op.clone(), &ins, tys)) {
+            map[old.0 as usize] = Some(new);
+        }
+    }
+    for (name, v) in &g.outputs {
+        out.output(name, map[v.0 as usize].expect("outputs are live"));
+    }
+    out
+}

@@ -2,6 +2,7 @@
 //! data loader, parameter binding, executors and the training loop.
 
 pub mod checkpoint;
+pub mod corpus;
 pub mod data;
 pub mod executor;
 pub mod file_error;

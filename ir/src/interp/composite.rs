@@ -132,7 +132,7 @@ pub(super) fn cross_entropy_grad(logits: &Tensor, targets: &Tensor, dloss: &Tens
         for v in &mut d[start..] {
             *v *= dloss.data[r];
         }
-        d.extend(std::iter::repeat(0.0).take(vp - vocab));
+        d.extend(std::iter::repeat_n(0.0, vp - vocab));
     }
     Ok(like(logits, d))
 }
@@ -158,14 +158,14 @@ pub(super) fn attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Vec<T
         let base = h * t * d;
         let r = |i: usize| base + i * d..base + (i + 1) * d;
         for i in 0..t {
-            for j in 0..=i {
-                s[j] = scale * dot(&q.data[r(i)], &k.data[r(j)]);
+            for (j, sj) in s[..=i].iter_mut().enumerate() {
+                *sj = scale * dot(&q.data[r(i)], &k.data[r(j)]);
             }
             let l = logsumexp(&s[..=i]);
             lse.push(l);
             let o = &mut out[r(i)];
-            for j in 0..=i {
-                let p = (s[j] - l).exp();
+            for (j, sj) in s[..=i].iter().enumerate() {
+                let p = (sj - l).exp();
                 for (oc, vc) in o.iter_mut().zip(&v.data[r(j)]) {
                     *oc += p * vc;
                 }

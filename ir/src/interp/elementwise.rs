@@ -1,6 +1,6 @@
 //! Elementwise ops, `iota`, casts and GELU. Results are unrounded; the run loop rounds them.
 
-use super::{strides, Precision, Tensor};
+use super::{strides, Tensor};
 use crate::{BinaryOp, CmpOp, DType, UnaryOp};
 
 /// `sqrt(2 / pi)`, the GELU tanh-form constant.
@@ -68,7 +68,7 @@ pub(super) fn binary(op: BinaryOp, a: &Tensor, b: &Tensor) -> Result<Tensor, Str
         };
         return Ok(zip(a, b, a.dtype, f));
     }
-    if op == BinaryOp::Div && b.data.iter().any(|&y| y == 0.0) {
+    if op == BinaryOp::Div && b.data.contains(&0.0) {
         return Err("i32 division by zero".to_string());
     }
     let f: fn(i32, i32) -> i32 = match op {
@@ -103,7 +103,7 @@ pub(super) fn select(cond: &Tensor, a: &Tensor, b: &Tensor) -> Tensor {
 
 /// Conversion. To a float dtype the run loop does the rounding (in F32 mode); to i32, floats
 /// truncate toward zero and must be finite and in range.
-pub(super) fn cast(x: &Tensor, to: DType, _prec: Precision) -> Result<Tensor, String> {
+pub(super) fn cast(x: &Tensor, to: DType) -> Result<Tensor, String> {
     if to != DType::I32 || x.dtype == DType::I32 {
         return Ok(map(x, to, |v| v));
     }

@@ -99,7 +99,7 @@ impl Tensor {
             let ok = a == r || (a - r).abs() <= atol + rtol * r.abs();
             if !ok {
                 let excess = if (a - r).is_nan() { f64::INFINITY } else { (a - r).abs() / (atol + rtol * r.abs()) };
-                if worst.map_or(true, |(_, w)| excess > w) {
+                if worst.is_none_or(|(_, w)| excess > w) {
                     worst = Some((i, excess));
                 }
             }
@@ -137,6 +137,7 @@ impl std::error::Error for InterpError {}
 /// Runs `g` and returns its outputs in `g.outputs` order. `feeds` holds every `Param` and
 /// `Input` by name, each exactly of its declared dtype and (bound) shape.
 pub fn run(g: &Graph, bindings: &Bindings, feeds: &HashMap<String, Tensor>, prec: Precision) -> Result<Vec<Tensor>, InterpError> {
+    check_graph(g)?;
     let mut last_use = vec![usize::MAX; g.values.len()];
     for (i, n) in g.nodes.iter().enumerate() {
         for v in &n.inputs {
@@ -161,6 +162,7 @@ pub fn run(g: &Graph, bindings: &Bindings, feeds: &HashMap<String, Tensor>, prec
 /// Runs `g` and returns every value, indexed by [`crate::ValueId`] (for debugging and for
 /// comparing graphs before and after a pass).
 pub fn run_all(g: &Graph, bindings: &Bindings, feeds: &HashMap<String, Tensor>, prec: Precision) -> Result<Vec<Tensor>, InterpError> {
+    check_graph(g)?;
     let vals = execute(g, bindings, feeds, prec, |_, _| {})?;
     Ok(vals.into_iter().map(|v| v.expect("every value was computed")).collect())
 }
@@ -180,9 +182,12 @@ pub fn random_feeds(g: &Graph, bindings: &Bindings, rng: &mut Rng, int_hi: u64) 
 /// The largest element count the interpreter will allocate for one tensor.
 const MAX_NUMEL: usize = 1 << 31;
 
-/// The concrete shape of `ty` under `b`, refusing unbound symbols and absurd sizes.
+/// The concrete shape of `ty` under `b`, refusing unbound symbols, zero dims and absurd sizes.
 pub fn concrete_shape(ty: &Type, b: &Bindings) -> Result<Vec<usize>, String> {
     let s = ty.shape.eval(b)?;
+    if s.contains(&0) {
+        return Err(format!("type {} has a zero dim under the bindings (zero-size tensors are not allowed)", ty.shape.bind(b)));
+    }
     let n = s.iter().try_fold(1usize, |a, &d| a.checked_mul(d));
     match n {
         Some(n) if n <= MAX_NUMEL => Ok(s),
@@ -190,6 +195,12 @@ pub fn concrete_shape(ty: &Type, b: &Bindings) -> Result<Vec<usize>, String> {
     }
 }
 
+/// The interpreter only runs graphs that verify.
+fn check_graph(g: &Graph) -> Result<(), InterpError> {
+    verify(g).map_err(|e| InterpError { node: e.node, msg: format!("graph does not verify: {e}") })
+}
+
+/// Evaluates the nodes of a verified graph in order; `after_node` may drop dead values.
 fn execute(
     g: &Graph,
     bindings: &Bindings,
@@ -197,7 +208,6 @@ fn execute(
     prec: Precision,
     mut after_node: impl FnMut(usize, &mut Vec<Option<Tensor>>),
 ) -> Result<Vec<Option<Tensor>>, InterpError> {
-    verify(g).map_err(|e| InterpError { node: e.node, msg: format!("graph does not verify: {e}") })?;
     let mut vals: Vec<Option<Tensor>> = vec![None; g.values.len()];
     for (i, node) in g.nodes.iter().enumerate() {
         let err = |msg: String| InterpError { node: Some(i), msg: format!("`{}`: {msg}", node.op.mnemonic()) };
@@ -272,7 +282,7 @@ fn eval(op: &Op, ins: &[&Tensor], outs: &[(DType, Vec<usize>)], prec: Precision)
         Binary(b) => elementwise::binary(*b, ins[0], ins[1]).map(|t| vec![t]),
         Compare(c) => one(elementwise::compare(*c, ins[0], ins[1])),
         Select => one(elementwise::select(ins[0], ins[1], ins[2])),
-        Cast { to } => elementwise::cast(ins[0], *to, prec).map(|t| vec![t]),
+        Cast { to } => elementwise::cast(ins[0], *to).map(|t| vec![t]),
         Gelu => one(elementwise::gelu(ins[0])),
         GeluGrad => one(elementwise::gelu_grad(ins[0], ins[1])),
         Reshape { .. } => one(Tensor { dtype: ins[0].dtype, shape: out(0).1, data: ins[0].data.clone() }),

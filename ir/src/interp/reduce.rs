@@ -49,27 +49,42 @@ pub(super) fn reduce(op: ReduceOp, x: &Tensor, axes: &[usize]) -> Tensor {
 }
 
 /// Batched `op(a) @ op(b)` over the last two axes; `b` of rank 2 is shared across the batch.
+/// Each product is a dot product of a row of `op(a)` and a column of `op(b)`, both first copied
+/// to contiguous rows (so the inner loop is a plain dot product).
 pub(super) fn matmul(a: &Tensor, b: &Tensor, trans_a: bool, trans_b: bool, shape: Vec<usize>) -> Tensor {
     let (ra, rb) = (a.shape.len(), b.shape.len());
     let (m, k) = if trans_a { (a.shape[ra - 1], a.shape[ra - 2]) } else { (a.shape[ra - 2], a.shape[ra - 1]) };
     let n = if trans_b { b.shape[rb - 2] } else { b.shape[rb - 1] };
     let batch: usize = a.shape[..ra - 2].iter().product();
-    // Element (i, p) of op(a) is a[i * ai + p * ap]; element (p, j) of op(b) is b[p * bp + j * bj].
-    let (ai, ap) = if trans_a { (1, m) } else { (k, 1) };
-    let (bp, bj) = if trans_b { (1, k) } else { (n, 1) };
     let b_batch = if rb == 2 { 0 } else { k * n };
     let mut data = Vec::with_capacity(batch * m * n);
+    let mut bt = Vec::new(); // op(b) transposed: row j is column j of op(b).
     for z in 0..batch {
-        let (ab, bb) = (&a.data[z * m * k..(z + 1) * m * k], &b.data[z * b_batch..z * b_batch + k * n]);
+        // Rows of op(a): [M, K]; rows of op(b)^T: [N, K].
+        let ar = rows(&a.data[z * m * k..(z + 1) * m * k], m, k, trans_a);
+        if z == 0 || b_batch != 0 {
+            bt = rows(&b.data[z * b_batch..z * b_batch + k * n], n, k, !trans_b);
+        }
         for i in 0..m {
+            let arow = &ar[i * k..(i + 1) * k];
             for j in 0..n {
-                let mut s = 0.0;
-                for p in 0..k {
-                    s += ab[i * ai + p * ap] * bb[p * bp + j * bj];
-                }
-                data.push(s);
+                let bcol = &bt[j * k..(j + 1) * k];
+                data.push(arow.iter().zip(bcol).map(|(x, y)| x * y).sum::<f64>());
             }
         }
     }
     Tensor { dtype: a.dtype, shape, data }
+}
+
+/// `x` as an `[r, c]` row-major matrix: a copy of `x` if it is stored `[r, c]` (`transposed`
+/// false), else the transpose of `x` stored `[c, r]`.
+fn rows(x: &[f64], r: usize, c: usize, transposed: bool) -> Vec<f64> {
+    if !transposed {
+        return x.to_vec();
+    }
+    let mut out = Vec::with_capacity(r * c);
+    for i in 0..r {
+        out.extend((0..c).map(|p| x[p * r + i]));
+    }
+    out
 }

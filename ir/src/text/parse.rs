@@ -28,9 +28,9 @@ enum AttrVal {
     List(Vec<u64>),
 }
 
-/// The attributes of one node, consumed by name while building its op.
+/// The attributes of one node: name, name position, value position, value.
 struct Attrs {
-    items: Vec<(String, Pos, AttrVal)>,
+    items: Vec<(String, Pos, Pos, AttrVal)>,
 }
 
 /// What kind of op a mnemonic names (attributes are filled in later).
@@ -384,7 +384,7 @@ impl<'a> Parser<'a> {
             }
         }
 
-        let op = self.build_op(kind, &m, name, value, attrs, &types)?;
+        let op = self.build_op(kind, &m, op_pos, name, value, attrs, &types)?;
         if types.len() as u64 != n_results {
             let msg = format!("{n_results} result name(s) but {} result type(s)", types.len());
             return self.err(node_pos, msg);
@@ -421,17 +421,18 @@ impl<'a> Parser<'a> {
 
     fn attrs(&mut self) -> R<Attrs> {
         self.bump(); // `{`
-        let mut items: Vec<(String, Pos, AttrVal)> = Vec::new();
+        let mut items: Vec<(String, Pos, Pos, AttrVal)> = Vec::new();
         if self.eat_punct('}') {
             return Ok(Attrs { items });
         }
         loop {
             let (k, pos) = self.ident("an attribute name")?;
-            if items.iter().any(|(n, _, _)| *n == k) {
+            if items.iter().any(|(n, _, _, _)| *n == k) {
                 return self.err(pos, format!("duplicate attribute `{}`", clip(&k)));
             }
             self.expect_punct('=', &format!("after attribute `{}`", clip(&k)))?;
             let t = self.peek().clone();
+            let vpos = t.pos;
             let v = match &t.tok {
                 Tok::Num(s) => AttrVal::Num(s.clone()),
                 Tok::Ident(s) if s == "true" || s == "false" => AttrVal::Bool(s == "true"),
@@ -455,7 +456,7 @@ impl<'a> Parser<'a> {
                 _ => return self.expected("an attribute value (a number, `true`, `false` or `[...]`)"),
             };
             self.bump();
-            items.push((k, pos, v));
+            items.push((k, pos, vpos, v));
             if self.eat_punct('}') {
                 return Ok(Attrs { items });
             }
@@ -521,16 +522,17 @@ impl<'a> Parser<'a> {
     }
 
     /// Builds the op from its kind, attributes and (for implied attributes) declared type.
-    fn build_op(&self, kind: Kind, m: &str, name: String, value: f64, a: Attrs, types: &[(Type, Pos)]) -> R<Op> {
+    #[allow(clippy::too_many_arguments)]
+    fn build_op(&self, kind: Kind, m: &str, op_pos: Pos, name: String, value: f64, a: Attrs, types: &[(Type, Pos)]) -> R<Op> {
         let allowed = attr_names(kind);
-        for (k, pos, _) in &a.items {
+        for (k, pos, _, _) in &a.items {
             if !allowed.contains(&k.as_str()) {
                 let takes = if allowed.is_empty() { "it takes none".to_string() } else { format!("expected: {}", allowed.join(", ")) };
                 return self.err(*pos, format!("unknown attribute `{}` for `{m}` ({takes})", clip(k)));
             }
         }
         let (ty, ty_pos) = (types[0].0.clone(), types[0].1);
-        let mut out = OpBuilder { p: self, m, items: a.items, missing_at: ty_pos };
+        let mut out = OpBuilder { p: self, m, items: a.items, missing_at: op_pos };
         use Kind::*;
         Ok(match kind {
             Param => Op::Param { name, ty },
@@ -578,16 +580,16 @@ impl<'a> Parser<'a> {
 struct OpBuilder<'p, 'a> {
     p: &'p Parser<'a>,
     m: &'p str,
-    items: Vec<(String, Pos, AttrVal)>,
-    /// Where a missing attribute is reported (the declared type, just after the braces).
+    items: Vec<(String, Pos, Pos, AttrVal)>,
+    /// Where a missing attribute is reported (the op name).
     missing_at: Pos,
 }
 
 impl OpBuilder<'_, '_> {
     fn get(&mut self, key: &str) -> R<(Pos, AttrVal)> {
-        match self.items.iter().position(|(k, _, _)| k == key) {
+        match self.items.iter().position(|(k, _, _, _)| k == key) {
             Some(i) => {
-                let (_, p, v) = self.items.swap_remove(i);
+                let (_, _, p, v) = self.items.swap_remove(i);
                 Ok((p, v))
             }
             None => self.p.err(self.missing_at, format!("`{}` is missing attribute `{key}`", self.m)),
@@ -611,7 +613,7 @@ impl OpBuilder<'_, '_> {
     }
 
     fn usize(&mut self, key: &str) -> R<usize> {
-        let at = self.items.iter().find(|(k, _, _)| k == key).map_or(self.missing_at, |(_, p, _)| *p);
+        let at = self.items.iter().find(|(k, _, _, _)| k == key).map_or(self.missing_at, |(_, _, p, _)| *p);
         let n = self.int(key)?;
         usize::try_from(n).or_else(|_| self.p.err(at, format!("attribute `{key}` of `{}` is too large", self.m)))
     }

@@ -1,0 +1,46 @@
+//! Helpers shared by the cross-crate tests: locating ../shared, building executors.
+
+#![allow(dead_code)]
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+
+use fusec_ir::interp::Precision;
+use fusec_ir::{Bindings, Graph};
+use fusec_passes::pipeline::{run_until, PipelineOptions};
+use fusec_runtime::executor::{Program, RefExecutor};
+
+/// The llm.c reference folder, or `None` (with a printed reason) when ../shared is absent.
+pub fn llmc_odd() -> Option<PathBuf> {
+    let p = PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared/refs/llmc-odd"));
+    if p.join("reference.json").exists() {
+        Some(p)
+    } else {
+        eprintln!("SKIPPED: {} is absent (the llm.c reference lives outside the repository)", p.display());
+        None
+    }
+}
+
+/// `reference.json` of the llm.c reference.
+pub fn reference_json(dir: &std::path::Path) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap()).unwrap()
+}
+
+/// The forward graph and the Grad and Step programs of a forward graph.
+pub fn programs(fwd: &Graph, opts: &PipelineOptions) -> HashMap<Program, Graph> {
+    let grad = run_until(fwd, "autodiff", opts).unwrap().0;
+    let step = run_until(fwd, "optimizer", opts).unwrap().0;
+    [(Program::Eval, fwd.clone()), (Program::Grad, grad), (Program::Step, step)].into()
+}
+
+/// A reference executor for B x T.
+pub fn ref_executor(fwd: &Graph, opts: &PipelineOptions, b: usize, t: usize, prec: Precision) -> RefExecutor {
+    let mut bind = Bindings::default();
+    bind.set("B", b as u64).set("T", t as u64);
+    RefExecutor::new(programs(fwd, opts), bind, prec)
+}
+
+/// Reads a headerless little-endian f32 file.
+pub fn read_f32s(path: &std::path::Path) -> Vec<f32> {
+    std::fs::read(path).unwrap().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+}
