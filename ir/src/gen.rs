@@ -247,7 +247,7 @@ impl Gen<'_> {
                 3 if n >= 1 => {
                     let i = self.rng.below(n as u64) as usize;
                     let c = d[i].coef;
-                    if let Some(f) = (2..c).find(|f| c % f == 0) {
+                    if let Some(f) = (2..c).find(|&f| c.is_multiple_of(f)) {
                         let rest = Dim { coef: c / f, syms: d[i].syms.clone() };
                         d[i] = Dim::lit(f);
                         d.insert(i + 1, rest);
@@ -452,7 +452,7 @@ impl Gen<'_> {
     }
 
     fn layernorm(&mut self) {
-        let prior = self.g.nodes.iter().filter(|n| matches!(n.op, Op::LayerNorm { .. })).map(|n| n.clone()).last();
+        let prior = self.g.nodes.iter().rev().find(|n| matches!(n.op, Op::LayerNorm { .. })).cloned();
         if self.rng.chance(0.5) {
             if let Some(ln) = prior {
                 let x = ln.inputs[0];
@@ -496,7 +496,7 @@ impl Gen<'_> {
 
     fn attention(&mut self) {
         let scale = self.pick(&[0.125, 0.5, 1.0, -0.25, 0.0, 1e-3, 0.35355339059327373]);
-        let prior = self.g.nodes.iter().filter(|n| matches!(n.op, Op::Attention { .. })).map(|n| n.clone()).last();
+        let prior = self.g.nodes.iter().rev().find(|n| matches!(n.op, Op::Attention { .. })).cloned();
         if self.rng.chance(0.5) {
             if let Some(at) = prior {
                 let q = at.inputs[0];

@@ -1,5 +1,7 @@
 //! Per-op tests of the reference interpreter against independent hand computations (explicit
 //! loops and formulas written here), finite differences for every gradient op, and error cases.
+// Hand computations read best as index loops over the formulas.
+#![allow(clippy::needless_range_loop, clippy::type_complexity, clippy::excessive_precision)]
 
 use std::collections::HashMap;
 
@@ -223,7 +225,7 @@ fn gelu_matches_formula_and_grad_matches_fd() {
     let want: Vec<f64> = x.data.iter().map(|&v| 0.5 * v * (1.0 + (k * (v + 0.044715 * v.powi(3))).tanh())).collect();
     assert_close(&eval1(Op::Gelu, &[&x]).data, &want, 1e-15);
     let f = |t: &[Tensor]| dot(&eval1(Op::Gelu, &[&t[0]]).data, &dy.data);
-    assert_close(&eval1(Op::GeluGrad, &[&x, &dy]).data, &fd(&f, &[x.clone()], 0), 1e-6);
+    assert_close(&eval1(Op::GeluGrad, &[&x, &dy]).data, &fd(&f, std::slice::from_ref(&x), 0), 1e-6);
 }
 
 // ---- layout ----------------------------------------------------------------------------------
@@ -394,7 +396,7 @@ fn softmax_forward_and_grad() {
     }
     let dy = rnd(&mut rng, &[2, 2, 5]);
     let f = |t: &[Tensor]| dot(&eval1(Op::Softmax, &[&t[0]]).data, &dy.data);
-    assert_close(&eval1(Op::SoftmaxGrad, &[&y, &dy]).data, &fd(&f, &[x.clone()], 0), 1e-6);
+    assert_close(&eval1(Op::SoftmaxGrad, &[&y, &dy]).data, &fd(&f, std::slice::from_ref(&x), 0), 1e-6);
     // Large inputs do not overflow (max subtraction).
     let big = Tensor::from_f32(vec![2], &[1000.0, 1000.0]);
     assert_eq!(eval1(Op::Softmax, &[&big]).data, vec![0.5, 0.5]);
@@ -417,7 +419,7 @@ fn cross_entropy_forward_and_grad() {
     let dloss = rnd(&mut rng, &[2, 3]);
     let d = eval1(Op::CrossEntropyGrad { vocab: vocab as u64 }, &[&logits, &targets, &dloss]);
     let f = |t: &[Tensor]| dot(&eval1(Op::CrossEntropy { vocab: vocab as u64 }, &[&t[0], &targets]).data, &dloss.data);
-    assert_close(&d.data, &fd(&f, &[logits.clone()], 0), 1e-6);
+    assert_close(&d.data, &fd(&f, std::slice::from_ref(&logits), 0), 1e-6);
     for r in 0..6 {
         assert!(d.data[r * vp + vocab..(r + 1) * vp].iter().all(|&v| v == 0.0), "padding columns are zero");
     }

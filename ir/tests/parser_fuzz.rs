@@ -35,7 +35,7 @@ fn pick<T: Copy>(rng: &mut Rng, xs: &[T]) -> T {
 fn mutate(rng: &mut Rng, b: &mut Vec<u8>) {
     let n = b.len();
     let at = |rng: &mut Rng| rng.below(n as u64 + 1) as usize;
-    match rng.below(9) {
+    match rng.below(10) {
         0 if n > 0 => {
             let i = at(rng).min(n - 1);
             b[i] ^= 1 << rng.below(8);
@@ -68,11 +68,14 @@ fn mutate(rng: &mut Rng, b: &mut Vec<u8>) {
             }
             *b = lines.join("\n").into_bytes();
         }
-        _ if n > 0 => {
-            // Replace a digit run's neighbourhood with a big or odd number.
-            let i = at(rng).min(n - 1);
-            let t = pick(rng, &["4294967296", "0", "65535", "12345678901234567890123"]).as_bytes().to_vec();
-            b.splice(i..(i + 1).min(n), t);
+        8 | 9 if n > 0 => {
+            // Replace the next run of digits with another number: keeps the syntax, tests types.
+            let from = at(rng).min(n - 1);
+            if let Some(i) = (from..n).find(|&i| b[i].is_ascii_digit()) {
+                let j = (i..n).find(|&j| !b[j].is_ascii_digit()).unwrap_or(n);
+                let nums = ["0", "1", "2", "3", "5", "4294967296", "65535", "18446744073709551615", "12345678901234567890123"];
+                b.splice(i..j, pick(rng, &nums).bytes());
+            }
         }
         _ => b.extend_from_slice(pick(rng, TOKENS).as_bytes()),
     }

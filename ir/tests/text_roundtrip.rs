@@ -193,6 +193,8 @@ fn errors_point_at_the_offending_token() {
     check("grph g() {}", 1, 1, "expected `graph` at the start of the text, found `grph`");
     check("", 1, 1, "expected `graph` at the start of the text, found end of input");
     check("graph g() {\n  %0 = const 1.0 : f32[]\n  %1 = concat %0 {axis = 0} : f32[]\n}\n", 3, 8, "concat axis 0 out of range");
+    let big = "graph g() {\n  %0 = param \"a\" : f32[18446744073709551615]\n  %1 = concat %0, %0 {axis = 0} : f32[1]\n}\n";
+    check(big, 3, 8, "concat result dimension overflows 64 bits");
     check("graph g() {\n  %0 = iota {axis = 0} : i32[]\n}\n", 2, 8, "iota axis 0 out of range");
     check("graph g() {\n  %0 = scatter_add : f32[]\n}\n", 2, 22, "`scatter_add` produces a rank-2 type");
     // Columns count characters, not bytes.

@@ -2,8 +2,8 @@
 //! both computed with the reference interpreter in `Precision::F64`.
 //!
 //! Each case builds a small forward graph: the differentiable operands are `Param`s, the op's
-//! result is reduced to the scalar `loss = reduce_sum(result * loss_weights)` where `loss_weights` is an `Input` fed
-//! with random values (so the loss is a random linear functional of the result). The analytic
+//! result is reduced to the scalar `loss = reduce_sum(result * loss_weights)`, where
+//! `loss_weights` is an `Input` fed with random values (so the loss is a random linear functional of the result). The analytic
 //! gradient (`dloss = 1`, `grad.P = 0`) must match `(L(p+h) - L(p-h)) / 2h` for every element of
 //! every parameter, and a second run with `dloss = 0.5` and random `grad.P` must output
 //! `grad.P + 0.5 * analytic` (accumulation).
@@ -244,6 +244,7 @@ fn gradcheck_with(c: &Case, sample: Option<usize>) -> HashMap<String, Tensor> {
     let mut rng = Rng::new(0x5eed);
     let mut failures = vec![];
     let mut checked = 0;
+    let mut worst = 0.0f64;
     for (p, _) in c.g.params() {
         let n = c.feeds[p].numel();
         let idx: Vec<usize> = match sample {
@@ -263,12 +264,14 @@ fn gradcheck_with(c: &Case, sample: Option<usize>) -> HashMap<String, Tensor> {
             let num = fd(&c.g, &c.b, &mut feeds, p, i);
             let a = grads[p].data[i];
             checked += 1;
+            worst = worst.max((a - num).abs() / (ATOL + RTOL * num.abs()));
             if !close(a, num, ATOL, RTOL) || !num.is_finite() {
                 failures.push(format!("  {}[{i}]: analytic {a:e}, finite difference {num:e}", grad_name(p)));
             }
         }
     }
     assert!(checked > 0, "`{}` has nothing to check", c.g.name);
+    eprintln!("{}: {checked} elements checked, worst error {worst:.3} of the tolerance", c.g.name);
     assert!(failures.is_empty(), "gradient check of `{}` failed:\n{}", c.g.name, failures.join("\n"));
     grads
 }

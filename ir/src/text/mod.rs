@@ -22,6 +22,7 @@
 //! every declared result type against [`crate::infer::result_types`]; errors are
 //! [`Diagnostic`]s with `file:line:col`. It never panics, whatever the input.
 
+mod kind;
 mod lex;
 mod parse;
 
@@ -161,7 +162,7 @@ pub fn print(g: &Graph) -> String {
                 Some(info) => {
                     let _ = write!(out, "{}", info.ty);
                 }
-                None => out.push_str("?"),
+                None => out.push('?'),
             }
         }
         out.push('\n');

@@ -6,10 +6,11 @@
 
 use std::collections::HashSet;
 
+use super::kind::{attr_names, kind_of, Kind};
 use super::lex::{clip, tokenize, Pos, Tok, Token};
 use super::Diagnostic;
 use crate::infer::result_types;
-use crate::{BinaryOp, CmpOp, DType, Dim, Graph, Op, ReduceOp, Shape, Type, UnaryOp, ValueId};
+use crate::{DType, Dim, Graph, Op, Shape, Type, ValueId};
 
 /// Parses `.graph` text; `file` is only used in diagnostics. Checks syntax, that the n-th
 /// defined value is named `%n`, that operands are defined before use, that symbols are declared
@@ -31,107 +32,6 @@ enum AttrVal {
 /// The attributes of one node: name, name position, value position, value.
 struct Attrs {
     items: Vec<(String, Pos, Pos, AttrVal)>,
-}
-
-/// What kind of op a mnemonic names (attributes are filled in later).
-#[derive(Clone, Copy, PartialEq)]
-enum Kind {
-    Param,
-    Input,
-    Const,
-    Iota,
-    Unary(UnaryOp),
-    Binary(BinaryOp),
-    Compare(CmpOp),
-    Select,
-    Cast,
-    Reshape,
-    Broadcast,
-    Permute,
-    Slice,
-    Concat,
-    Reduce(ReduceOp),
-    MatMul,
-    Gather,
-    ScatterAdd,
-    Gelu,
-    GeluGrad,
-    LayerNorm,
-    LayerNormGrad,
-    Softmax,
-    SoftmaxGrad,
-    CrossEntropy,
-    CrossEntropyGrad,
-    Attention,
-    AttentionGrad,
-    AdamW,
-}
-
-fn kind_of(m: &str) -> Option<Kind> {
-    use Kind::*;
-    for u in Op::UNARY {
-        if Op::Unary(u).mnemonic() == m {
-            return Some(Unary(u));
-        }
-    }
-    for b in Op::BINARY {
-        if Op::Binary(b).mnemonic() == m {
-            return Some(Binary(b));
-        }
-    }
-    for c in Op::COMPARE {
-        if Op::Compare(c).mnemonic() == m {
-            return Some(Compare(c));
-        }
-    }
-    Some(match m {
-        "param" => Param,
-        "input" => Input,
-        "const" => Const,
-        "iota" => Iota,
-        "select" => Select,
-        "cast" => Cast,
-        "reshape" => Reshape,
-        "broadcast" => Broadcast,
-        "permute" => Permute,
-        "slice" => Slice,
-        "concat" => Concat,
-        "reduce_sum" => Reduce(ReduceOp::Sum),
-        "reduce_max" => Reduce(ReduceOp::Max),
-        "matmul" => MatMul,
-        "gather" => Gather,
-        "scatter_add" => ScatterAdd,
-        "gelu" => Gelu,
-        "gelu_grad" => GeluGrad,
-        "layernorm" => LayerNorm,
-        "layernorm_grad" => LayerNormGrad,
-        "softmax" => Softmax,
-        "softmax_grad" => SoftmaxGrad,
-        "cross_entropy" => CrossEntropy,
-        "cross_entropy_grad" => CrossEntropyGrad,
-        "attention" => Attention,
-        "attention_grad" => AttentionGrad,
-        "adamw" => AdamW,
-        _ => return None,
-    })
-}
-
-/// The attribute names a kind takes, in printing order.
-fn attr_names(k: Kind) -> &'static [&'static str] {
-    use Kind::*;
-    match k {
-        Iota | Concat => &["axis"],
-        Broadcast => &["dims"],
-        Permute => &["perm"],
-        Slice => &["axis", "start", "end"],
-        Reduce(_) => &["axes"],
-        MatMul => &["trans_a", "trans_b"],
-        LayerNorm => &["eps"],
-        CrossEntropy | CrossEntropyGrad => &["vocab"],
-        Attention | AttentionGrad => &["scale"],
-        AdamW => &["beta1", "beta2", "eps", "weight_decay"],
-        _ => &[],
-    }
 }
 
 struct Parser<'a> {
