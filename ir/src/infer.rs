@@ -87,7 +87,8 @@ pub fn result_types(op: &Op, ins: &[&Type]) -> Result<SmallVec<[Type; 3]>, Strin
                 for (i, (a, b)) in x.0.iter().zip(&t.shape.0).enumerate() {
                     check(i == *axis || a == b, || format!("concat operands {} and {t} differ off axis {axis}", ins[0]))?;
                 }
-                total += t.shape.0[*axis].as_lit().ok_or_else(|| format!("concat axis of {t} must be constant"))?;
+                let n = t.shape.0[*axis].as_lit().ok_or_else(|| format!("concat axis of {t} must be constant"))?;
+                total = total.checked_add(n).ok_or("concat result is too large")?;
             }
             let mut s = x.clone();
             s.0[*axis] = Dim::lit(total);

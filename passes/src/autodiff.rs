@@ -41,6 +41,11 @@ pub fn autodiff(fwd: &Graph) -> Result<Graph, String> {
     // Parameter accumulators: created on first contribution (reverse program order).
     let params: HashMap<ValueId, String> = fwd.params().into_iter().map(|(n, v)| (v, n.to_string())).collect();
     let mut acc: HashMap<ValueId, ValueId> = HashMap::new();
+    if let Some(name) = params.get(&loss) {
+        // The loss is a parameter itself: its gradient is the seed.
+        let gin = e.input(&grad_name(name), &Type::scalar(DType::F32));
+        acc.insert(loss, e.bin(BinaryOp::Add, gin, seed));
+    }
 
     for ni in (0..n_fwd).rev() {
         let node = fwd.nodes[ni].clone();
@@ -282,12 +287,13 @@ fn unbroadcast(e: &mut Emit, d: ValueId, x: ValueId, dims: &[usize], shape: &fus
 /// A rank-2 `B` shared across A's batch gets its gradient from the flattened batch.
 fn matmul_rule(e: &mut Emit, a: ValueId, b: ValueId, ta: bool, tb: bool, dc: ValueId) -> Result<Vec<Option<ValueId>>, String> {
     let mm = |e: &mut Emit, x, y, trans_a, trans_b| e.op(Op::MatMul { trans_a, trans_b }, &[x, y]);
-    let da = if ta { mm(e, b, dc, tb, true) } else { mm(e, dc, b, false, !tb) };
     let (ra, rb) = (e.g.ty(a).shape.rank(), e.g.ty(b).shape.rank());
-    let (a2, dc2) = if rb == 2 && ra > 2 {
-        if ta {
-            return Err("transposed batched A with a shared rank-2 B has no backward rule".into());
-        }
+    let shared_b = rb == 2 && ra > 2;
+    if shared_b && ta {
+        return Err("transposed batched A with a shared rank-2 B has no backward rule".into());
+    }
+    let da = if ta { mm(e, b, dc, tb, true) } else { mm(e, dc, b, false, !tb) };
+    let (a2, dc2) = if shared_b {
         (flatten_rows(e, a), flatten_rows(e, dc))
     } else {
         (a, dc)
