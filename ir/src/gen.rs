@@ -499,24 +499,25 @@ impl Gen<'_> {
         let prior = self.g.nodes.iter().rev().find(|n| matches!(n.op, Op::Attention { .. })).cloned();
         if self.rng.chance(0.5) {
             if let Some(at) = prior {
-                let q = at.inputs[0];
-                let dout = self.value_of(&self.ty(q));
-                let ins = [q, at.inputs[1], at.inputs[2], at.results[0], at.results[1], dout];
-                self.g.add(Op::AttentionGrad { scale }, &ins);
+                let Op::Attention { heads, .. } = at.op else { unreachable!() };
+                let dout = self.value_of(&self.ty(at.results[0]));
+                let ins = [at.inputs[0], at.results[0], at.results[1], dout];
+                self.g.add(Op::AttentionGrad { heads, scale }, &ins);
                 return;
             }
         }
-        let q = self.float_value(2);
-        let t = self.ty(q);
-        let (k, v) = (self.value_of(&t), self.value_of(&t));
-        if self.rng.chance(0.6) {
-            self.g.add(Op::Attention { scale }, &[q, k, v]);
-        } else {
-            let lse_ty = Type::new(t.dtype, Shape(t.shape.0[..t.shape.rank() - 1].iter().cloned().collect()));
-            let out = self.value_of(&t);
-            let lse = self.value_of(&lse_ty);
-            let dout = self.value_of(&t);
-            self.g.add(Op::AttentionGrad { scale }, &[q, k, v, out, lse, dout]);
+        let heads = self.pick(&[1u64, 2, 3]);
+        let d = self.pick(&[1u64, 2, 4]);
+        let rank = self.rng.below(2) as usize + 1;
+        let mut shape = self.shape(rank);
+        shape.0.push(Dim::lit(3 * heads * d));
+        let dtype = self.pick(&[DType::F32, DType::F32, DType::BF16]);
+        let qkv = self.value_of(&Type::new(dtype, shape));
+        let r = self.g.add(Op::Attention { heads, scale }, &[qkv]);
+        if self.rng.chance(0.4) {
+            let (out, lse) = (self.ty(r[0]), self.ty(r[1]));
+            let (out, lse, dout) = (self.value_of(&out), self.value_of(&lse), self.value_of(&out));
+            self.g.add(Op::AttentionGrad { heads, scale }, &[qkv, out, lse, dout]);
         }
     }
 

@@ -180,22 +180,29 @@ pub fn result_types(op: &Op, ins: &[&Type]) -> Result<SmallVec<[Type; 3]>, Strin
                 one(l.clone())
             }
         }
-        Attention { scale } | AttentionGrad { scale } => {
+        Attention { heads, scale } | AttentionGrad { heads, scale } => {
             check(scale.is_finite(), || "attention scale must be finite".to_string())?;
-            let q = ins[0];
-            check(q.shape.rank() >= 2, || format!("attention q must have rank >= 2, found {q}"))?;
-            float(q, "attention q")?;
-            same(q, ins[1])?;
-            same(q, ins[2])?;
-            let (rows, _) = split_last(q, "attention q")?;
-            let lse = Type::new(q.dtype, rows);
+            let qkv = ins[0];
+            check(qkv.shape.rank() >= 2, || format!("attention qkv must have rank >= 2, found {qkv}"))?;
+            float(qkv, "attention qkv")?;
+            let (rows, c3) = split_last(qkv, "attention qkv")?;
+            let c3 = c3.as_lit().ok_or("attention channels must be constant")?;
+            let per = heads.checked_mul(3).filter(|&p| p >= 3 && c3 % p == 0);
+            check(per.is_some(), || format!("attention qkv width {c3} must be 3 * heads ({heads}) * head size"))?;
+            let mut out = rows.clone();
+            out.0.push(Dim::lit(c3 / 3));
+            let out = Type::new(qkv.dtype, out);
+            let mut lse = Shape(rows.0[..rows.rank() - 1].iter().cloned().collect());
+            lse.0.push(Dim::lit(*heads));
+            lse.0.push(rows.0[rows.rank() - 1].clone());
+            let lse = Type::new(qkv.dtype, lse);
             if matches!(op, Attention { .. }) {
-                return Ok(smallvec![q.clone(), lse]);
+                return Ok(smallvec![out, lse]);
             }
-            same(q, ins[3])?;
-            check(*ins[4] == lse, || format!("attention lse must be {lse}, found {}", ins[4]))?;
-            same(q, ins[5])?;
-            Ok(smallvec![q.clone(), q.clone(), q.clone()])
+            check(*ins[1] == out, || format!("attention out must be {out}, found {}", ins[1]))?;
+            check(*ins[2] == lse, || format!("attention lse must be {lse}, found {}", ins[2]))?;
+            check(*ins[3] == out, || format!("attention dout must be {out}, found {}", ins[3]))?;
+            one(qkv.clone())
         }
         AdamW { beta1, beta2, eps, weight_decay } => {
             for (n, v) in [("beta1", beta1), ("beta2", beta2)] {
@@ -224,9 +231,10 @@ pub fn expected_arity(op: &Op) -> Option<usize> {
         Gelu | Softmax => 1,
         Binary(_) | Compare(_) | MatMul { .. } | Gather | ScatterAdd { .. } | GeluGrad | SoftmaxGrad => 2,
         CrossEntropy { .. } => 2,
-        Select | LayerNorm { .. } | Attention { .. } | CrossEntropyGrad { .. } => 3,
+        Attention { .. } => 1,
+        Select | LayerNorm { .. } | CrossEntropyGrad { .. } => 3,
+        AttentionGrad { .. } => 4,
         LayerNormGrad => 5,
-        AttentionGrad { .. } => 6,
         AdamW { .. } => 7,
         Concat { .. } => return None,
     })

@@ -150,12 +150,15 @@ pub enum Op {
     /// Gradient of `CrossEntropy`: `(logits, targets, dloss: f32[S]) -> dlogits: f32[S, Vp]`,
     /// `(softmax(logits[:vocab]) - onehot(target)) * dloss`, zero in the padding columns.
     CrossEntropyGrad { vocab: u64 },
-    /// Causal attention per head: `(q, k, v: f32[..., T, D]) -> (out: [..., T, D], lse: [..., T])`
-    /// with `s = scale * q k^T` masked to `j <= i`, `p = softmax(s)`, `out = p v`, and `lse` the
-    /// log-sum-exp of each masked row of `s` (saved for the backward).
-    Attention { scale: f64 },
-    /// Gradient of `Attention`: `(q, k, v, out, lse, dout) -> (dq, dk, dv)`.
-    AttentionGrad { scale: f64 },
+    /// Causal multi-head attention on packed projections, as llm.c lays them out:
+    /// `(qkv: f32[S, T, 3C]) -> (out: f32[S, T, C], lse: f32[S, heads, T])`. Channels `0..C` are
+    /// the queries, `C..2C` the keys, `2C..3C` the values; head `h` uses channels
+    /// `h*D..(h+1)*D` of each (`D = C / heads`). Per head, `s = scale * q k^T` masked to `j <= i`,
+    /// `p = softmax(s)`, `out = p v`; `lse` is the log-sum-exp of each masked row of `s`, saved for
+    /// the backward. Taking the packed layout keeps the split/transpose copies out of the graph.
+    Attention { heads: u64, scale: f64 },
+    /// Gradient of `Attention`: `(qkv, out, lse, dout) -> dqkv` (`p` recomputed from `lse`).
+    AttentionGrad { heads: u64, scale: f64 },
     /// One AdamW update (PyTorch / llm.c formula) of a parameter tensor:
     /// `(p, g, m, v: f32[S], lr, bc1, bc2: f32[]) -> (p', m', v')` with `m' = b1 m + (1-b1) g`,
     /// `v' = b2 v + (1-b2) g^2`, `p' = p - lr ((m'/bc1) / (sqrt(v'/bc2) + eps) + wd p)`,

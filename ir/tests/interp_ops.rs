@@ -431,21 +431,25 @@ fn cross_entropy_forward_and_grad() {
     }
 }
 
-/// Causal attention written out with an explicit masked score matrix.
-fn attention_ref(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> (Vec<f64>, Vec<f64>) {
-    let (t, d) = (q.shape[q.shape.len() - 2], q.shape[q.shape.len() - 1]);
-    let heads = q.data.len() / (t * d);
-    let (mut out, mut lse) = (vec![0.0; q.data.len()], vec![]);
-    for h in 0..heads {
-        let at = |x: &Tensor, i: usize, c: usize| x.data[(h * t + i) * d + c];
-        for i in 0..t {
-            let s: Vec<f64> = (0..t)
-                .map(|j| if j <= i { scale * (0..d).map(|c| at(q, i, c) * at(k, j, c)).sum::<f64>() } else { f64::NEG_INFINITY })
-                .collect();
-            let z: f64 = s.iter().map(|x| x.exp()).sum();
-            lse.push(z.ln());
-            for c in 0..d {
-                out[(h * t + i) * d + c] = (0..t).map(|j| s[j].exp() / z * at(v, j, c)).sum();
+/// Causal attention written out directly on the packed `[S, T, 3C]` layout with an explicit
+/// masked score matrix: `(out [S, T, C], lse [S, heads, T])`.
+fn attention_ref(qkv: &Tensor, heads: usize, scale: f64) -> (Vec<f64>, Vec<f64>) {
+    let (s_n, t, c3) = (qkv.shape[0], qkv.shape[1], qkv.shape[2]);
+    let c = c3 / 3;
+    let d = c / heads;
+    let at = |s: usize, i: usize, part: usize, h: usize, k: usize| qkv.data[(s * t + i) * c3 + part * c + h * d + k];
+    let (mut out, mut lse) = (vec![0.0; s_n * t * c], vec![]);
+    for s in 0..s_n {
+        for h in 0..heads {
+            for i in 0..t {
+                let sc: Vec<f64> = (0..t)
+                    .map(|j| if j <= i { scale * (0..d).map(|k| at(s, i, 0, h, k) * at(s, j, 1, h, k)).sum::<f64>() } else { f64::NEG_INFINITY })
+                    .collect();
+                let z: f64 = sc.iter().map(|x| x.exp()).sum();
+                lse.push(z.ln());
+                for k in 0..d {
+                    out[(s * t + i) * c + h * d + k] = (0..t).map(|j| sc[j].exp() / z * at(s, j, 2, h, k)).sum();
+                }
             }
         }
     }
@@ -455,21 +459,19 @@ fn attention_ref(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> (Vec<f64>, V
 #[test]
 fn attention_forward_and_grad() {
     let mut rng = Rng::new(13);
-    let shape = [2, 2, 5, 3];
-    let (q, k, v) = (rnd(&mut rng, &shape), rnd(&mut rng, &shape), rnd(&mut rng, &shape));
-    let scale = 1.0 / 3f64.sqrt();
-    let o = eval(Op::Attention { scale }, &[&q, &k, &v], F64);
-    let (out, lse) = attention_ref(&q, &k, &v, scale);
+    let (heads, scale) = (2, 1.0 / 3f64.sqrt());
+    let qkv = rnd(&mut rng, &[2, 5, 3 * heads * 3]);
+    let op = Op::Attention { heads: heads as u64, scale };
+    let o = eval(op.clone(), &[&qkv], F64);
+    let (out, lse) = attention_ref(&qkv, heads, scale);
     assert_close(&o[0].data, &out, 1e-13);
     assert_close(&o[1].data, &lse, 1e-13);
+    assert_eq!(o[0].shape, vec![2, 5, 6]);
     assert_eq!(o[1].shape, vec![2, 2, 5]);
-    let dout = rnd(&mut rng, &shape);
-    let g = eval(Op::AttentionGrad { scale }, &[&q, &k, &v, &o[0], &o[1], &dout], F64);
-    let f = |t: &[Tensor]| dot(&eval1(Op::Attention { scale }, &[&t[0], &t[1], &t[2]]).data, &dout.data);
-    let ins = [q.clone(), k.clone(), v.clone()];
-    for w in 0..3 {
-        assert_close(&g[w].data, &fd(&f, &ins, w), 1e-6);
-    }
+    let dout = rnd(&mut rng, &[2, 5, 6]);
+    let g = eval1(Op::AttentionGrad { heads: heads as u64, scale }, &[&qkv, &o[0], &o[1], &dout]);
+    let f = |t: &[Tensor]| dot(&eval(op.clone(), &[&t[0]], F64)[0].data, &dout.data);
+    assert_close(&g.data, &fd(&f, std::slice::from_ref(&qkv), 0), 1e-6);
 }
 
 #[test]

@@ -183,7 +183,7 @@ fn never_panics_on_garbage() {
         Op::Concat { axis: 0 },
         Op::Slice { axis: 3, start: 5, end: 2 },
         Op::MatMul { trans_a: true, trans_b: true },
-        Op::AttentionGrad { scale: f64::NAN },
+        Op::AttentionGrad { heads: 1, scale: f64::NAN },
         Op::AdamW { beta1: 2.0, beta2: 0.5, eps: -1.0, weight_decay: 0.0 },
         Op::CrossEntropy { vocab: u64::MAX },
         Op::Reshape { shape: Shape::lits(&[u64::MAX, u64::MAX]) },

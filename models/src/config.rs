@@ -83,7 +83,7 @@ impl Gpt2Config {
         let mut vocab = None;
         for n in &g.nodes {
             match &n.op {
-                Op::Attention { scale } if head_size.is_none() => head_size = Some((1.0 / (scale * scale)).round() as usize),
+                Op::Attention { heads, .. } if head_size.is_none() => head_size = Some(wte[1] / (*heads as usize).max(1)),
                 Op::Slice { axis, start: 0, end } if vocab.is_none() && g.ty(n.inputs[0]).shape.0.last().and_then(|d| d.as_lit()) == Some(wte[0] as u64) && *axis + 1 == g.ty(n.inputs[0]).shape.rank() => vocab = Some(*end as usize),
                 _ => {}
             }

@@ -48,10 +48,6 @@ fn sym(s: &str) -> Dim {
     Dim::sym(s)
 }
 
-fn lit(n: u64) -> Dim {
-    Dim::lit(n)
-}
-
 fn shape(d: &[Dim]) -> Shape {
     Shape(d.iter().cloned().collect())
 }
@@ -178,18 +174,8 @@ impl Builder {
 
     /// Causal multi-head attention on `qkv: [B, T, 3C]`, returning `[B, T, C]`.
     fn attention(&mut self, qkv: ValueId, cfg: &Gpt2Config) -> ValueId {
-        let (c, nh) = (cfg.channels as u64, cfg.heads as u64);
-        let hs = c / nh;
-        let split = |b: &mut Builder, i: u64| -> ValueId {
-            let part = b.g.add1(Op::Slice { axis: 2, start: i * c, end: (i + 1) * c }, &[qkv]);
-            let heads = shape(&[sym("B"), sym("T"), lit(nh), lit(hs)]);
-            let r = b.g.add1(Op::Reshape { shape: heads }, &[part]);
-            b.g.add1(Op::Permute { perm: vec![0, 2, 1, 3] }, &[r])
-        };
-        let (q, k, v) = (split(self, 0), split(self, 1), split(self, 2));
-        let out = self.g.add(Op::Attention { scale: 1.0 / (hs as f64).sqrt() }, &[q, k, v])[0];
-        let back = self.g.add1(Op::Permute { perm: vec![0, 2, 1, 3] }, &[out]);
-        self.g.add1(Op::Reshape { shape: shape(&[sym("B"), sym("T"), lit(c)]) }, &[back])
+        let hs = (cfg.channels / cfg.heads) as f64;
+        self.g.add(Op::Attention { heads: cfg.heads as u64, scale: 1.0 / hs.sqrt() }, &[qkv])[0]
     }
 
     /// Mean over all positions of `logsumexp(logits[.., :V]) - logits[target]`, from primitives.

@@ -250,12 +250,11 @@ fn backward_rule(e: &mut Emit, op: &Op, xs: &[ValueId], ys: &[ValueId], dys: &[O
         }
         Op::Softmax => vec![Some(e.op(Op::SoftmaxGrad, &[y, dy()?]))],
         Op::CrossEntropy { vocab } => vec![Some(e.op(Op::CrossEntropyGrad { vocab: *vocab }, &[xs[0], xs[1], dy()?])), None],
-        Op::Attention { scale } => {
+        Op::Attention { heads, scale } => {
             if dys[1].is_some() {
                 return Err("gradients through the saved log-sum-exp are not supported".into());
             }
-            let r = e.g.add(Op::AttentionGrad { scale: *scale }, &[xs[0], xs[1], xs[2], ys[0], ys[1], dy()?]);
-            vec![Some(r[0]), Some(r[1]), Some(r[2])]
+            vec![Some(e.op(Op::AttentionGrad { heads: *heads, scale: *scale }, &[xs[0], ys[0], ys[1], dy()?]))]
         }
         Op::GeluGrad | Op::LayerNormGrad | Op::SoftmaxGrad | Op::CrossEntropyGrad { .. } | Op::AttentionGrad { .. } | Op::AdamW { .. } => {
             return Err("has no backward rule (second-order or optimizer op)".into())

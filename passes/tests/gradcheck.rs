@@ -753,20 +753,12 @@ fn cross_entropy() {
 
 #[test]
 fn attention() {
-    for (k, shape) in [ls(&[4, 3]), ls(&[2, 4, 3]), ls(&[2, 2, 3, 2])].into_iter().enumerate() {
+    for (k, (shape, heads)) in [(ls(&[4, 6]), 1), (ls(&[2, 4, 12]), 2), (ls(&[2, 3, 18]), 3)].into_iter().enumerate() {
         let mut c = Case::new(&format!("attention_{k}"), 230 + k as u64);
-        let q = c.param("q", shape.clone(), Init::Normal(1.0));
-        let kk = c.param("k", shape.clone(), Init::Normal(1.0));
-        let v = c.param("v", shape, Init::Normal(1.0));
-        let r = c.ops(Op::Attention { scale: 0.7 }, &[q, kk, v]);
+        let qkv = c.param("qkv", shape, Init::Normal(1.0));
+        let r = c.ops(Op::Attention { heads, scale: 0.7 }, &[qkv]);
         gradcheck(&c.finish(r[0]));
     }
-    // q, k and v from one parameter (as in GPT-2's fused qkv).
-    let mut c = Case::new("attention_shared", 235);
-    let x = c.param("x", ls(&[2, 4, 3]), Init::Normal(1.0));
-    let e = c.op(Op::Unary(UnaryOp::Tanh), &[x]);
-    let r = c.ops(Op::Attention { scale: 0.5 }, &[x, x, e]);
-    gradcheck(&c.finish(r[0]));
 }
 
 // ---- graph-level behaviour -----------------------------------------------------------------
@@ -874,8 +866,8 @@ fn errors_instead_of_panics() {
     expect_err(&g3, "layernorm mean used");
     // Gradient through attention's log-sum-exp (unsupported).
     let mut g4 = Graph::new("attn_lse", &[]);
-    let q = g4.add1(Op::Param { name: "q".into(), ty: Type::new(DType::F32, ls(&[3, 2])) }, &[]);
-    let r = g4.add(Op::Attention { scale: 1.0 }, &[q, q, q]);
+    let q = g4.add1(Op::Param { name: "q".into(), ty: Type::new(DType::F32, ls(&[3, 6])) }, &[]);
+    let r = g4.add(Op::Attention { heads: 1, scale: 1.0 }, &[q]);
     let s = g4.add1(Op::Reduce { op: ReduceOp::Sum, axes: vec![0] }, &[r[1]]);
     g4.output("loss", s);
     expect_err(&g4, "attention lse used");

@@ -149,7 +149,7 @@ fn dot(a: &[f64], b: &[f64]) -> f64 {
 }
 
 /// Causal attention: `(out, lse)` with `s = scale q k^T` over `j <= i`.
-pub(super) fn attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Vec<Tensor> {
+fn attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Vec<Tensor> {
     let (heads, t, d) = attn_dims(q);
     let mut out = vec![0.0; q.data.len()];
     let mut lse = Vec::with_capacity(heads * t);
@@ -179,7 +179,7 @@ pub(super) fn attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Vec<T
 /// `j <= i`, `dv = p^T dout`, `dp = dout v^T`, `ds = p (dp - rowsum(dout * out))`,
 /// `dq = scale ds k`, `dk = scale ds^T q`. (`rowsum(dout * out)` equals `rowsum(dp * p)` when
 /// `out` is the forward's output; it is the form backends use.)
-pub(super) fn attention_grad(ins: &[&Tensor], scale: f64) -> Vec<Tensor> {
+fn attention_grad(ins: &[&Tensor], scale: f64) -> Vec<Tensor> {
     let (q, k, v, out, lse, dout) = (ins[0], ins[1], ins[2], ins[3], ins[4], ins[5]);
     let (heads, t, d) = attn_dims(q);
     let (mut dq, mut dk, mut dv) = (vec![0.0; q.data.len()], vec![0.0; q.data.len()], vec![0.0; q.data.len()]);
@@ -223,4 +223,82 @@ pub(super) fn adamw(ins: &[&Tensor], [b1, b2, eps, wd]: [f64; 4], prec: Precisio
         nv.push(vi);
     }
     vec![like(p, np), like(p, nm), like(p, nv)]
+}
+
+/// `[S, T, 3C]` packed projections split into `[S, heads, T, D]` queries, keys and values.
+fn unpack_qkv(qkv: &Tensor, heads: usize) -> [Tensor; 3] {
+    let r = qkv.shape.len();
+    let (t, c) = (qkv.shape[r - 2], qkv.shape[r - 1] / 3);
+    let s: usize = qkv.shape[..r - 2].iter().product();
+    let d = c / heads;
+    let mut shape = qkv.shape[..r - 2].to_vec();
+    shape.extend([heads, t, d]);
+    std::array::from_fn(|part| {
+        let mut data = Vec::with_capacity(s * t * c);
+        for si in 0..s {
+            for h in 0..heads {
+                for ti in 0..t {
+                    let at = (si * t + ti) * 3 * c + part * c + h * d;
+                    data.extend_from_slice(&qkv.data[at..at + d]);
+                }
+            }
+        }
+        Tensor { dtype: qkv.dtype, shape: shape.clone(), data }
+    })
+}
+
+/// `[S, heads, T, D]` per-head rows written back as `[S, T, heads * D]` (into `width` channels
+/// starting at channel `offset`).
+fn pack_heads(x: &Tensor, dst: &mut [f64], width: usize, offset: usize) {
+    let r = x.shape.len();
+    let (heads, t, d) = (x.shape[r - 3], x.shape[r - 2], x.shape[r - 1]);
+    let s = x.data.len() / (heads * t * d);
+    for si in 0..s {
+        for h in 0..heads {
+            for ti in 0..t {
+                let src = ((si * heads + h) * t + ti) * d;
+                let at = (si * t + ti) * width + offset + h * d;
+                dst[at..at + d].copy_from_slice(&x.data[src..src + d]);
+            }
+        }
+    }
+}
+
+/// Packed causal attention: `qkv: [S, T, 3C]` to `(out: [S, T, C], lse: [S, heads, T])`.
+pub(super) fn attention_packed(qkv: &Tensor, heads: usize, scale: f64) -> Vec<Tensor> {
+    let [q, k, v] = unpack_qkv(qkv, heads);
+    let [out_h, lse] = <[Tensor; 2]>::try_from(attention(&q, &k, &v, scale)).expect("two results");
+    let r = qkv.shape.len();
+    let c = qkv.shape[r - 1] / 3;
+    let mut shape = qkv.shape.clone();
+    shape[r - 1] = c;
+    let mut out = vec![0.0; qkv.data.len() / 3];
+    pack_heads(&out_h, &mut out, c, 0);
+    vec![Tensor { dtype: qkv.dtype, shape, data: out }, lse]
+}
+
+/// Gradient of packed attention from `(qkv, out, lse, dout)`: `dqkv: [S, T, 3C]`.
+pub(super) fn attention_grad_packed(ins: &[&Tensor], heads: usize, scale: f64) -> Tensor {
+    let (qkv, out, lse, dout) = (ins[0], ins[1], ins[2], ins[3]);
+    let [q, k, v] = unpack_qkv(qkv, heads);
+    let per_head = |x: &Tensor| {
+        // [S, T, C] viewed as the value part of a packed tensor, then split into heads.
+        let r = x.shape.len();
+        let c = x.shape[r - 1];
+        let mut padded = x.shape.clone();
+        padded[r - 1] = 3 * c;
+        let mut data = vec![0.0; x.data.len() * 3];
+        for (row, chunk) in x.data.chunks(c).enumerate() {
+            data[row * 3 * c + 2 * c..(row + 1) * 3 * c].copy_from_slice(chunk);
+        }
+        let [_, _, h] = unpack_qkv(&Tensor { dtype: x.dtype, shape: padded, data }, heads);
+        h
+    };
+    let grads = attention_grad(&[&q, &k, &v, &per_head(out), lse, &per_head(dout)], scale);
+    let c = qkv.shape[qkv.shape.len() - 1] / 3;
+    let mut dqkv = vec![0.0; qkv.data.len()];
+    for (part, gh) in grads.iter().enumerate() {
+        pack_heads(gh, &mut dqkv, 3 * c, part * c);
+    }
+    Tensor { dtype: qkv.dtype, shape: qkv.shape.clone(), data: dqkv }
 }

@@ -98,7 +98,7 @@ pub(crate) fn attr_names(k: Kind) -> &'static [&'static str] {
         MatMul => &["trans_a", "trans_b"],
         LayerNorm => &["eps"],
         CrossEntropy | CrossEntropyGrad => &["vocab"],
-        Attention | AttentionGrad => &["scale"],
+        Attention | AttentionGrad => &["heads", "scale"],
         AdamW => &["beta1", "beta2", "eps", "weight_decay"],
         _ => &[],
     }

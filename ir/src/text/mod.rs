@@ -197,7 +197,7 @@ fn print_attrs(out: &mut String, op: &Op) {
         Op::MatMul { trans_a, trans_b } => vec![("trans_a", trans_a.to_string()), ("trans_b", trans_b.to_string())],
         Op::LayerNorm { eps } => vec![("eps", f(*eps))],
         Op::CrossEntropy { vocab } | Op::CrossEntropyGrad { vocab } => vec![("vocab", vocab.to_string())],
-        Op::Attention { scale } | Op::AttentionGrad { scale } => vec![("scale", f(*scale))],
+        Op::Attention { heads, scale } | Op::AttentionGrad { heads, scale } => vec![("heads", heads.to_string()), ("scale", f(*scale))],
         Op::AdamW { beta1, beta2, eps, weight_decay } => vec![
             ("beta1", f(*beta1)),
             ("beta2", f(*beta2)),

@@ -464,8 +464,8 @@ impl<'a> Parser<'a> {
             SoftmaxGrad => Op::SoftmaxGrad,
             CrossEntropy => Op::CrossEntropy { vocab: out.int("vocab")? },
             CrossEntropyGrad => Op::CrossEntropyGrad { vocab: out.int("vocab")? },
-            Attention => Op::Attention { scale: out.float("scale")? },
-            AttentionGrad => Op::AttentionGrad { scale: out.float("scale")? },
+            Attention => Op::Attention { heads: out.int("heads")?, scale: out.float("scale")? },
+            AttentionGrad => Op::AttentionGrad { heads: out.int("heads")?, scale: out.float("scale")? },
             AdamW => Op::AdamW {
                 beta1: out.float("beta1")?,
                 beta2: out.float("beta2")?,
