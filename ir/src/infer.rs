@@ -204,6 +204,17 @@ pub fn result_types(op: &Op, ins: &[&Type]) -> Result<SmallVec<[Type; 3]>, Strin
             check(*ins[3] == out, || format!("attention dout must be {out}, found {}", ins[3]))?;
             one(qkv.clone())
         }
+        Gemm(gm) => gemm_types(gm, ins),
+        Kernel(k) => {
+            let params = k.body.inputs();
+            check(params.len() == ins.len(), || format!("kernel `{}` takes {} operand(s), found {}", k.name, params.len(), ins.len()))?;
+            for (i, ((name, v), t)) in params.iter().zip(ins).enumerate() {
+                let want = k.body.ty(*v);
+                check(want == *t, || format!("kernel `{}` operand {i} (`{name}`) must be {want}, found {t}", k.name))?;
+            }
+            check(!k.body.outputs.is_empty(), || format!("kernel `{}` has no outputs", k.name))?;
+            Ok(k.body.outputs.iter().map(|(_, v)| k.body.ty(*v).clone()).collect())
+        }
         AdamW { beta1, beta2, eps, weight_decay } => {
             for (n, v) in [("beta1", beta1), ("beta2", beta2)] {
                 check((0.0..1.0).contains(v), || format!("adamw {n} must be in [0, 1), found {v}"))?;
@@ -236,8 +247,30 @@ pub fn expected_arity(op: &Op) -> Option<usize> {
         AttentionGrad { .. } => 4,
         LayerNormGrad => 5,
         AdamW { .. } => 7,
-        Concat { .. } => return None,
+        Concat { .. } | Kernel(_) => return None,
+        Gemm(g) => 2 + g.bias as usize + g.accumulate as usize,
     })
+}
+
+/// Types of a [`crate::Gemm`]: the matmul's rule, then the epilogue's operands and results.
+fn gemm_types(gm: &crate::Gemm, ins: &[&Type]) -> Result<SmallVec<[Type; 3]>, String> {
+    let mm = result_types(&Op::MatMul { trans_a: gm.trans_a, trans_b: gm.trans_b }, &ins[..2])?.remove(0);
+    let n = mm.shape.0.last().expect("matmul results have rank >= 2").clone();
+    let mut next = 2;
+    if gm.bias {
+        let want = Type::new(mm.dtype, Shape(smallvec![n]));
+        check(*ins[next] == want, || format!("gemm bias must be {want}, found {}", ins[next]))?;
+        next += 1;
+    }
+    let y = mm.with_dtype(gm.out);
+    if gm.accumulate {
+        check(*ins[next] == y, || format!("gemm accumulator must be {y}, found {}", ins[next]))?;
+    }
+    let mut out = smallvec![y];
+    if gm.gelu {
+        out.push(mm);
+    }
+    Ok(out)
 }
 
 fn check(ok: bool, msg: impl FnOnce() -> String) -> Result<(), String> {

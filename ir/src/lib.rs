@@ -15,5 +15,5 @@ pub mod verify;
 
 pub use dtype::DType;
 pub use graph::{Graph, Node, NodeId, ValueId, ValueInfo};
-pub use op::{BinaryOp, CmpOp, Op, ReduceOp, UnaryOp};
+pub use op::{BinaryOp, CmpOp, Gemm, Kernel, Op, ReduceOp, UnaryOp};
 pub use shape::{Bindings, Dim, Shape, Type};

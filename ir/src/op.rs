@@ -164,6 +164,45 @@ pub enum Op {
     /// `v' = b2 v + (1-b2) g^2`, `p' = p - lr ((m'/bc1) / (sqrt(v'/bc2) + eps) + wd p)`,
     /// where `bc1 = 1 - b1^t` and `bc2 = 1 - b2^t` are runtime scalars.
     AdamW { beta1: f64, beta2: f64, eps: f64, weight_decay: f64 },
+
+    // ---- fused ---------------------------------------------------------------------------
+    /// A matmul with its epilogue folded in (`fuse-epilogue`, `fuse-grad-accum`):
+    /// `y = op(a) op(b)` accumulated in f32, then in this order: `+ bias` (broadcast over the
+    /// last axis), GELU (the value before GELU is a second result, saved for the backward), a
+    /// cast to `out`, and `acc + y` (beta = 1: the result is written in place over `acc`).
+    /// Inputs: `a`, `b`, then `bias: [N]` if `bias`, then `acc` (typed like the result) if
+    /// `accumulate`. Results: `y: out[..., M, N]`, then `pre_gelu: dtype(a)[..., M, N]` if `gelu`.
+    Gemm(Gemm),
+    /// A fused group: runs `body` (a small graph whose `input` nodes, in order, receive the
+    /// operands and whose outputs, in order, are the results). Produced by `fuse-elementwise`;
+    /// the interpreter runs the body, backends compile it to one kernel named `name`.
+    Kernel(Box<Kernel>),
+}
+
+/// The attributes of [`Op::Gemm`].
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Gemm {
+    /// Transpose `a` (its last two axes).
+    pub trans_a: bool,
+    /// Transpose `b`.
+    pub trans_b: bool,
+    /// Add a bias vector over the last axis.
+    pub bias: bool,
+    /// Apply GELU (tanh form) and also return the pre-GELU value.
+    pub gelu: bool,
+    /// The result dtype (a cast epilogue when it differs from the operands').
+    pub out: DType,
+    /// Add into the last operand (beta = 1), in place.
+    pub accumulate: bool,
+}
+
+/// The body of an [`Op::Kernel`].
+#[derive(Clone, Debug, PartialEq)]
+pub struct Kernel {
+    /// What the kernel contains, e.g. `add_layernorm`; backends name the kernel after it.
+    pub name: String,
+    /// The fused ops as a graph: `input` nodes are the operands, outputs are the results.
+    pub body: crate::Graph,
 }
 
 impl Op {
@@ -223,6 +262,8 @@ impl Op {
             Attention { .. } => "attention",
             AttentionGrad { .. } => "attention_grad",
             AdamW { .. } => "adamw",
+            Gemm(_) => "gemm",
+            Kernel(_) => "kernel",
         }
     }
 
