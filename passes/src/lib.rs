@@ -2,6 +2,7 @@
 //! (`fusec dump --pass NAME`). See [`pipeline`] for the order.
 
 pub mod autodiff;
+pub mod explain;
 pub mod optimizer;
 pub mod pipeline;
 mod rewrite;
