@@ -3,7 +3,10 @@
 //! Every node is added through [`Graph::add`], so types always come from
 //! [`crate::infer::result_types`]; a generator bug shows up as a panic naming the ill-typed op.
 //! Over many seeds every op variant appears, with symbolic dims from a random header, small
-//! constant dims, names that need escapes, and extreme constants. Deterministic per seed.
+//! constant dims, names that need escapes, and extreme constants; the fused ops appear too
+//! (`gemm` with every epilogue, `kernel` wrapping a small random body). Deterministic per seed.
+
+mod fused;
 
 use crate::rng::Rng;
 use crate::{DType, Dim, Graph, Op, ReduceOp, Shape, Type, ValueId};
@@ -49,19 +52,13 @@ pub fn random_graph_with(rng: &mut Rng, opts: &GenOpts) -> Graph {
         }
         shuffle(rng, &mut syms);
     }
-    let mut gen = Gen { rng, o: opts.clone(), g: Graph::new(&name, &syms), serial: 0 };
+    let mut gen = Gen { rng, o: opts.clone(), g: Graph::new(&name, &syms), serial: 0, body: false };
     let n_ops = 1 + gen.rng.below(opts.max_ops.max(1) as u64);
     for _ in 0..n_ops {
         gen.step();
     }
     let n_out = 1 + gen.rng.below(4);
-    for _ in 0..n_out {
-        let n = gen.g.values.len() as u64;
-        // Prefer late values: the last one half of the time.
-        let v = if gen.rng.chance(0.5) { n - 1 } else { gen.rng.below(n) };
-        let oname = gen.name("out");
-        gen.g.output(&oname, ValueId(v as u32));
-    }
+    gen.outputs(n_out, "out");
     gen.g
 }
 
@@ -77,9 +74,22 @@ struct Gen<'r> {
     o: GenOpts,
     g: Graph,
     serial: u32,
+    /// Whether `g` is a kernel body (its sources are inputs, consts and iotas; no params).
+    body: bool,
 }
 
 impl Gen<'_> {
+    /// Declares `n` outputs named from `prefix`, preferring late values.
+    fn outputs(&mut self, n: u64, prefix: &str) {
+        for _ in 0..n {
+            let n = self.g.values.len() as u64;
+            // Prefer late values: the last one half of the time.
+            let v = if self.rng.chance(0.5) { n - 1 } else { self.rng.below(n) };
+            let oname = self.name(prefix);
+            self.g.output(&oname, ValueId(v as u32));
+        }
+    }
+
     fn pick<T: Copy>(&mut self, xs: &[T]) -> T {
         xs[self.rng.below(xs.len() as u64) as usize]
     }
@@ -147,7 +157,8 @@ impl Gen<'_> {
     fn source(&mut self, ty: Type) -> ValueId {
         let kinds = if ty.shape.rank() >= 1 { 4 } else { 3 };
         let op = match self.rng.below(kinds) {
-            0 => Op::Param { name: self.name("p"), ty },
+            0 if !self.body => Op::Param { name: self.name("p"), ty },
+            0 => Op::Input { name: self.name("x"), ty },
             1 => Op::Input { name: self.name("x"), ty },
             2 => Op::Const { value: self.const_value(ty.dtype), ty },
             _ => Op::Iota { axis: self.rng.below(ty.shape.rank() as u64) as usize, ty },
@@ -272,7 +283,13 @@ impl Gen<'_> {
     }
 
     fn step(&mut self) {
-        match self.rng.below(32) {
+        let k = self.rng.below(34);
+        self.step_kind(k);
+    }
+
+    /// Adds the kind of node numbered `k` (see [`Gen::step`]), with the operands it needs.
+    fn step_kind(&mut self, k: u64) {
+        match k {
             0 | 30 => {
                 let x = self.float_value(0);
                 let u = self.pick(&Op::UNARY);
@@ -349,14 +366,17 @@ impl Gen<'_> {
                 self.g.add1(if self.rng.chance(0.5) { Op::Gelu } else { Op::Softmax }, &[x]);
             }
             16 | 20 => {
-                let x = self.float_value(0);
+                let softmax = self.rng.chance(0.5);
+                let x = self.float_value(softmax as usize);
                 let dy = self.value_of(&self.ty(x));
-                self.g.add1(if self.rng.chance(0.5) { Op::GeluGrad } else { Op::SoftmaxGrad }, &[x, dy]);
+                self.g.add1(if softmax { Op::SoftmaxGrad } else { Op::GeluGrad }, &[x, dy]);
             }
             17 | 18 => self.layernorm(),
             21 | 22 => self.cross_entropy(),
             23 | 24 => self.attention(),
             25 => self.adamw(),
+            32 => self.gemm(),
+            33 if !self.body => self.kernel(),
             _ => {
                 let (d, r) = (self.dtype(), self.rank(0, 3));
                 let ty = Type::new(d, self.shape(r));
@@ -416,6 +436,13 @@ impl Gen<'_> {
     }
 
     fn matmul(&mut self) {
+        let (ta, tb, a, b) = self.matmul_operands();
+        self.g.add1(Op::MatMul { trans_a: ta, trans_b: tb }, &[a, b]);
+    }
+
+    /// Random transpose flags and operands that a matmul with them accepts (batched or with a
+    /// shared rank-2 `b`).
+    fn matmul_operands(&mut self) -> (bool, bool, ValueId, ValueId) {
         let (ta, tb) = (self.rng.chance(0.5), self.rng.chance(0.5));
         let existing = if self.rng.chance(0.5) { self.find(|t| t.dtype.is_float() && (2..=4).contains(&t.shape.rank())) } else { None };
         let (a, dtype, batch, m, k) = match existing {
@@ -448,7 +475,7 @@ impl Gen<'_> {
         let shared = batch.is_empty() || self.rng.chance(0.4);
         let bty = mk(if shared { &[] } else { &batch }, &k, &n, tb);
         let b = self.value_of(&bty);
-        self.g.add1(Op::MatMul { trans_a: ta, trans_b: tb }, &[a, b]);
+        (ta, tb, a, b)
     }
 
     fn layernorm(&mut self) {

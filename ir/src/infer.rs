@@ -138,6 +138,7 @@ pub fn result_types(op: &Op, ins: &[&Type]) -> Result<SmallVec<[Type; 3]>, Strin
         }
         GeluGrad | SoftmaxGrad => {
             float(ins[0], "operand")?;
+            check(matches!(op, GeluGrad) || ins[0].shape.rank() >= 1, || "softmax_grad needs rank >= 1".to_string())?;
             same(ins[0], ins[1])?;
             one(ins[0].clone())
         }
@@ -206,6 +207,9 @@ pub fn result_types(op: &Op, ins: &[&Type]) -> Result<SmallVec<[Type; 3]>, Strin
         }
         Gemm(gm) => gemm_types(gm, ins),
         Kernel(k) => {
+            let n = k.body.values.len();
+            let in_range = k.body.nodes.iter().flat_map(|nd| nd.results.iter()).chain(k.body.outputs.iter().map(|(_, v)| v)).all(|v| (v.0 as usize) < n);
+            check(in_range, || format!("kernel `{}` body refers to values it does not define", k.name))?;
             let params = k.body.inputs();
             check(params.len() == ins.len(), || format!("kernel `{}` takes {} operand(s), found {}", k.name, params.len(), ins.len()))?;
             for (i, ((name, v), t)) in params.iter().zip(ins).enumerate() {
@@ -262,6 +266,7 @@ fn gemm_types(gm: &crate::Gemm, ins: &[&Type]) -> Result<SmallVec<[Type; 3]>, St
         check(*ins[next] == want, || format!("gemm bias must be {want}, found {}", ins[next]))?;
         next += 1;
     }
+    check(gm.out.is_float(), || format!("gemm out dtype must be a float type, found {}", gm.out))?;
     let y = mm.with_dtype(gm.out);
     if gm.accumulate {
         check(*ins[next] == y, || format!("gemm accumulator must be {y}, found {}", ins[next]))?;

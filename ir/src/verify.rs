@@ -63,7 +63,17 @@ impl ValueNames {
 }
 
 /// Checks every structural and typing rule of the IR; the first violation is returned.
+///
+/// Kernel bodies are verified too, with the same rules plus their own: a body declares exactly
+/// the enclosing graph's symbols and holds only `input`, `const`, `iota` and compute nodes (no
+/// `param`, no nested `kernel`). An error inside a body is reported at the kernel node, and its
+/// message names the node inside the body.
 pub fn verify(g: &Graph) -> Result<(), VerifyError> {
+    verify_graph(g, false)
+}
+
+/// [`verify`] of `g`, which is a kernel body when `in_body`.
+fn verify_graph(g: &Graph, in_body: bool) -> Result<(), VerifyError> {
     let names = ValueNames::new(g);
     let syms: HashSet<&str> = g.syms.iter().map(|s| s.as_str()).collect();
     let graph_err = |msg: String| VerifyError { node: None, op: None, msg };
@@ -98,8 +108,19 @@ pub fn verify(g: &Graph) -> Result<(), VerifyError> {
             }
         }
 
-        // Attributes.
+        // Attributes, and what a kernel body may hold.
         check_attrs(&node.op, &syms).map_err(&err)?;
+        if in_body {
+            match &node.op {
+                Op::Param { .. } => return Err(err("a kernel body cannot hold a `param` (parameters are operands)".to_string())),
+                Op::Kernel(k) => return Err(err(format!("kernel `{}` is nested in a kernel body (kernels do not nest)", k.name))),
+                _ => {}
+            }
+        }
+        // A kernel's body must be sound before its type rule looks into it.
+        if let Op::Kernel(k) = &node.op {
+            check_kernel(k, g).map_err(&err)?;
+        }
 
         // Results: fresh values pointing back at this node.
         for (j, r) in node.results.iter().enumerate() {
@@ -178,6 +199,19 @@ pub fn verify(g: &Graph) -> Result<(), VerifyError> {
     Ok(())
 }
 
+/// Checks the body of a kernel of `g`: `g`'s symbols, and every rule of a body.
+fn check_kernel(k: &crate::Kernel, g: &Graph) -> Result<(), String> {
+    if k.body.syms != g.syms {
+        return Err(format!(
+            "the body of kernel `{}` declares symbols ({}) but the graph declares ({})",
+            k.name,
+            k.body.syms.join(", "),
+            g.syms.join(", ")
+        ));
+    }
+    verify_graph(&k.body, true).map_err(|e| format!("in the body of kernel `{}`: {e}", k.name))
+}
+
 /// Checks a dim: nonzero and only declared symbols, in normalized (sorted) order.
 fn check_dim(d: &Dim, syms: &HashSet<&str>) -> Result<(), String> {
     if d.coef == 0 {
@@ -229,6 +263,7 @@ fn check_attrs(op: &Op, syms: &HashSet<&str>) -> Result<(), String> {
         Op::AdamW { eps, weight_decay, .. } if !eps.is_finite() || !weight_decay.is_finite() => {
             Err("adamw eps and weight_decay must be finite".to_string())
         }
+        Op::Gemm(gm) if !gm.out.is_float() => Err(format!("gemm result dtype must be a float type, found {}", gm.out)),
         _ => Ok(()),
     }
 }

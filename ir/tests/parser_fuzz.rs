@@ -24,7 +24,8 @@ const TOKENS: &[&str] = &[
     "-inf", "inf", "nan", "5e-324", "-0.0", "1.", "e", "E+", "é", "☃", "\u{0}", "\r", "graph", "output", "param",
     "input", "const", "iota", "add", "concat", "slice", "matmul", "layernorm", "adamw", "scatter_add", "f32", "i32",
     "bf16", "f16", "f64", "B", "T", "N", "B*T", "axis", "dims", "perm", "axes", "start", "end", "eps", "vocab",
-    "scale", "true", "false", "trans_a", "{axis = 0}", " : f32[]", "f32[B, 4]", "\"x\\q\"",
+    "scale", "true", "false", "trans_a", "{axis = 0}", " : f32[]", "f32[B, 4]", "\"x\\q\"", "gemm", "kernel",
+    "kernel \"k\" %0 : f32[] {\n", "bias", "gelu", "accumulate", "output \"y\" = %0\n  }\n",
 ];
 
 fn pick<T: Copy>(rng: &mut Rng, xs: &[T]) -> T {

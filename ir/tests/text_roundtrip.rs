@@ -29,7 +29,7 @@ fn generator_is_deterministic_and_covers_every_op() {
         "div", "max", "min", "lt", "le", "gt", "ge", "eq", "ne", "select", "cast", "reshape", "broadcast", "permute",
         "slice", "concat", "reduce_sum", "reduce_max", "matmul", "gather", "scatter_add", "gelu", "gelu_grad",
         "layernorm", "layernorm_grad", "softmax", "softmax_grad", "cross_entropy", "cross_entropy_grad", "attention",
-        "attention_grad", "adamw",
+        "attention_grad", "adamw", "gemm", "kernel",
     ];
     let mut seen = BTreeSet::new();
     let mut casts = BTreeSet::new();

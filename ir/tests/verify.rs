@@ -171,6 +171,15 @@ fn rejects_broken_bookkeeping() {
     rejects(&g, "defined more than once");
 }
 
+/// A kernel body over `B`: `y = neg(x)` for `x: f32[B, 4]`.
+fn kernel_body() -> Graph {
+    let mut b = Graph::new("neg", &["B"]);
+    let x = b.add1(Op::Input { name: "x".into(), ty: Type::new(DType::F32, Shape(vec![Dim::sym("B"), Dim::lit(4)].into())) }, &[]);
+    let y = b.add1(Op::Unary(UnaryOp::Neg), &[x]);
+    b.output("y", y);
+    b
+}
+
 /// Random edits of well-formed graphs (ids, types, ops, outputs): verify must return, never panic.
 #[test]
 fn never_panics_on_garbage() {
@@ -192,6 +201,9 @@ fn never_panics_on_garbage() {
         Op::Reduce { op: ReduceOp::Max, axes: vec![] },
         Op::Iota { axis: 7, ty: f32s(&[2]) },
         Op::LayerNormGrad,
+        Op::Gemm(fusec_ir::Gemm { trans_a: true, trans_b: false, bias: true, gelu: true, out: DType::BF16, accumulate: true }),
+        Op::Kernel(Box::new(fusec_ir::Kernel { name: "k".into(), body: kernel_body() })),
+        Op::Kernel(Box::new(fusec_ir::Kernel { name: "bad".into(), body: { let mut b = kernel_body(); b.outputs[0].1 = ValueId(9); b } })),
     ];
     let tys = [f32s(&[]), f32s(&[u64::MAX, u64::MAX]), Type::new(DType::I32, Shape::lits(&[4])), f32s(&[4, 4]), f32s(&[0])];
     let mut rejected = 0;

@@ -1,8 +1,16 @@
 //! Graph-to-graph passes, one per file, each named as on the command line
 //! (`fusec dump --pass NAME`). See [`pipeline`] for the order.
 
+pub mod amp;
 pub mod autodiff;
+pub mod canonicalize;
 pub mod explain;
+pub mod fuse_epilogue;
+pub mod fuse_grad_accum;
+pub mod fuse_layernorm;
 pub mod optimizer;
+mod pattern;
 pub mod pipeline;
+pub mod memplan;
+pub mod schedule;
 mod rewrite;

@@ -89,3 +89,89 @@ pub fn remove_dead_nodes(g: &Graph) -> Graph {
     }
     out
 }
+
+/// For every value, the indices of the nodes that use it (in program order, repeats removed),
+/// and whether it is a graph output.
+pub struct Uses {
+    /// Using nodes per value.
+    pub users: Vec<Vec<usize>>,
+    /// Whether the value is a graph output.
+    pub is_output: Vec<bool>,
+}
+
+impl Uses {
+    /// Computes the uses of every value of `g`.
+    pub fn of(g: &Graph) -> Uses {
+        let mut users = vec![Vec::new(); g.values.len()];
+        for (i, n) in g.nodes.iter().enumerate() {
+            for v in &n.inputs {
+                let u: &mut Vec<usize> = &mut users[v.0 as usize];
+                if u.last() != Some(&i) {
+                    u.push(i);
+                }
+            }
+        }
+        let mut is_output = vec![false; g.values.len()];
+        for (_, v) in &g.outputs {
+            is_output[v.0 as usize] = true;
+        }
+        Uses { users, is_output }
+    }
+}
+
+/// Positional value names (`%N`, as printed) of a graph's values.
+pub fn value_names(g: &Graph) -> Vec<String> {
+    let mut names = vec![String::new(); g.values.len()];
+    let mut k = 0;
+    for n in &g.nodes {
+        for r in &n.results {
+            names[r.0 as usize] = format!("%{k}");
+            k += 1;
+        }
+    }
+    names
+}
+
+/// A node that replaces a matched pattern: emitted at the position of the pattern's root node;
+/// `exposes[i]` is the old value that the new node's result `i` stands for.
+pub struct Replacement {
+    /// The new op.
+    pub op: Op,
+    /// Its operands (values of the old graph).
+    pub inputs: Vec<ValueId>,
+    /// Old values replaced by the results, in result order.
+    pub exposes: Vec<ValueId>,
+}
+
+/// Rebuilds `g` in program order with the replacements (keyed by root node index) applied and
+/// the `deleted` nodes dropped, then removes nodes left dead. The caller guarantees that each
+/// replacement's operands are defined before its root and that every use of an exposed value
+/// comes after the root.
+pub fn rebuild(g: &Graph, mut replacements: std::collections::HashMap<usize, Replacement>, deleted: &[bool]) -> Result<Graph, String> {
+    let mut out = Graph::new(&g.name, &[]);
+    out.syms = g.syms.clone();
+    let mut map: Vec<Option<ValueId>> = vec![None; g.values.len()];
+    let get = |map: &Vec<Option<ValueId>>, v: &ValueId| map[v.0 as usize].ok_or_else(|| format!("value {v:?} used before it is rebuilt"));
+    for (i, n) in g.nodes.iter().enumerate() {
+        if let Some(r) = replacements.remove(&i) {
+            let ins = r.inputs.iter().map(|v| get(&map, v)).collect::<Result<Vec<_>, _>>()?;
+            let res = out.try_add(r.op, &ins)?;
+            for (old, new) in r.exposes.iter().zip(res) {
+                map[old.0 as usize] = Some(new);
+            }
+            continue;
+        }
+        if deleted[i] {
+            continue;
+        }
+        let ins = n.inputs.iter().map(|v| get(&map, v)).collect::<Result<Vec<_>, _>>()?;
+        let tys = n.results.iter().map(|r| g.ty(*r).clone()).collect();
+        for (old, new) in n.results.iter().zip(out.push_unchecked(n.op.clone(), &ins, tys)) {
+            map[old.0 as usize] = Some(new);
+        }
+    }
+    for (name, v) in &g.outputs {
+        out.output(name, get(&map, v)?);
+    }
+    Ok(remove_dead_nodes(&out))
+}

@@ -7,9 +7,10 @@ fn like(x: &Tensor, data: Vec<f64>) -> Tensor {
     Tensor { dtype: x.dtype, shape: x.shape.clone(), data }
 }
 
-/// The tensor viewed as `rows` rows of its last dim: (rows, last).
+/// The tensor viewed as `rows` rows of its last dim: (rows, last). A scalar is one row of one
+/// element (the type rules let `softmax_grad` take rank-0 operands).
 fn rows_of(x: &Tensor) -> (usize, usize) {
-    let c = *x.shape.last().expect("rank >= 1");
+    let c = x.shape.last().copied().unwrap_or(1);
     (x.data.len() / c, c)
 }
 

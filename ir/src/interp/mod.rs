@@ -8,9 +8,14 @@
 //! contractions therefore accumulate in `f64` and round once, which is at least as accurate as
 //! the f32 accumulation backends and llm.c use. In [`Precision::F64`] float results are never
 //! rounded (i32 stays integer), which makes finite-difference checks meaningful.
+//!
+//! The fused ops are defined by what they replace: `gemm` rounds after each step of its
+//! epilogue exactly as the separate nodes would, and `kernel` runs its body through the same
+//! run loop, so a fused graph and its unfused form agree bit for bit in both precisions.
 
 mod composite;
 mod elementwise;
+mod fused;
 mod layout;
 mod reduce;
 
@@ -138,6 +143,28 @@ impl std::error::Error for InterpError {}
 /// `Input` by name, each exactly of its declared dtype and (bound) shape.
 pub fn run(g: &Graph, bindings: &Bindings, feeds: &HashMap<String, Tensor>, prec: Precision) -> Result<Vec<Tensor>, InterpError> {
     check_graph(g)?;
+    run_outputs(g, bindings, Feeds::Named(feeds), prec)
+}
+
+/// Runs `g` and returns every value, indexed by [`crate::ValueId`] (for debugging and for
+/// comparing graphs before and after a pass).
+pub fn run_all(g: &Graph, bindings: &Bindings, feeds: &HashMap<String, Tensor>, prec: Precision) -> Result<Vec<Tensor>, InterpError> {
+    check_graph(g)?;
+    let vals = execute(g, bindings, Feeds::Named(feeds), prec, |_, _| {})?;
+    Ok(vals.into_iter().map(|v| v.expect("every value was computed")).collect())
+}
+
+/// Where the sources of a graph get their values.
+#[derive(Clone, Copy)]
+enum Feeds<'a> {
+    /// Params and inputs by name (a whole graph).
+    Named(&'a HashMap<String, Tensor>),
+    /// The `k`-th `input` node receives the `k`-th tensor (a kernel body and its operands).
+    Ordered(&'a [&'a Tensor]),
+}
+
+/// Runs a verified graph, dropping each value after its last use; returns the outputs.
+fn run_outputs(g: &Graph, bindings: &Bindings, feeds: Feeds, prec: Precision) -> Result<Vec<Tensor>, InterpError> {
     let mut last_use = vec![usize::MAX; g.values.len()];
     for (i, n) in g.nodes.iter().enumerate() {
         for v in &n.inputs {
@@ -159,12 +186,9 @@ pub fn run(g: &Graph, bindings: &Bindings, feeds: &HashMap<String, Tensor>, prec
     Ok(g.outputs.iter().map(|(_, v)| vals[v.0 as usize].clone().expect("output was computed")).collect())
 }
 
-/// Runs `g` and returns every value, indexed by [`crate::ValueId`] (for debugging and for
-/// comparing graphs before and after a pass).
-pub fn run_all(g: &Graph, bindings: &Bindings, feeds: &HashMap<String, Tensor>, prec: Precision) -> Result<Vec<Tensor>, InterpError> {
-    check_graph(g)?;
-    let vals = execute(g, bindings, feeds, prec, |_, _| {})?;
-    Ok(vals.into_iter().map(|v| v.expect("every value was computed")).collect())
+/// Runs the body of a kernel on its operands (the body was verified with its kernel).
+pub(super) fn run_body(body: &Graph, bindings: &Bindings, ins: &[&Tensor], prec: Precision) -> Result<Vec<Tensor>, InterpError> {
+    run_outputs(body, bindings, Feeds::Ordered(ins), prec)
 }
 
 /// Random feeds for every `Param` and `Input` of `g` (see [`Tensor::random`]; i32 values lie in
@@ -204,11 +228,12 @@ fn check_graph(g: &Graph) -> Result<(), InterpError> {
 fn execute(
     g: &Graph,
     bindings: &Bindings,
-    feeds: &HashMap<String, Tensor>,
+    feeds: Feeds,
     prec: Precision,
     mut after_node: impl FnMut(usize, &mut Vec<Option<Tensor>>),
 ) -> Result<Vec<Option<Tensor>>, InterpError> {
     let mut vals: Vec<Option<Tensor>> = vec![None; g.values.len()];
+    let mut next_input = 0usize;
     for (i, node) in g.nodes.iter().enumerate() {
         let err = |msg: String| InterpError { node: Some(i), msg: format!("`{}`: {msg}", node.op.mnemonic()) };
         let outs: Vec<(DType, Vec<usize>)> = node
@@ -222,12 +247,23 @@ fn execute(
             .map_err(&err)?;
         let results = match &node.op {
             Op::Param { name, .. } | Op::Input { name, .. } => {
-                let t = feeds.get(name).ok_or_else(|| err(format!("no feed for `{name}`")))?;
+                let t = match feeds {
+                    Feeds::Named(m) => m.get(name),
+                    Feeds::Ordered(ts) if matches!(node.op, Op::Input { .. }) => {
+                        next_input += 1;
+                        ts.get(next_input - 1).copied()
+                    }
+                    Feeds::Ordered(_) => None,
+                };
+                let t = t.ok_or_else(|| err(format!("no feed for `{name}`")))?;
                 vec![check_feed(name, t, &outs[0], prec).map_err(&err)?]
             }
             op => {
                 let ins: Vec<&Tensor> = node.inputs.iter().map(|v| vals[v.0 as usize].as_ref().expect("operand computed")).collect();
-                eval(op, &ins, &outs, prec).map_err(&err)?
+                match op {
+                    Op::Kernel(k) => fused::kernel(k, &ins, bindings, prec).map_err(&err)?,
+                    _ => eval(op, &ins, &outs, prec).map_err(&err)?,
+                }
             }
         };
         for (j, (mut t, (dtype, shape))) in results.into_iter().zip(outs).enumerate() {
@@ -305,7 +341,8 @@ fn eval(op: &Op, ins: &[&Tensor], outs: &[(DType, Vec<usize>)], prec: Precision)
         AdamW { beta1, beta2, eps, weight_decay } => {
             Ok(composite::adamw(ins, [*beta1, *beta2, *eps, *weight_decay], prec))
         }
-        Gemm(_) | Kernel(_) => Err("gemm and kernel are not interpreted yet".to_string()),
+        Gemm(gm) => fused::gemm(gm, ins, outs, prec),
+        Kernel(_) => unreachable!("kernels are run by `execute`"),
     }
 }
 
@@ -321,7 +358,7 @@ pub fn round_to(dtype: DType, x: f64) -> f64 {
     }
 }
 
-fn round_slice(dtype: DType, xs: &mut [f64]) {
+pub(super) fn round_slice(dtype: DType, xs: &mut [f64]) {
     for x in xs {
         *x = round_to(dtype, *x);
     }

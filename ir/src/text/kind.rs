@@ -34,6 +34,8 @@ pub(crate) enum Kind {
     Attention,
     AttentionGrad,
     AdamW,
+    Gemm,
+    Kernel,
 }
 
 /// The kind of op that mnemonic `m` names, if any.
@@ -82,6 +84,8 @@ pub(crate) fn kind_of(m: &str) -> Option<Kind> {
         "attention" => Attention,
         "attention_grad" => AttentionGrad,
         "adamw" => AdamW,
+        "gemm" => Gemm,
+        "kernel" => Kernel,
         _ => return None,
     })
 }
@@ -100,6 +104,7 @@ pub(crate) fn attr_names(k: Kind) -> &'static [&'static str] {
         CrossEntropy | CrossEntropyGrad => &["vocab"],
         Attention | AttentionGrad => &["heads", "scale"],
         AdamW => &["beta1", "beta2", "eps", "weight_decay"],
+        Gemm => &["trans_a", "trans_b", "bias", "gelu", "accumulate"],
         _ => &[],
     }
 }

@@ -18,10 +18,29 @@
 //! Floats print with round-trip precision (`inf`, `-inf`, `nan` for the non-finite ones).
 //! `print(parse(print(g))) == print(g)` for every graph whose name and symbols are identifiers.
 //!
+//! The fused ops follow the same rules. `gemm` prints its flags (its `out` dtype is the first
+//! result type's, like `cast`); `kernel` prints its quoted name before its operands and its
+//! body after the result types, as a nested block numbered from `%0` whose `input` nodes
+//! receive the operands in order and whose outputs are the results:
+//!
+//! ```text
+//!   %5, %6 = gemm %1, %2, %3 {trans_a = false, trans_b = true, bias = true, gelu = true, accumulate = false} : f32[B, 256], f32[B, 256]
+//!   %7 = kernel "add_tanh" %5, %6 : f32[B, 256] {
+//!     %0 = input "x0" : f32[B, 256]
+//!     %1 = input "x1" : f32[B, 256]
+//!     %2 = add %0, %1 : f32[B, 256]
+//!     %3 = tanh %2 : f32[B, 256]
+//!     output "y0" = %3
+//!   }
+//! ```
+//!
+//! A body shares the enclosing graph's symbols and is named after its kernel.
+//!
 //! The parser checks syntax, value numbering, definition before use, declared symbols, and
 //! every declared result type against [`crate::infer::result_types`]; errors are
 //! [`Diagnostic`]s with `file:line:col`. It never panics, whatever the input.
 
+mod build;
 mod kind;
 mod lex;
 mod parse;
@@ -30,7 +49,7 @@ use std::fmt::{self, Write};
 
 use crate::{Graph, Op, ReduceOp, ValueId};
 
-pub use parse::parse;
+pub use parse::{parse, MAX_KERNEL_DEPTH};
 
 /// A parse error: where it is and what was expected versus found.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -93,9 +112,26 @@ pub fn is_ident(s: &str) -> bool {
 }
 
 /// The canonical text of `g`. Values are renumbered by position of definition; a graph whose
-/// name is not an identifier gets a quoted name (which the parser also accepts).
+/// name is not an identifier gets a quoted name (which the parser also accepts). Kernel bodies
+/// are printed nested, indented two more spaces, with their own numbering from `%0`.
 pub fn print(g: &Graph) -> String {
     let mut out = String::with_capacity(64 + 48 * g.nodes.len());
+    out.push_str("graph ");
+    if is_ident(&g.name) {
+        out.push_str(&g.name);
+    } else {
+        quote_into(&mut out, &g.name);
+    }
+    out.push('(');
+    out.push_str(&g.syms.join(", "));
+    out.push_str(") {\n");
+    print_body(&mut out, g, 2);
+    out.push_str("}\n");
+    out
+}
+
+/// Appends the nodes and outputs of `g`, one per line, each indented by `indent` spaces.
+fn print_body(out: &mut String, g: &Graph, indent: usize) {
     // Value id -> position number.
     let mut num = vec![u32::MAX; g.values.len()];
     let mut next = 0u32;
@@ -116,43 +152,38 @@ pub fn print(g: &Graph) -> String {
             let _ = write!(out, "%?{}", v.0);
         }
     };
-
-    out.push_str("graph ");
-    if is_ident(&g.name) {
-        out.push_str(&g.name);
-    } else {
-        quote_into(&mut out, &g.name);
-    }
-    out.push('(');
-    out.push_str(&g.syms.join(", "));
-    out.push_str(") {\n");
+    let pad = |out: &mut String| out.extend(std::iter::repeat_n(' ', indent));
 
     for n in &g.nodes {
-        out.push_str("  ");
+        pad(out);
         for (i, r) in n.results.iter().enumerate() {
             if i > 0 {
                 out.push_str(", ");
             }
-            name(&mut out, *r);
+            name(out, *r);
         }
         out.push_str(" = ");
         out.push_str(n.op.mnemonic());
         match &n.op {
             Op::Param { name, .. } | Op::Input { name, .. } => {
                 out.push(' ');
-                quote_into(&mut out, name);
+                quote_into(out, name);
             }
             Op::Const { value, .. } => {
                 out.push(' ');
                 out.push_str(&format_f64(*value));
             }
+            Op::Kernel(k) => {
+                out.push(' ');
+                quote_into(out, &k.name);
+            }
             _ => {}
         }
         for (i, v) in n.inputs.iter().enumerate() {
             out.push_str(if i == 0 { " " } else { ", " });
-            name(&mut out, *v);
+            name(out, *v);
         }
-        print_attrs(&mut out, &n.op);
+        print_attrs(out, &n.op);
         out.push_str(" : ");
         for (i, r) in n.results.iter().enumerate() {
             if i > 0 {
@@ -165,17 +196,22 @@ pub fn print(g: &Graph) -> String {
                 None => out.push('?'),
             }
         }
+        if let Op::Kernel(k) = &n.op {
+            out.push_str(" {\n");
+            print_body(out, &k.body, indent + 2);
+            pad(out);
+            out.push('}');
+        }
         out.push('\n');
     }
     for (oname, v) in &g.outputs {
-        out.push_str("  output ");
-        quote_into(&mut out, oname);
+        pad(out);
+        out.push_str("output ");
+        quote_into(out, oname);
         out.push_str(" = ");
-        name(&mut out, *v);
+        name(out, *v);
         out.push('\n');
     }
-    out.push_str("}\n");
-    out
 }
 
 /// Appends ` {k = v, ...}` for the op's printed attributes (nothing for ops without any).
@@ -195,6 +231,13 @@ fn print_attrs(out: &mut String, op: &Op) {
         Op::Concat { axis } => vec![("axis", axis.to_string())],
         Op::Reduce { op: ReduceOp::Sum | ReduceOp::Max, axes } => vec![("axes", list(axes))],
         Op::MatMul { trans_a, trans_b } => vec![("trans_a", trans_a.to_string()), ("trans_b", trans_b.to_string())],
+        Op::Gemm(gm) => vec![
+            ("trans_a", gm.trans_a.to_string()),
+            ("trans_b", gm.trans_b.to_string()),
+            ("bias", gm.bias.to_string()),
+            ("gelu", gm.gelu.to_string()),
+            ("accumulate", gm.accumulate.to_string()),
+        ],
         Op::LayerNorm { eps } => vec![("eps", f(*eps))],
         Op::CrossEntropy { vocab } | Op::CrossEntropyGrad { vocab } => vec![("vocab", vocab.to_string())],
         Op::Attention { heads, scale } | Op::AttentionGrad { heads, scale } => vec![("heads", heads.to_string()), ("scale", f(*scale))],

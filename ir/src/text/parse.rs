@@ -1,48 +1,48 @@
 //! The parser of the `.graph` text (grammar in the parent module's docs).
 //!
-//! The grammar is flat (no recursion), every number is converted with checked arithmetic, and
-//! every node is type-checked against [`result_types`] as soon as it is read, so a bad input is
-//! reported at the first offending token and never panics.
+//! The grammar is flat except for kernel bodies, whose nesting is bounded by
+//! [`MAX_KERNEL_DEPTH`]; every number is converted with checked arithmetic, and every node is
+//! type-checked against [`result_types`] as soon as it is read, so a bad input is reported at
+//! the first offending token and never panics (nor overflows the stack).
 
 use std::collections::HashSet;
 
-use super::kind::{attr_names, kind_of, Kind};
+use super::build::{AttrVal, Attrs, NodeParts};
+use super::kind::{kind_of, Kind};
 use super::lex::{clip, tokenize, Pos, Tok, Token};
 use super::Diagnostic;
 use crate::infer::result_types;
 use crate::{DType, Dim, Graph, Op, Shape, Type, ValueId};
 
+/// How deeply kernel bodies may nest in the text (the verifier allows only one level; the
+/// parser accepts more so that the verifier can say what is wrong, but bounds the recursion).
+pub const MAX_KERNEL_DEPTH: usize = 8;
+
 /// Parses `.graph` text; `file` is only used in diagnostics. Checks syntax, that the n-th
-/// defined value is named `%n`, that operands are defined before use, that symbols are declared
-/// in the header, and that every declared result type is what the op produces.
+/// defined value is named `%n` (each kernel body numbering its own values from `%0`), that
+/// operands are defined before use, that symbols are declared in the header, and that every
+/// declared result type is what the op produces.
 pub fn parse(src: &str, file: &str) -> Result<Graph, Diagnostic> {
     let toks = tokenize(src, file)?;
-    let mut p = Parser { toks, i: 0, file, syms: HashSet::new(), g: Graph::default() };
+    let mut p = Parser { toks, i: 0, file, syms: HashSet::new(), g: Graph::default(), depth: 0 };
     p.graph()?;
     Ok(p.g)
 }
 
-/// An attribute value as written.
-enum AttrVal {
-    Num(String),
-    Bool(bool),
-    List(Vec<u64>),
-}
-
-/// The attributes of one node: name, name position, value position, value.
-struct Attrs {
-    items: Vec<(String, Pos, Pos, AttrVal)>,
-}
-
-struct Parser<'a> {
+/// The parser state: tokens, the cursor, and the graph being built (a kernel body while one
+/// is being read; the enclosing graph is set aside meanwhile).
+pub(super) struct Parser<'a> {
     toks: Vec<Token>,
     i: usize,
     file: &'a str,
     syms: HashSet<String>,
     g: Graph,
+    /// How many kernel bodies enclose the current position.
+    depth: usize,
 }
 
-type R<T> = Result<T, Diagnostic>;
+/// A parse result.
+pub(super) type R<T> = Result<T, Diagnostic>;
 
 impl<'a> Parser<'a> {
     fn peek(&self) -> &Token {
@@ -58,7 +58,8 @@ impl<'a> Parser<'a> {
         t
     }
 
-    fn err<T>(&self, pos: Pos, msg: String) -> R<T> {
+    /// An error at `pos`.
+    pub(super) fn err<T>(&self, pos: Pos, msg: String) -> R<T> {
         Err(Diagnostic { file: self.file.to_string(), line: pos.line, col: pos.col, msg })
     }
 
@@ -108,7 +109,8 @@ impl<'a> Parser<'a> {
         }
     }
 
-    fn int_of(&self, lexeme: &str, pos: Pos) -> R<u64> {
+    /// A non-negative integer literal.
+    pub(super) fn int_of(&self, lexeme: &str, pos: Pos) -> R<u64> {
         if !lexeme.bytes().all(|b| b.is_ascii_digit()) {
             return self.err(pos, format!("expected a non-negative integer, found `{}`", clip(lexeme)));
         }
@@ -130,7 +132,8 @@ impl<'a> Parser<'a> {
         }
     }
 
-    fn float_of(&self, lexeme: &str, pos: Pos) -> R<f64> {
+    /// A float literal (`inf`, `-inf` and `nan` included).
+    pub(super) fn float_of(&self, lexeme: &str, pos: Pos) -> R<f64> {
         let x = match lexeme {
             "inf" => return Ok(f64::INFINITY),
             "-inf" => return Ok(f64::NEG_INFINITY),
@@ -202,22 +205,42 @@ impl<'a> Parser<'a> {
             }
         }
         self.expect_punct('{', "to open the graph body")?;
+        self.statements("the graph")?;
+        if self.peek().tok != Tok::Eof {
+            return self.expected("end of input after the closing `}`");
+        }
+        Ok(())
+    }
+
+    /// Nodes and outputs up to and including the closing `}` of `what`.
+    fn statements(&mut self, what: &str) -> R<()> {
         loop {
             match &self.peek().tok {
                 Tok::Value(_) => self.node()?,
                 Tok::Ident(s) if s == "output" => self.output()?,
                 Tok::Punct('}') => {
                     self.bump();
-                    break;
+                    return Ok(());
                 }
-                Tok::Eof => return self.expected("`}` to close the graph"),
+                Tok::Eof => return self.expected(&format!("`}}` to close {what}")),
                 _ => return self.expected("a node `%N = ...`, `output` or `}`"),
             }
         }
-        if self.peek().tok != Tok::Eof {
-            return self.expected("end of input after the closing `}`");
+    }
+
+    /// A kernel body after its opening `{` (at `open`): a graph of its own, numbered from
+    /// `%0`, over the enclosing graph's symbols, named after the kernel.
+    fn kernel_body(&mut self, name: &str, open: Pos) -> R<Graph> {
+        if self.depth >= MAX_KERNEL_DEPTH {
+            return self.err(open, format!("kernel bodies nest more than {MAX_KERNEL_DEPTH} deep"));
         }
-        Ok(())
+        let body = Graph { name: name.to_string(), syms: self.g.syms.clone(), ..Graph::default() };
+        let outer = std::mem::replace(&mut self.g, body);
+        self.depth += 1;
+        let r = self.statements("the kernel body");
+        self.depth -= 1;
+        let body = std::mem::replace(&mut self.g, outer);
+        r.map(|()| body)
     }
 
     fn output(&mut self) -> R<()> {
@@ -261,20 +284,20 @@ impl<'a> Parser<'a> {
         let mut value = 0.0;
         let mut inputs: Vec<ValueId> = Vec::new();
         match kind {
-            Kind::Param | Kind::Input => name = self.string(&format!("the quoted name of the {m}"))?,
+            Kind::Param | Kind::Input | Kind::Kernel => name = self.string(&format!("the quoted name of the {m}"))?,
             Kind::Const => value = self.float("the constant's value (a float)")?,
-            _ => {
-                if matches!(self.peek().tok, Tok::Value(_)) {
-                    loop {
-                        inputs.push(self.value_ref("an operand `%N`")?);
-                        if !self.eat_punct(',') {
-                            break;
-                        }
-                    }
+            _ => {}
+        }
+        if !matches!(kind, Kind::Param | Kind::Input | Kind::Const) && matches!(self.peek().tok, Tok::Value(_)) {
+            loop {
+                inputs.push(self.value_ref("an operand `%N`")?);
+                if !self.eat_punct(',') {
+                    break;
                 }
             }
         }
-        let attrs = if self.is_punct('{') { self.attrs()? } else { Attrs { items: Vec::new() } };
+        // A kernel takes no attributes: its `{` opens the body, after the result types.
+        let attrs = if kind != Kind::Kernel && self.is_punct('{') { self.attrs()? } else { Attrs { items: Vec::new() } };
         self.expect_punct(':', "before the result type")?;
         let mut types: Vec<(Type, Pos)> = Vec::new();
         loop {
@@ -284,7 +307,13 @@ impl<'a> Parser<'a> {
             }
         }
 
-        let op = self.build_op(kind, &m, op_pos, name, value, attrs, &types)?;
+        let body = if kind == Kind::Kernel {
+            let open = self.expect_punct('{', "to open the kernel body after the result types")?;
+            Some(self.kernel_body(&name, open)?)
+        } else {
+            None
+        };
+        let op = self.build_op(NodeParts { kind, m: m.clone(), op_pos, name, value, attrs, types: types.clone(), body })?;
         if types.len() as u64 != n_results {
             let msg = format!("{n_results} result name(s) but {} result type(s)", types.len());
             return self.err(node_pos, msg);
@@ -419,126 +448,5 @@ impl<'a> Parser<'a> {
         }
         d.syms.sort();
         Ok(d)
-    }
-
-    /// Builds the op from its kind, attributes and (for implied attributes) declared type.
-    #[allow(clippy::too_many_arguments)]
-    fn build_op(&self, kind: Kind, m: &str, op_pos: Pos, name: String, value: f64, a: Attrs, types: &[(Type, Pos)]) -> R<Op> {
-        let allowed = attr_names(kind);
-        for (k, pos, _, _) in &a.items {
-            if !allowed.contains(&k.as_str()) {
-                let takes = if allowed.is_empty() { "it takes none".to_string() } else { format!("expected: {}", allowed.join(", ")) };
-                return self.err(*pos, format!("unknown attribute `{}` for `{m}` ({takes})", clip(k)));
-            }
-        }
-        let (ty, ty_pos) = (types[0].0.clone(), types[0].1);
-        let mut out = OpBuilder { p: self, m, items: a.items, missing_at: op_pos };
-        use Kind::*;
-        Ok(match kind {
-            Param => Op::Param { name, ty },
-            Input => Op::Input { name, ty },
-            Const => Op::Const { value, ty },
-            Iota => Op::Iota { axis: out.usize("axis")?, ty },
-            Unary(u) => Op::Unary(u),
-            Binary(b) => Op::Binary(b),
-            Compare(c) => Op::Compare(c),
-            Select => Op::Select,
-            Cast => Op::Cast { to: ty.dtype },
-            Reshape => Op::Reshape { shape: ty.shape },
-            Broadcast => Op::Broadcast { dims: out.list("dims")?, shape: ty.shape },
-            Permute => Op::Permute { perm: out.list("perm")? },
-            Slice => Op::Slice { axis: out.usize("axis")?, start: out.int("start")?, end: out.int("end")? },
-            Concat => Op::Concat { axis: out.usize("axis")? },
-            Reduce(op) => Op::Reduce { op, axes: out.list("axes")? },
-            MatMul => Op::MatMul { trans_a: out.bool("trans_a")?, trans_b: out.bool("trans_b")? },
-            Gather => Op::Gather,
-            ScatterAdd => match ty.shape.0.first() {
-                Some(rows) => Op::ScatterAdd { rows: rows.clone() },
-                None => return self.err(ty_pos, format!("`scatter_add` produces a rank-2 type, found declared {ty}")),
-            },
-            Gelu => Op::Gelu,
-            GeluGrad => Op::GeluGrad,
-            LayerNorm => Op::LayerNorm { eps: out.float("eps")? },
-            LayerNormGrad => Op::LayerNormGrad,
-            Softmax => Op::Softmax,
-            SoftmaxGrad => Op::SoftmaxGrad,
-            CrossEntropy => Op::CrossEntropy { vocab: out.int("vocab")? },
-            CrossEntropyGrad => Op::CrossEntropyGrad { vocab: out.int("vocab")? },
-            Attention => Op::Attention { heads: out.int("heads")?, scale: out.float("scale")? },
-            AttentionGrad => Op::AttentionGrad { heads: out.int("heads")?, scale: out.float("scale")? },
-            AdamW => Op::AdamW {
-                beta1: out.float("beta1")?,
-                beta2: out.float("beta2")?,
-                eps: out.float("eps")?,
-                weight_decay: out.float("weight_decay")?,
-            },
-        })
-    }
-}
-
-/// Typed access to one node's attributes.
-struct OpBuilder<'p, 'a> {
-    p: &'p Parser<'a>,
-    m: &'p str,
-    items: Vec<(String, Pos, Pos, AttrVal)>,
-    /// Where a missing attribute is reported (the op name).
-    missing_at: Pos,
-}
-
-impl OpBuilder<'_, '_> {
-    fn get(&mut self, key: &str) -> R<(Pos, AttrVal)> {
-        match self.items.iter().position(|(k, _, _, _)| k == key) {
-            Some(i) => {
-                let (_, _, p, v) = self.items.swap_remove(i);
-                Ok((p, v))
-            }
-            None => self.p.err(self.missing_at, format!("`{}` is missing attribute `{key}`", self.m)),
-        }
-    }
-
-    fn wrong<T>(&self, p: Pos, key: &str, want: &str, v: &AttrVal) -> R<T> {
-        let found = match v {
-            AttrVal::Num(s) => format!("`{}`", clip(s)),
-            AttrVal::Bool(b) => format!("`{b}`"),
-            AttrVal::List(_) => "a list".to_string(),
-        };
-        self.p.err(p, format!("attribute `{key}` of `{}` must be {want}, found {found}", self.m))
-    }
-
-    fn int(&mut self, key: &str) -> R<u64> {
-        match self.get(key)? {
-            (p, AttrVal::Num(s)) => self.p.int_of(&s, p),
-            (p, v) => self.wrong(p, key, "an integer", &v),
-        }
-    }
-
-    fn usize(&mut self, key: &str) -> R<usize> {
-        let at = self.items.iter().find(|(k, _, _, _)| k == key).map_or(self.missing_at, |(_, _, p, _)| *p);
-        let n = self.int(key)?;
-        usize::try_from(n).or_else(|_| self.p.err(at, format!("attribute `{key}` of `{}` is too large", self.m)))
-    }
-
-    fn float(&mut self, key: &str) -> R<f64> {
-        match self.get(key)? {
-            (p, AttrVal::Num(s)) => self.p.float_of(&s, p),
-            (p, v) => self.wrong(p, key, "a float", &v),
-        }
-    }
-
-    fn bool(&mut self, key: &str) -> R<bool> {
-        match self.get(key)? {
-            (_, AttrVal::Bool(b)) => Ok(b),
-            (p, v) => self.wrong(p, key, "`true` or `false`", &v),
-        }
-    }
-
-    fn list(&mut self, key: &str) -> R<Vec<usize>> {
-        match self.get(key)? {
-            (p, AttrVal::List(xs)) => xs
-                .into_iter()
-                .map(|x| usize::try_from(x).or_else(|_| self.p.err(p, format!("attribute `{key}` entry {x} is too large"))))
-                .collect(),
-            (p, v) => self.wrong(p, key, "a list `[...]`", &v),
-        }
     }
 }

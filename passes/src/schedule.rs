@@ -1,0 +1,480 @@
+//! `schedule`: reorders the nodes into the launch order, keeping peak live transient memory low.
+//!
+//! The result is the same graph (same nodes, same outputs) in a new topological order; values are
+//! renumbered because the printer numbers them by position. The order is chosen as follows.
+//!
+//! - `param` and `input` nodes come first, in their original order: they are the interface.
+//! - A *lazy* node (`const`, `iota`, and any node computed only from parameters, inputs and lazy
+//!   nodes, e.g. a bias broadcast or the token gather) is emitted right before its first user,
+//!   never on its own: running it earlier only lengthens its result's life.
+//! - Every other node is list-scheduled: among the ready nodes, take the one that maximizes
+//!   `bytes freed - bytes allocated` (its operands' buffers that it reads last, minus its new
+//!   results and the lazy nodes it pulls in); ties go to the earlier original node.
+//! - Writes over state are ordered after every read of the old value: a graph output named like a
+//!   parameter or input (written back in place by `memplan`) is produced only after every other
+//!   reader of that parameter, and so is a `gemm` that accumulates in place over its last operand.
+//!
+//! Memory model (shared with [`peak_bytes`]): a `reshape` result aliases its operand, an
+//! accumulating `gemm` writes over its accumulator, parameters, inputs and state outputs are
+//! persistent (not counted); every other result is allocated when its node runs and freed after
+//! the last node that reads it or a view of it (graph outputs are never freed). The candidate order
+//! is kept only if its peak under this model is not above the input order's (with sources hoisted),
+//! so `schedule` never makes the peak worse. Sizes use [`default_bindings`] (every symbolic dim 64)
+//! unless [`schedule_with`] is given a binding. Deterministic: no hash-order iteration anywhere.
+
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap};
+
+use fusec_ir::{Bindings, Graph, Op, ValueId};
+use smallvec::SmallVec;
+
+/// The value every symbolic dim takes in [`default_bindings`].
+pub const DEFAULT_DIM: u64 = 64;
+
+/// Binds every symbolic dim declared by `g` to [`DEFAULT_DIM`].
+pub fn default_bindings(g: &Graph) -> Bindings {
+    let mut b = Bindings::default();
+    for s in &g.syms {
+        b.set(s, DEFAULT_DIM);
+    }
+    b
+}
+
+/// Reorders `g` into a low-memory launch order, sizing tensors with [`default_bindings`].
+pub fn schedule(g: &Graph) -> Result<Graph, String> {
+    schedule_with(g, &default_bindings(g))
+}
+
+/// [`schedule`] with tensor sizes taken under `bind` (every symbolic dim must be bound).
+pub fn schedule_with(g: &Graph, bind: &Bindings) -> Result<Graph, String> {
+    let m = Model::new(g, bind)?;
+    let base = m.baseline_order();
+    let order = match m.list_order() {
+        Some(cand) => {
+            // A baseline that reads state after overwriting it is no baseline.
+            if !m.respects_war(&base) || m.peak(&cand) <= m.peak(&base) {
+                cand
+            } else {
+                base
+            }
+        }
+        // The state-ordering constraints form a cycle: the graph cannot run with in-place state
+        // write-back in any order; keep the input order and let `memplan` say why.
+        None => base,
+    };
+    Ok(reorder(g, &order))
+}
+
+/// The peak live transient bytes of `g`'s own node order under the module's memory model.
+pub fn peak_bytes(g: &Graph, bind: &Bindings) -> Result<u64, String> {
+    let m = Model::new(g, bind)?;
+    let order: Vec<usize> = (0..g.nodes.len()).collect();
+    Ok(m.peak(&order))
+}
+
+/// A copy of `g` with its nodes in `order` (a permutation of node indices that is topological),
+/// values renumbered in the new order.
+pub fn reorder(g: &Graph, order: &[usize]) -> Graph {
+    let mut out = Graph { name: g.name.clone(), syms: g.syms.clone(), ..Graph::default() };
+    let mut map = vec![ValueId(u32::MAX); g.values.len()];
+    for &ni in order {
+        let n = &g.nodes[ni];
+        let ins: Vec<ValueId> = n.inputs.iter().map(|v| map[v.0 as usize]).collect();
+        let tys = n.results.iter().map(|r| g.ty(*r).clone()).collect();
+        let rs = out.push_unchecked(n.op.clone(), &ins, tys);
+        for (old, new) in n.results.iter().zip(rs) {
+            map[old.0 as usize] = new;
+        }
+    }
+    out.outputs = g.outputs.iter().map(|(n, v)| (n.clone(), map[v.0 as usize])).collect();
+    out
+}
+
+/// The value whose buffer `v` shares by view (following `reshape` operands).
+pub(crate) fn view_bases(g: &Graph) -> Vec<u32> {
+    let mut base: Vec<u32> = (0..g.values.len() as u32).collect();
+    for n in &g.nodes {
+        if matches!(n.op, Op::Reshape { .. }) {
+            base[n.results[0].0 as usize] = base[n.inputs[0].0 as usize];
+        }
+    }
+    base
+}
+
+/// Write-after-read constraints `(reader, writer)`: every node reading the old value of state
+/// (or of an accumulating `gemm`'s accumulator, or a view of it) runs before the writer.
+pub(crate) fn war_edges(g: &Graph, base: &[u32]) -> Vec<(usize, usize)> {
+    let producer = |v: u32| g.values[v as usize].node.0 as usize;
+    let names: HashMap<&str, u32> = g
+        .nodes
+        .iter()
+        .filter_map(|n| match &n.op {
+            Op::Param { name, .. } | Op::Input { name, .. } => Some((name.as_str(), n.results[0].0)),
+            _ => None,
+        })
+        .collect();
+    // (old base, writer node)
+    let mut writes: Vec<(u32, usize)> = vec![];
+    for (name, v) in &g.outputs {
+        if let Some(&x) = names.get(name.as_str()) {
+            let b = base[v.0 as usize];
+            if b != x && !g.nodes[producer(b)].op.is_source() {
+                writes.push((x, producer(b)));
+            }
+        }
+    }
+    for (i, n) in g.nodes.iter().enumerate() {
+        if let Op::Gemm(gm) = &n.op {
+            if let (true, Some(acc)) = (gm.accumulate, n.inputs.last()) {
+                writes.push((base[acc.0 as usize], i));
+            }
+        }
+    }
+    if writes.is_empty() {
+        return vec![];
+    }
+    let mut written = vec![false; g.values.len()];
+    for &(b, _) in &writes {
+        written[b as usize] = true;
+    }
+    let mut readers: Vec<Vec<usize>> = vec![vec![]; g.values.len()];
+    for (i, n) in g.nodes.iter().enumerate() {
+        for v in &n.inputs {
+            let b = base[v.0 as usize] as usize;
+            if written[b] && readers[b].last() != Some(&i) {
+                readers[b].push(i);
+            }
+        }
+    }
+    let mut edges: Vec<(usize, usize)> = writes
+        .iter()
+        .flat_map(|&(b, w)| readers[b as usize].iter().filter(move |&&r| r != w).map(move |&r| (r, w)))
+        .collect();
+    edges.sort_unstable();
+    edges.dedup();
+    edges
+}
+
+/// The scheduler's view of the graph: buffers, their sizes and their readers.
+struct Model<'g> {
+    g: &'g Graph,
+    /// Per value: the value that owns its buffer (views and accumulators share one).
+    root: Vec<u32>,
+    /// Per value: it is a new transient buffer (its own root, not persistent).
+    new_buf: Vec<bool>,
+    /// Per value: bytes under the binding.
+    bytes: Vec<u64>,
+    /// Per root: never freed (persistent, or held by a graph output).
+    keep: Vec<bool>,
+    /// Per root: distinct nodes reading it (through any alias), in node order.
+    users: Vec<Vec<u32>>,
+    /// Per node: distinct roots of its operands.
+    node_roots: Vec<SmallVec<[u32; 4]>>,
+    /// Write-after-read constraints `(reader, writer)`.
+    war: Vec<(usize, usize)>,
+}
+
+impl<'g> Model<'g> {
+    fn new(g: &'g Graph, bind: &Bindings) -> Result<Model<'g>, String> {
+        let nv = g.values.len();
+        let base = view_bases(g);
+        let mut root: Vec<u32> = (0..nv as u32).collect();
+        let mut persistent = vec![false; nv];
+        for n in &g.nodes {
+            match &n.op {
+                Op::Reshape { .. } => root[n.results[0].0 as usize] = root[n.inputs[0].0 as usize],
+                Op::Gemm(gm) if gm.accumulate => {
+                    if let Some(acc) = n.inputs.last() {
+                        root[n.results[0].0 as usize] = root[acc.0 as usize];
+                    }
+                }
+                Op::Param { .. } | Op::Input { .. } => persistent[n.results[0].0 as usize] = true,
+                _ => {}
+            }
+        }
+        let names: HashMap<&str, ()> = g
+            .nodes
+            .iter()
+            .filter_map(|n| match &n.op {
+                Op::Param { name, .. } | Op::Input { name, .. } => Some((name.as_str(), ())),
+                _ => None,
+            })
+            .collect();
+        let mut keep = vec![false; nv];
+        for (name, v) in &g.outputs {
+            let r = root[v.0 as usize] as usize;
+            keep[r] = true;
+            if names.contains_key(name.as_str()) {
+                persistent[r] = true;
+            }
+        }
+        let mut bytes = vec![0u64; nv];
+        for (v, info) in g.values.iter().enumerate() {
+            bytes[v] = info.ty.bytes(bind).map_err(|e| format!("schedule: {e}"))? as u64;
+        }
+        let mut new_buf = vec![false; nv];
+        for v in 0..nv {
+            new_buf[v] = root[v] as usize == v && !persistent[v];
+            keep[v] |= persistent[v];
+        }
+        let mut users: Vec<Vec<u32>> = vec![vec![]; nv];
+        let mut node_roots = Vec::with_capacity(g.nodes.len());
+        for (i, n) in g.nodes.iter().enumerate() {
+            let mut rs: SmallVec<[u32; 4]> = SmallVec::new();
+            for v in &n.inputs {
+                let r = root[v.0 as usize];
+                if !rs.contains(&r) {
+                    rs.push(r);
+                    users[r as usize].push(i as u32);
+                }
+            }
+            node_roots.push(rs);
+        }
+        let war = war_edges(g, &base);
+        Ok(Model { g, root, new_buf, bytes, keep, users, node_roots, war })
+    }
+
+    /// The input order with parameters and inputs hoisted to the front.
+    fn baseline_order(&self) -> Vec<usize> {
+        let n = self.g.nodes.len();
+        let is_iface = |i: &usize| matches!(self.g.nodes[*i].op, Op::Param { .. } | Op::Input { .. });
+        let mut order: Vec<usize> = (0..n).filter(is_iface).collect();
+        order.extend((0..n).filter(|i| !is_iface(i)));
+        order
+    }
+
+    fn respects_war(&self, order: &[usize]) -> bool {
+        let mut pos = vec![0usize; self.g.nodes.len()];
+        for (p, &n) in order.iter().enumerate() {
+            pos[n] = p;
+        }
+        self.war.iter().all(|&(r, w)| pos[r] < pos[w])
+    }
+
+    /// Peak live transient bytes of a complete order.
+    fn peak(&self, order: &[usize]) -> u64 {
+        let mut remaining: Vec<u32> = self.users.iter().map(|u| u.len() as u32).collect();
+        let (mut live, mut peak) = (0u64, 0u64);
+        for &ni in order {
+            let n = &self.g.nodes[ni];
+            for r in &n.results {
+                if self.new_buf[r.0 as usize] {
+                    live += self.bytes[r.0 as usize];
+                }
+            }
+            peak = peak.max(live);
+            for &r in &self.node_roots[ni] {
+                remaining[r as usize] -= 1;
+                if remaining[r as usize] == 0 && !self.keep[r as usize] {
+                    live -= self.bytes[r as usize];
+                }
+            }
+            for r in &n.results {
+                let r = r.0 as usize;
+                if self.new_buf[r] && self.users[r].is_empty() && !self.keep[r] {
+                    live -= self.bytes[r];
+                }
+            }
+        }
+        peak
+    }
+
+    /// The list-scheduled order, or `None` when the constraints have a cycle.
+    fn list_order(&self) -> Option<Vec<usize>> {
+        let g = self.g;
+        let nn = g.nodes.len();
+        let producer = |v: &ValueId| g.values[v.0 as usize].node.0 as usize;
+        let is_iface = |i: usize| matches!(g.nodes[i].op, Op::Param { .. } | Op::Input { .. });
+        let mut war_target = vec![false; nn];
+        let mut war_preds: Vec<Vec<usize>> = vec![vec![]; nn];
+        for &(r, w) in &self.war {
+            war_target[w] = true;
+            war_preds[w].push(r);
+        }
+        let mut has_user = vec![false; nn];
+        for n in &g.nodes {
+            for v in &n.inputs {
+                has_user[producer(v)] = true;
+            }
+        }
+        // Lazy nodes, in input (topological) order.
+        let mut lazy = vec![false; nn];
+        for (i, n) in g.nodes.iter().enumerate() {
+            lazy[i] = !is_iface(i)
+                && has_user[i]
+                && !war_target[i]
+                && n.inputs.iter().all(|v| {
+                    let p = producer(v);
+                    is_iface(p) || lazy[p]
+                });
+        }
+        // Predecessors: regular ones gate readiness, lazy ones are emitted on demand.
+        let mut deps = vec![0u32; nn];
+        let mut succs: Vec<Vec<u32>> = vec![vec![]; nn];
+        let mut lazy_preds: Vec<SmallVec<[u32; 4]>> = vec![SmallVec::new(); nn];
+        for i in 0..nn {
+            let preds = g.nodes[i].inputs.iter().map(producer).chain(war_preds[i].iter().copied());
+            let mut seen: SmallVec<[usize; 8]> = SmallVec::new();
+            for p in preds {
+                if seen.contains(&p) || is_iface(p) {
+                    continue;
+                }
+                seen.push(p);
+                if lazy[p] {
+                    lazy_preds[i].push(p as u32);
+                } else {
+                    deps[i] += 1;
+                    succs[p].push(i as u32);
+                }
+            }
+        }
+        let mut st = ListState {
+            m: self,
+            lazy: &lazy,
+            lazy_preds: &lazy_preds,
+            remaining: self.users.iter().map(|u| u.len() as u32).collect(),
+            done: vec![false; nn],
+            deps,
+            version: vec![0; nn],
+            heap: BinaryHeap::new(),
+            order: Vec::with_capacity(nn),
+            stamp: vec![0; nn],
+            epoch: 0,
+        };
+        for i in (0..nn).filter(|&i| is_iface(i)) {
+            st.emit_one(i);
+        }
+        for i in 0..nn {
+            if !lazy[i] && !st.done[i] && st.deps[i] == 0 {
+                st.refresh(i);
+            }
+        }
+        while let Some((_, Reverse(i), ver)) = st.heap.pop() {
+            let i = i as usize;
+            if st.done[i] || ver != st.version[i] {
+                continue;
+            }
+            st.emit_with_lazy(i);
+            for &s in &succs[i] {
+                let s = s as usize;
+                st.deps[s] -= 1;
+                if st.deps[s] == 0 {
+                    st.refresh(s);
+                }
+            }
+        }
+        // Lazy nodes are emitted by their users; any left (none in a well-formed graph) go last.
+        for i in 0..nn {
+            if lazy[i] && !st.done[i] {
+                st.emit_with_lazy(i);
+            }
+        }
+        (st.order.len() == nn).then_some(st.order)
+    }
+}
+
+/// Mutable state of the list scheduler.
+struct ListState<'a, 'g> {
+    m: &'a Model<'g>,
+    lazy: &'a [bool],
+    lazy_preds: &'a [SmallVec<[u32; 4]>],
+    /// Per root: distinct reader nodes not yet emitted.
+    remaining: Vec<u32>,
+    done: Vec<bool>,
+    deps: Vec<u32>,
+    /// Per node: bumped on every priority change; stale heap entries are skipped.
+    version: Vec<u32>,
+    heap: BinaryHeap<(i64, Reverse<u32>, u32)>,
+    order: Vec<usize>,
+    /// Visit marks for the lazy closure walk.
+    stamp: Vec<u32>,
+    epoch: u32,
+}
+
+impl ListState<'_, '_> {
+    /// Recomputes the priority of a ready regular node and queues it.
+    fn refresh(&mut self, i: usize) {
+        let p = self.priority(i);
+        self.version[i] += 1;
+        self.heap.push((p, Reverse(i as u32), self.version[i]));
+    }
+
+    /// `bytes freed - bytes allocated` if `i` (with its pending lazy predecessors) ran now.
+    fn priority(&mut self, i: usize) -> i64 {
+        let m = self.m;
+        let mut alloc = self.new_bytes(i);
+        self.epoch += 1;
+        let mut stack: Vec<u32> = self.lazy_preds[i].to_vec();
+        while let Some(p) = stack.pop() {
+            let p = p as usize;
+            if self.done[p] || self.stamp[p] == self.epoch {
+                continue;
+            }
+            self.stamp[p] = self.epoch;
+            alloc += self.new_bytes(p);
+            stack.extend(self.lazy_preds[p].iter().copied());
+        }
+        let freed: u64 = m.node_roots[i]
+            .iter()
+            .filter(|&&r| !m.keep[r as usize] && self.remaining[r as usize] == 1)
+            .map(|&r| m.bytes[r as usize])
+            .sum();
+        freed as i64 - alloc as i64
+    }
+
+    /// Bytes of the new transient results of node `i` that outlive it.
+    fn new_bytes(&self, i: usize) -> u64 {
+        let m = self.m;
+        m.g.nodes[i]
+            .results
+            .iter()
+            .map(|r| r.0 as usize)
+            .filter(|&r| m.new_buf[r] && (!m.users[r].is_empty() || m.keep[r]))
+            .map(|r| m.bytes[r])
+            .sum()
+    }
+
+    /// Emits the pending lazy predecessors of `i` (depth first, in operand order), then `i`.
+    fn emit_with_lazy(&mut self, i: usize) {
+        for k in 0..self.lazy_preds[i].len() {
+            let p = self.lazy_preds[i][k] as usize;
+            if !self.done[p] {
+                self.emit_with_lazy(p);
+            }
+        }
+        self.emit_one(i);
+    }
+
+    /// Appends node `i` and updates the readers' counts and affected priorities.
+    fn emit_one(&mut self, i: usize) {
+        let m = self.m;
+        self.done[i] = true;
+        self.order.push(i);
+        for &r in &m.node_roots[i] {
+            let r = r as usize;
+            self.remaining[r] -= 1;
+            if self.remaining[r] == 1 && !m.keep[r] {
+                // The one reader left now frees this buffer: it gains priority.
+                if let Some(&u) = m.users[r].iter().find(|&&u| !self.done[u as usize]) {
+                    self.requeue(u as usize);
+                }
+            }
+        }
+        if self.lazy[i] {
+            // Its users no longer pay for it.
+            for r in &m.g.nodes[i].results {
+                let root = m.root[r.0 as usize] as usize;
+                for k in 0..m.users[root].len() {
+                    self.requeue(m.users[root][k] as usize);
+                }
+            }
+        }
+    }
+
+    /// Refreshes `u`'s priority if it is queued (a ready, regular, pending node).
+    fn requeue(&mut self, u: usize) {
+        if !self.done[u] && !self.lazy[u] && self.deps[u] == 0 && self.version[u] > 0 {
+            self.refresh(u);
+        }
+    }
+}
