@@ -2,6 +2,7 @@
 
 mod cmd_dump;
 mod cmd_export;
+mod cmd_prepare;
 mod cmd_run;
 
 use clap::{Parser, Subcommand};
@@ -23,6 +24,8 @@ enum Command {
     Export(cmd_export::ExportArgs),
     /// Evaluate or train a graph on a target.
     Run(cmd_run::RunArgs),
+    /// Tokenize text with GPT-2 BPE into llm.c token files (train and val).
+    Prepare(cmd_prepare::PrepareArgs),
 }
 
 /// An error for the user: printed as `error: ...`, exit code 2.
@@ -34,6 +37,7 @@ fn main() -> ExitCode {
         Command::Dump(a) => cmd_dump::dump(a),
         Command::Export(a) => cmd_export::export(a),
         Command::Run(a) => cmd_run::run(a),
+        Command::Prepare(a) => cmd_prepare::prepare(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

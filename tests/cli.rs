@@ -20,7 +20,7 @@ fn text(b: &[u8]) -> String {
 
 #[test]
 fn every_command_has_help() {
-    for args in [vec!["--help"], vec!["dump", "--help"], vec!["export", "--help"], vec!["run", "--help"]] {
+    for args in [vec!["--help"], vec!["dump", "--help"], vec!["export", "--help"], vec!["run", "--help"], vec!["prepare", "--help"]] {
         let o = fusec(&args);
         assert!(o.status.success(), "{args:?}");
         assert!(text(&o.stdout).contains("Usage"), "{args:?}");

@@ -36,7 +36,7 @@ pub struct ValueInfo {
     /// The producing node.
     pub node: NodeId,
     /// Which result of that node.
-    pub index: u8,
+    pub index: u16,
 }
 
 /// A whole program: symbolic dims, nodes in order, and named outputs.
@@ -79,7 +79,7 @@ impl Graph {
         let mut results = SmallVec::new();
         for (i, ty) in tys.into_iter().enumerate() {
             let id = ValueId(self.values.len() as u32);
-            self.values.push(ValueInfo { ty, node, index: i as u8 });
+            self.values.push(ValueInfo { ty, node, index: i as u16 });
             results.push(id);
         }
         self.nodes.push(Node { op, inputs: inputs.iter().copied().collect(), results: results.clone() });

@@ -7,61 +7,74 @@
 //!
 //! - **A. Pointwise.** Elementwise ops ([`Op::is_elementwise`]) that all produce one shape, the
 //!   kernel's *domain*.
-//! - **B. Reduction.** One or more `reduce` ops (sum or max) over the same operand shape `D` and
-//!   the same axes, a pointwise *prologue* on `D` (the ops feeding them, and other ops on `D`
-//!   that do not depend on a reduction), and a pointwise *epilogue* on the reduced shape `R`
-//!   (ops that depend on a reduction result). Nothing computed after a reduction flows back
-//!   into `D`: a reduction result that is broadcast back, or reduced again, is exported and read
-//!   by a new kernel.
+//! - **B. Reduction.** One or more `reduce` ops (sum or max) of operands of one shape `D` over
+//!   the same axes; a pointwise *prologue* on `D` (the ops feeding them, and other ops on `D`);
+//!   a pointwise *epilogue* on the reduced shape `R` (the ops on the reduction results, and other
+//!   ops on `R`, all evaluated once the reductions are done). Nothing in the epilogue flows back
+//!   into the prologue or into a reduction: a reduction result that is broadcast back to `D`,
+//!   or reduced again, is exported and read by a new kernel.
 //! - **C. Composite.** One composite row op (`layernorm`, `layernorm_grad`, `softmax`,
-//!   `softmax_grad`, `cross_entropy`, `cross_entropy_grad`), a pointwise prologue made only of
-//!   ops that feed it (each op has the shape of the operand it feeds, so it can be evaluated
-//!   where the composite loads that operand), and a pointwise epilogue on its results (each op
-//!   has the shape of a result; it may also read prologue values of that shape).
+//!   `softmax_grad`, `cross_entropy`, `cross_entropy_grad`); a pointwise prologue made only of
+//!   ops that feed it (each on the shape of the operand it feeds, so it can be evaluated where
+//!   the composite loads that operand); a pointwise epilogue of ops on the shapes of its results
+//!   (evaluated where the composite stores a result; they may read the composite's results,
+//!   prologue values and operands of that shape).
 //! - **D. Multi-tensor AdamW.** Every `adamw` update of the graph in one kernel named `adamw`
-//!   (operands such as `lr`, `bc1`, `bc2` are shared), each update with a pointwise prologue on
-//!   its parameter's shape made of ops that feed nothing but that update (gradient accumulation
-//!   adds, clipping multiplies). Updates are independent, so each tensor is its own domain.
+//!   (or a few: at most [`MAX_RESULTS`] results each), operands such as `lr`, `bc1`, `bc2`
+//!   shared, each update with a pointwise prologue on its parameter's shape made of ops that
+//!   feed nothing but that update (gradient accumulation adds, clipping multiplies). The updates
+//!   are independent: each tensor is its own domain.
 //!
 //! In every form, `const` and `iota` nodes, and `broadcast` and `reshape` nodes of values
 //! computed *outside* the kernel, are copied into the body of each kernel that uses them (a
 //! broadcast of an outside value becomes a broadcast of a kernel operand). They stay in the
-//! outer graph only where something else (a matmul, an output) uses them. Never fused (their
+//! outer graph only where something unfused (a matmul, an output) uses them. Never fused (their
 //! own launches): `matmul`, `gemm`, `attention(_grad)`, `gather`, `scatter_add`, `concat`,
-//! `slice`, `permute`, `param`, `input` and existing kernels (kernels do not nest).
+//! `slice`, `permute`, `param`, `input` and existing kernels (kernels do not nest). Dead nodes
+//! are dropped.
 //!
 //! A body's `input` nodes, in order, are the kernel's operands, in first-use order; its outputs,
 //! in order, are every member value used outside the kernel (a multi-output kernel; no value is
 //! ever recomputed), in program order. Bodies are built canonically (inputs `in0, in1, ..`,
 //! outputs `out0, ..`, named after the kernel), so identical groups, such as the same LayerNorm
-//! in every layer, get identical bodies and compile once. A group whose ops read no operand at
-//! all (only constants) stays unfused.
+//! in every layer, get identical bodies and compile once. A kernel is named after the mnemonics
+//! of its ops in program order without repeats, whole words up to [`MAX_NAME`] characters
+//! (`add_layernorm`, `gelu_grad_reduce_sum_add`). A group whose ops read no operand at all (only
+//! constants) stays unfused.
 //!
 //! # The greedy algorithm and its rules
 //!
 //! Nodes are visited once, in program order. A fusible node joins the groups of the values it
-//! reads, candidate by candidate in operand order, when the merge is legal; otherwise it starts
-//! a group. Each refused candidate is recorded in the [`FusionLog`] under one of these rules:
+//! reads (through absorbed broadcasts and reshapes), candidate by candidate in operand order,
+//! when the merge is legal; each refused candidate is recorded in the [`FusionLog`] as
+//! `%N (op)`, `%N` naming the value in the input graph. A node that joins no producer's group
+//! may join an open group that reads one of the same operands (horizontal fusion: the operand is
+//! read once; not logged); otherwise it starts a group. An `adamw` node joins the open AdamW
+//! group with the pointwise groups that compute only its operands. The rules:
 //!
-//! - `not-fusible`: the value comes from an op that is never fused (or from the AdamW kernel,
-//!   which takes no epilogue; or a would-be AdamW prologue that does not feed only AdamW).
-//! - `cycle`: the group already has a result read outside it. Groups *close* once a result
-//!   escapes; only open groups grow. This rules out the classic fusion bug (a path from the
-//!   group through an outside node back into it: `a`, `matmul(a)`, `add(a, matmul(a))`) and
-//!   keeps launch order equal to program order at each group's last op. The detail says whether
-//!   a real path exists (most refusals) or the group is merely closed.
-//! - `domain-mismatch`: the shapes do not fit the form (pointwise domains differ, reductions
-//!   over different shapes or axes, a value read through a broadcast or reshape of a member, an
-//!   op that would not feed the composite).
+//! - `not-fusible`: the value comes from an op that is never fused (once per op), or from the
+//!   AdamW kernel (no epilogue), or would be an AdamW prologue but is read elsewhere too.
+//! - `domain-mismatch`: the shapes do not fit the form (pointwise domains differ, reductions of
+//!   other shapes or over other axes, a member value read through a broadcast or reshape, an op
+//!   that would not feed the composite or is not on its result shapes).
 //! - `recompute-in-reduction`: the op needs a value computed after the group's reduction inside
 //!   the reduction's own domain (broadcast back, or reduced again): the kernel would have to
 //!   recompute the reduction, so the value is exported and read by a new kernel instead.
 //! - `one-composite-per-kernel`: a second composite, or a composite and a reduction.
+//! - `cycle` (checked after the structural rules): the group already has a result read outside
+//!   it. Groups *close* once a result escapes, and only open groups grow. This rules out the
+//!   classic fusion bug, a path from the group through an outside node back into it (`a`,
+//!   `y = matmul(a)`, `add(a, y)`), and makes every group's last op a valid launch position.
+//!   The detail says whether such a path exists (most refusals) or the group is only closed.
 //! - `read-count-limit`: the kernel would read more than [`MAX_READS`] distinct operands (the
 //!   AdamW kernel is exempt).
+//! - `result-count-limit`: the kernel's ops would have more than [`MAX_RESULTS`] results; for
+//!   the AdamW updates this starts the next `adamw` kernel (GPT-2 124M: two).
 //!
-//! The pass is linear in the graph size except for the `cycle` diagnostics, which search only
-//! the units between the group and the refused op.
+//! The pass is linear in the graph size (GPT-2 124M's training graph: a few ms) except for the
+//! `cycle` details, whose search visits only the units between the group and the refused op.
+//! It must run after `fuse-epilogue` and `fuse-grad-accum`: the bias adds, GELUs and gradient
+//! accumulations they fold into matmuls would otherwise end up in kernels.
 
 mod emit;
 mod group;
@@ -76,6 +89,10 @@ pub const PASS: &str = "fuse-elementwise";
 
 /// The most distinct operands a kernel other than the AdamW kernel may read.
 pub const MAX_READS: usize = 8;
+
+/// The most results a kernel may have: the IR numbers a node's results with a `u16`
+/// (`ValueInfo::index`).
+pub const MAX_RESULTS: usize = u16::MAX as usize;
 
 /// Kernel names are cut to this many characters (at a `_` boundary).
 pub const MAX_NAME: usize = 40;

@@ -44,12 +44,14 @@ struct Plan {
 }
 
 /// Rewrites every legal LayerNorm, softmax and cross-entropy pattern of `g` into its composite,
-/// recording refused candidates in `log`. Returns `g` unchanged (not even dead code removed) when
-/// nothing fuses.
+/// recording refused candidates in `log`. Candidates whose root is dead are ignored. Returns `g`
+/// unchanged when nothing fuses; otherwise every node left dead is removed (the replaced
+/// patterns' intermediates, and any code that was dead before).
 pub fn fuse_layernorm(g: &Graph, log: &mut FusionLog) -> Result<Graph, String> {
     let v = View::new(g);
     let mut plans: HashMap<usize, Plan> = HashMap::new();
     for (i, n) in g.nodes.iter().enumerate() {
+        // Dead candidates are not worth a refusal line: DCE removes them anyway.
         if !v.live[i] || n.results.len() != 1 {
             continue;
         }

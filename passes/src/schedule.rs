@@ -14,13 +14,20 @@
 //!   parameter or input (written back in place by `memplan`) is produced only after every other
 //!   reader of that parameter, and so is a `gemm` that accumulates in place over its last operand.
 //!
-//! Memory model (shared with [`peak_bytes`]): a `reshape` result aliases its operand, an
-//! accumulating `gemm` writes over its accumulator, parameters, inputs and state outputs are
-//! persistent (not counted); every other result is allocated when its node runs and freed after
-//! the last node that reads it or a view of it (graph outputs are never freed). The candidate order
-//! is kept only if its peak under this model is not above the input order's (with sources hoisted),
-//! so `schedule` never makes the peak worse. Sizes use [`default_bindings`] (every symbolic dim 64)
-//! unless [`schedule_with`] is given a binding. Deterministic: no hash-order iteration anywhere.
+//! Memory model (shared with [`peak_bytes`]; it mirrors `memplan`'s lower bound): a `reshape`
+//! result aliases its operand, an accumulating `gemm` writes over its accumulator, parameters,
+//! inputs, state outputs and elementwise accumulations into a `grad.P` input are persistent (not
+//! counted); every other result is allocated when its node runs and freed after the last node that
+//! reads it or a view of it (graph outputs are never freed), and a result that an elementwise op
+//! may write over an operand read for the last time adds nothing at that step.
+//!
+//! Never worse than the input order: three kinds of order are compared under this model, the
+//! input order (sources hoisted), the input order with lazy nodes moved to their first user, and
+//! the memory-greedy order; a later one is taken only if its peak is no higher under every probe
+//! binding (the greedy one: and strictly lower under one). [`schedule`] probes every symbolic dim
+//! at 64 ([`default_bindings`]: activations weigh most) and at 1 (parameter-sized tensors weigh
+//! most); [`schedule_with`] uses the one binding it is given (use it when the sizes are known).
+//! Deterministic: no hash-order iteration anywhere.
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
@@ -28,41 +35,66 @@ use std::collections::{BinaryHeap, HashMap};
 use fusec_ir::{Bindings, Graph, Op, ValueId};
 use smallvec::SmallVec;
 
+use crate::memplan::buffers::in_place_options;
+
 /// The value every symbolic dim takes in [`default_bindings`].
 pub const DEFAULT_DIM: u64 = 64;
 
 /// Binds every symbolic dim declared by `g` to [`DEFAULT_DIM`].
 pub fn default_bindings(g: &Graph) -> Bindings {
+    bind_all(g, DEFAULT_DIM)
+}
+
+fn bind_all(g: &Graph, value: u64) -> Bindings {
     let mut b = Bindings::default();
     for s in &g.syms {
-        b.set(s, DEFAULT_DIM);
+        b.set(s, value);
     }
     b
 }
 
-/// Reorders `g` into a low-memory launch order, sizing tensors with [`default_bindings`].
+/// Reorders `g` into a low-memory launch order for unknown sizes: candidates are judged under
+/// [`default_bindings`] and under every symbolic dim = 1 (where parameter-sized tensors weigh
+/// most), and one is taken only if it is no worse under both.
 pub fn schedule(g: &Graph) -> Result<Graph, String> {
-    schedule_with(g, &default_bindings(g))
+    let mut probes = vec![default_bindings(g)];
+    if !g.syms.is_empty() {
+        probes.push(bind_all(g, 1));
+    }
+    schedule_for(g, &probes)
 }
 
-/// [`schedule`] with tensor sizes taken under `bind` (every symbolic dim must be bound).
+/// [`schedule`] for known sizes: tensors are sized under `bind` (every symbolic dim bound).
 pub fn schedule_with(g: &Graph, bind: &Bindings) -> Result<Graph, String> {
-    let m = Model::new(g, bind)?;
-    let base = m.baseline_order();
-    let order = match m.list_order() {
-        Some(cand) => {
-            // A baseline that reads state after overwriting it is no baseline.
-            if !m.respects_war(&base) || m.peak(&cand) <= m.peak(&base) {
-                cand
-            } else {
-                base
-            }
+    schedule_for(g, std::slice::from_ref(bind))
+}
+
+/// Picks among the input order (sources hoisted), the input order with lazy nodes moved to their
+/// first user, and the memory-greedy order under each probe binding: a later one replaces the
+/// current choice when it is no worse under every probe (and, for the greedy orders, strictly
+/// better under one), or when the current choice violates a state-ordering constraint.
+fn schedule_for(g: &Graph, probes: &[Bindings]) -> Result<Graph, String> {
+    let models = probes.iter().map(|b| Model::new(g, b)).collect::<Result<Vec<_>, _>>()?;
+    let peaks = |o: &[usize]| models.iter().map(|m| m.peak(o)).collect::<Vec<u64>>();
+    let m0 = &models[0];
+    let mut best = m0.baseline_order();
+    let mut best_peaks = peaks(&best);
+    let mut consider = |cand: Option<Vec<usize>>, need_better: bool| {
+        // `None`: the state-ordering constraints form a cycle; `memplan` will say why.
+        let Some(cand) = cand else { return };
+        let p = peaks(&cand);
+        let no_worse = p.iter().zip(&best_peaks).all(|(a, b)| a <= b);
+        let better = p.iter().zip(&best_peaks).any(|(a, b)| a < b);
+        if !m0.respects_war(&best) || (no_worse && (better || !need_better)) {
+            best = cand;
+            best_peaks = p;
         }
-        // The state-ordering constraints form a cycle: the graph cannot run with in-place state
-        // write-back in any order; keep the input order and let `memplan` say why.
-        None => base,
     };
-    Ok(reorder(g, &order))
+    consider(m0.list_order(false), false);
+    for m in &models {
+        consider(m.list_order(true), true);
+    }
+    Ok(reorder(g, &best))
 }
 
 /// The peak live transient bytes of `g`'s own node order under the module's memory model.
@@ -170,6 +202,8 @@ struct Model<'g> {
     users: Vec<Vec<u32>>,
     /// Per node: distinct roots of its operands.
     node_roots: Vec<SmallVec<[u32; 4]>>,
+    /// Per node: results that may be written in place over one of these operands.
+    inplace: Vec<SmallVec<[(u32, SmallVec<[u32; 4]>); 1]>>,
     /// Write-after-read constraints `(reader, writer)`.
     war: Vec<(usize, usize)>,
 }
@@ -177,29 +211,68 @@ struct Model<'g> {
 impl<'g> Model<'g> {
     fn new(g: &'g Graph, bind: &Bindings) -> Result<Model<'g>, String> {
         let nv = g.values.len();
-        let base = view_bases(g);
-        let mut root: Vec<u32> = (0..nv as u32).collect();
-        let mut persistent = vec![false; nv];
+        let mut bytes = vec![0u64; nv];
+        for (v, info) in g.values.iter().enumerate() {
+            bytes[v] = info.ty.bytes(bind).map_err(|e| format!("schedule: {e}"))? as u64;
+        }
+        let mut is_output = vec![false; nv];
+        for (_, v) in &g.outputs {
+            is_output[v.0 as usize] = true;
+        }
+        let mut readers = vec![0u32; nv];
         for n in &g.nodes {
-            match &n.op {
-                Op::Reshape { .. } => root[n.results[0].0 as usize] = root[n.inputs[0].0 as usize],
-                Op::Gemm(gm) if gm.accumulate => {
-                    if let Some(acc) = n.inputs.last() {
-                        root[n.results[0].0 as usize] = root[acc.0 as usize];
-                    }
+            for (k, v) in n.inputs.iter().enumerate() {
+                if !n.inputs[..k].contains(v) {
+                    readers[v.0 as usize] += 1;
                 }
-                Op::Param { .. } | Op::Input { .. } => persistent[n.results[0].0 as usize] = true,
-                _ => {}
             }
         }
-        let names: HashMap<&str, ()> = g
-            .nodes
-            .iter()
-            .filter_map(|n| match &n.op {
-                Op::Param { name, .. } | Op::Input { name, .. } => Some((name.as_str(), ())),
+        let mut names: HashMap<&str, bool> = HashMap::new();
+        for n in &g.nodes {
+            match &n.op {
+                Op::Param { name, .. } => names.insert(name.as_str(), true),
+                Op::Input { name, .. } => names.insert(name.as_str(), false),
                 _ => None,
-            })
-            .collect();
+            };
+        }
+        // Gradient accumulators: `memplan` accumulates into them in place.
+        let is_acc = |n: &fusec_ir::Node| match &n.op {
+            Op::Input { name, .. } => name.strip_prefix("grad.").is_some_and(|p| names.get(p) == Some(&true)),
+            _ => false,
+        };
+        let mut root: Vec<u32> = (0..nv as u32).collect();
+        let mut persistent = vec![false; nv];
+        let mut acc = vec![false; nv];
+        let mut inplace = vec![SmallVec::new(); g.nodes.len()];
+        for (i, n) in g.nodes.iter().enumerate() {
+            let r0 = n.results.first().map_or(0, |r| r.0 as usize);
+            match &n.op {
+                Op::Reshape { .. } => root[r0] = root[n.inputs[0].0 as usize],
+                Op::Gemm(gm) if gm.accumulate => {
+                    if let Some(a) = n.inputs.last() {
+                        root[r0] = root[a.0 as usize];
+                    }
+                }
+                Op::Param { .. } | Op::Input { .. } => {
+                    persistent[r0] = true;
+                    acc[r0] = is_acc(n);
+                }
+                _ => {
+                    let opts = in_place_options(n, g);
+                    for (ri, cands) in opts.candidates.iter().enumerate() {
+                        let r = n.results[ri].0 as usize;
+                        let into_acc = cands.iter().map(|&k| n.inputs[k].0 as usize).find(|&o| {
+                            acc[root[o] as usize] && readers[o] == 1 && !is_output[o] && bytes[o] == bytes[r]
+                        });
+                        match into_acc {
+                            Some(o) => root[r] = root[o],
+                            None if !cands.is_empty() => inplace[i].push((r as u32, cands.iter().map(|&k| n.inputs[k].0).collect())),
+                            None => {}
+                        }
+                    }
+                }
+            }
+        }
         let mut keep = vec![false; nv];
         for (name, v) in &g.outputs {
             let r = root[v.0 as usize] as usize;
@@ -207,10 +280,6 @@ impl<'g> Model<'g> {
             if names.contains_key(name.as_str()) {
                 persistent[r] = true;
             }
-        }
-        let mut bytes = vec![0u64; nv];
-        for (v, info) in g.values.iter().enumerate() {
-            bytes[v] = info.ty.bytes(bind).map_err(|e| format!("schedule: {e}"))? as u64;
         }
         let mut new_buf = vec![false; nv];
         for v in 0..nv {
@@ -230,8 +299,8 @@ impl<'g> Model<'g> {
             }
             node_roots.push(rs);
         }
-        let war = war_edges(g, &base);
-        Ok(Model { g, root, new_buf, bytes, keep, users, node_roots, war })
+        let war = war_edges(g, &view_bases(g));
+        Ok(Model { g, root, new_buf, bytes, keep, users, node_roots, inplace, war })
     }
 
     /// The input order with parameters and inputs hoisted to the front.
@@ -255,6 +324,7 @@ impl<'g> Model<'g> {
     fn peak(&self, order: &[usize]) -> u64 {
         let mut remaining: Vec<u32> = self.users.iter().map(|u| u.len() as u32).collect();
         let (mut live, mut peak) = (0u64, 0u64);
+        let mut taken: SmallVec<[u32; 4]> = SmallVec::new();
         for &ni in order {
             let n = &self.g.nodes[ni];
             for r in &n.results {
@@ -262,7 +332,22 @@ impl<'g> Model<'g> {
                     live += self.bytes[r.0 as usize];
                 }
             }
-            peak = peak.max(live);
+            // A result written over an operand read for the last time adds nothing at the peak.
+            let mut reused = 0;
+            taken.clear();
+            for (r, cands) in &self.inplace[ni] {
+                let r = *r as usize;
+                let fits = |o: &&u32| {
+                    let o = self.root[**o as usize];
+                    let ok = self.new_buf[o as usize] && !self.keep[o as usize] && remaining[o as usize] == 1;
+                    ok && self.bytes[o as usize] == self.bytes[r] && !taken.contains(&o)
+                };
+                if let Some(o) = cands.iter().find(fits).filter(|_| self.new_buf[r]) {
+                    taken.push(self.root[*o as usize]);
+                    reused += self.bytes[r];
+                }
+            }
+            peak = peak.max(live - reused);
             for &r in &self.node_roots[ni] {
                 remaining[r as usize] -= 1;
                 if remaining[r as usize] == 0 && !self.keep[r as usize] {
@@ -279,8 +364,9 @@ impl<'g> Model<'g> {
         peak
     }
 
-    /// The list-scheduled order, or `None` when the constraints have a cycle.
-    fn list_order(&self) -> Option<Vec<usize>> {
+    /// The list-scheduled order (by memory if `by_memory`, else by input position), or `None`
+    /// when the constraints have a cycle.
+    fn list_order(&self, by_memory: bool) -> Option<Vec<usize>> {
         let g = self.g;
         let nn = g.nodes.len();
         let producer = |v: &ValueId| g.values[v.0 as usize].node.0 as usize;
@@ -330,6 +416,7 @@ impl<'g> Model<'g> {
         }
         let mut st = ListState {
             m: self,
+            by_memory,
             lazy: &lazy,
             lazy_preds: &lazy_preds,
             remaining: self.users.iter().map(|u| u.len() as u32).collect(),
@@ -344,8 +431,8 @@ impl<'g> Model<'g> {
         for i in (0..nn).filter(|&i| is_iface(i)) {
             st.emit_one(i);
         }
-        for i in 0..nn {
-            if !lazy[i] && !st.done[i] && st.deps[i] == 0 {
+        for (i, &lz) in lazy.iter().enumerate() {
+            if !lz && !st.done[i] && st.deps[i] == 0 {
                 st.refresh(i);
             }
         }
@@ -364,8 +451,8 @@ impl<'g> Model<'g> {
             }
         }
         // Lazy nodes are emitted by their users; any left (none in a well-formed graph) go last.
-        for i in 0..nn {
-            if lazy[i] && !st.done[i] {
+        for (i, &lz) in lazy.iter().enumerate() {
+            if lz && !st.done[i] {
                 st.emit_with_lazy(i);
             }
         }
@@ -376,6 +463,8 @@ impl<'g> Model<'g> {
 /// Mutable state of the list scheduler.
 struct ListState<'a, 'g> {
     m: &'a Model<'g>,
+    /// Priority by memory; otherwise every node ties and input order decides.
+    by_memory: bool,
     lazy: &'a [bool],
     lazy_preds: &'a [SmallVec<[u32; 4]>],
     /// Per root: distinct reader nodes not yet emitted.
@@ -401,6 +490,9 @@ impl ListState<'_, '_> {
 
     /// `bytes freed - bytes allocated` if `i` (with its pending lazy predecessors) ran now.
     fn priority(&mut self, i: usize) -> i64 {
+        if !self.by_memory {
+            return 0;
+        }
         let m = self.m;
         let mut alloc = self.new_bytes(i);
         self.epoch += 1;

@@ -10,7 +10,7 @@ use fusec_ir::interp::{self, round_to, Precision, Tensor};
 use fusec_ir::rng::Rng;
 use fusec_ir::text::{parse, print};
 use fusec_ir::verify::verify;
-use fusec_ir::{BinaryOp, Bindings, CmpOp, DType, Graph, Op, ReduceOp, Shape, Type, UnaryOp, ValueId};
+use fusec_ir::{BinaryOp, Bindings, CmpOp, DType, Dim, Graph, Op, ReduceOp, Shape, Type, UnaryOp, ValueId};
 use fusec_models::{build_gpt2, Gpt2Config};
 use fusec_passes::autodiff::{autodiff, DLOSS};
 use fusec_passes::canonicalize::canonicalize;
@@ -327,6 +327,93 @@ fn random_graphs_never_break_the_pass() {
         let h = fuse_layernorm(&g, &mut log).unwrap_or_else(|e| panic!("seed {seed}: {e}"));
         verify(&h).unwrap_or_else(|e| panic!("seed {seed}: {e}\n{}", print(&h)));
     }
+}
+
+/// A LayerNorm-shaped graph with random shapes (rank 1 to 3, a symbolic leading dim), operand
+/// orders, reduction axis, mean scale, eps, weight axis, dtype and escaping intermediates;
+/// `None` when the combination is ill-typed.
+fn random_ln(rng: &mut Rng) -> Option<Graph> {
+    let r = 1 + rng.below(3) as usize;
+    let mut dims: Vec<Dim> = (0..r).map(|_| Dim::lit(1 + rng.below(5))).collect();
+    if r > 1 && rng.chance(0.5) {
+        dims[0] = Dim::sym("B");
+    }
+    let axis = if rng.chance(0.8) { r - 1 } else { rng.below(r as u64) as usize };
+    let dt = if rng.chance(0.85) { DType::F32 } else { DType::BF16 };
+    let xs = Shape::from(dims.clone());
+    let keep: Vec<usize> = (0..r).filter(|&i| i != axis).collect();
+    let stat = Type::new(dt, Shape::from(keep.iter().map(|&i| dims[i].clone()).collect::<Vec<_>>()));
+    let n = dims[axis].as_lit().unwrap_or(2);
+    let scale = if rng.chance(0.85) { 1.0 / n as f64 } else { 1.0 / (n + 1) as f64 };
+    let w_axis = if rng.chance(0.85) { r - 1 } else { rng.below(r as u64) as usize };
+    let mut g = Graph::new("ln", &["B"]);
+    let mut op = |g: &mut Graph, o: Op, ins: &[ValueId]| -> Option<ValueId> {
+        let mut ins = ins.to_vec();
+        if matches!(o, Op::Binary(BinaryOp::Add | BinaryOp::Mul)) && rng.chance(0.5) {
+            ins.reverse();
+        }
+        g.try_add(o, &ins).ok().map(|r| r[0])
+    };
+    let x = g.add1(Op::Param { name: "x".into(), ty: Type::new(dt, xs.clone()) }, &[]);
+    let w = g.add1(Op::Param { name: "w".into(), ty: Type::new(dt, Shape::from(vec![dims[w_axis].clone()])) }, &[]);
+    let b = g.add1(Op::Param { name: "b".into(), ty: Type::new(dt, Shape::from(vec![dims[w_axis].clone()])) }, &[]);
+    let k = g.add1(Op::Const { value: scale, ty: stat.clone() }, &[]);
+    let s1 = op(&mut g, Op::Reduce { op: ReduceOp::Sum, axes: vec![axis] }, &[x])?;
+    let mean = op(&mut g, Op::Binary(BinaryOp::Mul), &[s1, k])?;
+    let mean_b = op(&mut g, Op::Broadcast { dims: keep.clone(), shape: xs.clone() }, &[mean])?;
+    let xc = op(&mut g, Op::Binary(BinaryOp::Sub), &[x, mean_b])?;
+    let sq = op(&mut g, Op::Binary(BinaryOp::Mul), &[xc, xc])?;
+    let s2 = op(&mut g, Op::Reduce { op: ReduceOp::Sum, axes: vec![axis] }, &[sq])?;
+    let var = op(&mut g, Op::Binary(BinaryOp::Mul), &[s2, k])?;
+    let eps = g.add1(Op::Const { value: 1e-5, ty: stat }, &[]);
+    let ve = op(&mut g, Op::Binary(BinaryOp::Add), &[var, eps])?;
+    let rstd = op(&mut g, Op::Unary(UnaryOp::Rsqrt), &[ve])?;
+    let rstd_b = op(&mut g, Op::Broadcast { dims: keep, shape: xs.clone() }, &[rstd])?;
+    let norm = op(&mut g, Op::Binary(BinaryOp::Mul), &[xc, rstd_b])?;
+    let w_b = op(&mut g, Op::Broadcast { dims: vec![w_axis], shape: xs.clone() }, &[w])?;
+    let scaled = op(&mut g, Op::Binary(BinaryOp::Mul), &[norm, w_b])?;
+    let b_b = op(&mut g, Op::Broadcast { dims: vec![w_axis], shape: xs }, &[b])?;
+    let y = op(&mut g, Op::Binary(BinaryOp::Add), &[scaled, b_b])?;
+    g.output("y", y);
+    if rng.chance(0.15) {
+        let inner = [s1, mean, xc, var, rstd, norm, scaled];
+        g.output("inner", inner[rng.below(inner.len() as u64) as usize]);
+    }
+    Some(g)
+}
+
+#[test]
+fn random_layernorm_variants_fuse_only_when_legal_and_keep_values() {
+    let (mut fused, mut refused) = (0, 0);
+    let mut b = Bindings::default();
+    b.set("B", 2);
+    for seed in 0..400u64 {
+        let mut rng = Rng::new(seed);
+        let Some(g) = random_ln(&mut rng) else { continue };
+        let (h, log) = fuse(&g);
+        if count(&h, "layernorm") == 0 {
+            assert_eq!(print(&h), print(&g), "seed {seed}");
+            assert_eq!(log.refusals.len(), 1, "seed {seed}: a candidate is refused once\n{}", print(&g));
+            refused += 1;
+            continue;
+        }
+        fused += 1;
+        let r = g.ty(g.nodes[0].results[0]).shape.rank();
+        let ln = h.nodes.iter().find(|n| n.op.mnemonic() == "layernorm").unwrap();
+        assert_eq!(g.ty(ln.inputs[0]).dtype, DType::F32, "seed {seed}");
+        assert!(r >= 1 && g.outputs.len() == 1, "seed {seed}: an escaping intermediate was fused");
+        // The reference is the primitive graph in F64: with two near-equal elements in a row the
+        // primitive f32 chain loses digits to cancellation in `x - mean` (relative error
+        // ulp(x)/|x - mean|), while the composite computes the row in f64 and rounds once.
+        let f = interp::random_feeds(&g, &b, &mut rng, 2).unwrap();
+        let want = interp::run(&g, &b, &f, Precision::F64).unwrap();
+        let scale = want[0].data.iter().fold(0f64, |m, v| m.max(v.abs()));
+        for (prec, tol) in [(Precision::F32, 1e-6), (Precision::F64, 1e-12)] {
+            let got = interp::run(&h, &b, &f, prec).unwrap();
+            assert_close(&format!("seed {seed} {prec:?}"), &got[0], &want[0], tol, tol * scale);
+        }
+    }
+    assert!(fused > 100 && refused > 100, "fused {fused}, refused {refused}");
 }
 
 /// Node counts before and after each pass, and the time of each, on the shipped tiny and 124M

@@ -27,15 +27,19 @@ fn tiny_training() -> Graph {
     optimizer(&autodiff(&build_gpt2(&cfg, "gpt2_tiny")).unwrap(), &AdamWConfig::default()).unwrap()
 }
 
-/// A node's identity independent of value numbering: its op text and its operands' identities.
-fn node_keys(g: &Graph) -> Vec<String> {
-    let mut key_of_value = vec![String::new(); g.values.len()];
+/// Node identities independent of value numbering and order: the op text and the operands'
+/// identities, interned in `ids` (shared between the graphs compared).
+fn node_keys(g: &Graph, ids: &mut HashMap<String, usize>) -> Vec<usize> {
+    let mut id_of_value = vec![0; g.values.len()];
     let mut keys = vec![];
     for n in &g.nodes {
-        let ins: Vec<&str> = n.inputs.iter().map(|v| key_of_value[v.0 as usize].as_str()).collect();
-        let k = format!("{:?}({})", n.op, ins.join(","));
+        let ins: Vec<String> = n.inputs.iter().map(|v| id_of_value[v.0 as usize].to_string()).collect();
+        let text = format!("{:?}({})", n.op, ins.join(","));
+        let next = ids.len();
+        let k = *ids.entry(text).or_insert(next);
         for (i, r) in n.results.iter().enumerate() {
-            key_of_value[r.0 as usize] = format!("{k}#{i}");
+            let next = ids.len();
+            id_of_value[r.0 as usize] = *ids.entry(format!("{k}#{i}")).or_insert(next);
         }
         keys.push(k);
     }
@@ -47,7 +51,8 @@ fn check_schedule(g: &Graph) -> Graph {
     let s = schedule(g).unwrap();
     verify(&s).unwrap_or_else(|e| panic!("scheduled graph does not verify: {e}"));
     // A permutation of the nodes (keys are multiset-equal), same outputs by identity.
-    let (mut a, mut b) = (node_keys(g), node_keys(&s));
+    let mut ids = HashMap::new();
+    let (mut a, mut b) = (node_keys(g, &mut ids), node_keys(&s, &mut ids));
     a.sort();
     b.sort();
     assert_eq!(a, b, "schedule must permute the nodes");
@@ -107,9 +112,12 @@ fn tiny_training_step_is_reordered_without_changing_results() {
 #[test]
 fn schedule_lowers_the_peak_of_the_training_step() {
     let g = tiny_training();
-    let s = schedule(&g).unwrap();
-    let db = default_bindings(&g);
-    let (before, after) = (peak_bytes(&g, &db).unwrap(), peak_bytes(&s, &db).unwrap());
+    // At B = 2, T = 8 parameter-sized gradients dominate: updating each parameter as soon as its
+    // gradient is complete frees them early. (At larger B * T the activations saved for the
+    // backward set the peak whatever the order.)
+    let s = schedule_with(&g, &bind()).unwrap();
+    let (before, after) = (peak_bytes(&g, &bind()).unwrap(), peak_bytes(&s, &bind()).unwrap());
+    eprintln!("peak at B = 2, T = 8: input order {before}, scheduled {after}");
     assert!(after < before, "peak {after} is not below the input order's {before}");
 }
 

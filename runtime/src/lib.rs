@@ -7,5 +7,7 @@ pub mod data;
 pub mod executor;
 pub mod file_error;
 pub mod params;
+pub mod sample;
+pub mod tokenizer;
 pub mod tokens;
 pub mod train;

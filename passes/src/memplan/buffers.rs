@@ -167,50 +167,55 @@ impl Groups {
 }
 
 /// Which operands of `node` its results may overwrite in place.
-pub(super) struct InPlace {
-    /// Per operand: the node reads it only elementwise (element `i` only while writing `i`).
-    pub safe: Vec<bool>,
-    /// Per result: the operand positions it may overwrite, in operand order.
+pub(crate) struct InPlace {
+    /// Per operand: the one result it flows into through elementwise ops only, so that element
+    /// `i` of it is read only while element `i` of that result is computed (`None`: read in
+    /// some other way, or into several results of a multi-phase kernel).
+    pub only_into: Vec<Option<usize>>,
+    /// Per result: the operand positions it may overwrite (same type), in operand order.
     pub candidates: Vec<Vec<usize>>,
 }
 
-/// The in-place options of `node`. Conservative: elementwise ops, and `kernel`s whose body is only
-/// elementwise ops and broadcasts, for operands of the result's exact type that the body reads
-/// only elementwise.
-pub(super) fn in_place_options(node: &fusec_ir::Node, g: &Graph) -> InPlace {
+/// The in-place options of `node`. Conservative: an elementwise op may overwrite any operand of
+/// its result's shape. A `kernel` may overwrite operand `k` with result `r` of the same type when
+/// everything downstream of `k` in its body is elementwise and `k` reaches `r`; if the body has
+/// any other op than elementwise ops, broadcasts and sources (a kernel with phases, e.g. a
+/// reduction and its epilogue), `k` must reach no other result.
+pub(crate) fn in_place_options(node: &fusec_ir::Node, g: &Graph) -> InPlace {
+    let (ni, nr) = (node.inputs.len(), node.results.len());
     let same_type = |k: usize, r: usize| g.ty(node.inputs[k]) == g.ty(node.results[r]);
-    let none = || InPlace { safe: vec![false; node.inputs.len()], candidates: vec![vec![]; node.results.len()] };
     match &node.op {
         op if op.is_elementwise() => {
             let same_shape = |k: &usize| g.ty(node.inputs[*k]).shape == g.ty(node.results[0]).shape;
-            InPlace { safe: vec![true; node.inputs.len()], candidates: vec![(0..node.inputs.len()).filter(same_shape).collect()] }
+            InPlace { only_into: vec![Some(0); ni], candidates: vec![(0..ni).filter(same_shape).collect()] }
         }
         Op::Kernel(k) => {
             let body = &k.body;
-            let allowed = body.nodes.iter().all(|n| {
+            let single_phase = body.nodes.iter().all(|n| {
                 n.op.is_elementwise() || matches!(n.op, Op::Input { .. } | Op::Const { .. } | Op::Iota { .. } | Op::Broadcast { .. })
             });
-            if !allowed {
-                return none();
-            }
-            let body_inputs: Vec<u32> =
-                body.nodes.iter().filter(|n| matches!(n.op, Op::Input { .. })).map(|n| n.results[0].0).collect();
-            // A body input read by anything but elementwise ops (a broadcast) is not safe to
-            // overwrite while the kernel runs.
-            let mut elementwise_only = vec![true; body.values.len()];
-            for n in &body.nodes {
-                if !n.op.is_elementwise() {
-                    for v in &n.inputs {
-                        elementwise_only[v.0 as usize] = false;
+            let body_inputs = body.nodes.iter().filter(|n| matches!(n.op, Op::Input { .. })).map(|n| n.results[0].0 as usize);
+            let mut only_into = vec![None; ni];
+            let mut reaches: Vec<Vec<usize>> = vec![vec![]; ni];
+            for (k, bv) in body_inputs.enumerate().take(ni) {
+                let mut reach = vec![false; body.values.len()];
+                reach[bv] = true;
+                let mut elementwise = true;
+                for n in &body.nodes {
+                    if n.inputs.iter().any(|v| reach[v.0 as usize]) {
+                        elementwise &= n.op.is_elementwise();
+                        n.results.iter().for_each(|r| reach[r.0 as usize] = true);
                     }
                 }
+                let outs: Vec<usize> = (0..nr.min(body.outputs.len())).filter(|&j| reach[body.outputs[j].1 .0 as usize]).collect();
+                if elementwise && (outs.len() == 1 || (single_phase && !outs.is_empty())) {
+                    only_into[k] = (outs.len() == 1).then(|| outs[0]);
+                    reaches[k] = outs;
+                }
             }
-            let safe: Vec<bool> =
-                (0..node.inputs.len()).map(|k| body_inputs.get(k).is_some_and(|v| elementwise_only[*v as usize])).collect();
-            let candidates =
-                (0..node.results.len()).map(|r| (0..node.inputs.len()).filter(|&k| safe[k] && same_type(k, r)).collect()).collect();
-            InPlace { safe, candidates }
+            let candidates = (0..nr).map(|r| (0..ni).filter(|&k| reaches[k].contains(&r) && same_type(k, r)).collect()).collect();
+            InPlace { only_into, candidates }
         }
-        _ => none(),
+        _ => InPlace { only_into: vec![None; ni], candidates: vec![vec![]; nr] },
     }
 }

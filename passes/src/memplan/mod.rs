@@ -13,8 +13,9 @@
 //! - **Views**: a `reshape` result aliases its operand; the operand stays live until the view's
 //!   last read.
 //! - **In place**: an accumulating `gemm` always writes over its last operand. With reuse, an
-//!   elementwise op (or a purely elementwise `kernel`, see [`buffers::in_place_options`]) whose
-//!   operand of equal size is last read by it writes its result into that operand's buffer;
+//!   elementwise op (or a `kernel` that reads the operand only elementwise into that result, see
+//!   [`buffers::in_place_options`]) whose operand of equal size is last read by it writes its
+//!   result into that operand's buffer;
 //!   operands already in a persistent buffer are preferred. Gradient accumulators (`grad.P`) are
 //!   scratch owned by the step: accumulations write into them even when the graph does not output
 //!   `grad.P` (after the step they hold the gradient, as llm.c's gradient buffer does); other
@@ -28,7 +29,7 @@
 //! Positions in intervals are node indices in launch order; an end of `n` (the node count) means
 //! the value is still live when the step ends.
 
-mod buffers;
+pub(crate) mod buffers;
 mod layout;
 mod print;
 
@@ -213,7 +214,6 @@ pub fn memplan(g: &Graph, bind: &Bindings, opts: &MemplanOptions) -> Result<MemP
             return Err(format!("{}, whose size differs", at()));
         }
         gr.merge(&live, b, r).map_err(|c| format!("{}: {}", at(), conflict_msg(c, &live)))?;
-        alias[r as usize] = Some((acc, AliasKind::InPlace));
     }
     let by_name: std::collections::HashMap<&str, u32> = persistent.iter().map(|&(_, v)| (source_name(g, v), v)).collect();
     for (oname, v) in &g.outputs {
@@ -227,7 +227,6 @@ pub fn memplan(g: &Graph, bind: &Bindings, opts: &MemplanOptions) -> Result<MemP
                 return Err(format!("{}: sizes differ ({} vs {} bytes)", at(), live.bytes[b as usize], live.bytes[x as usize]));
             }
             gr.merge(&live, x, b).map_err(|c| format!("{}: {}", at(), conflict_msg(c, &live)))?;
-            alias[b as usize].get_or_insert((ValueId(x), AliasKind::State));
         }
         gr.set_written_back(x);
     }
@@ -263,7 +262,11 @@ pub fn memplan(g: &Graph, bind: &Bindings, opts: &MemplanOptions) -> Result<MemP
                 for k in order {
                     let o = n.inputs[k];
                     let b = live.base[o.0 as usize];
-                    let all_safe = n.inputs.iter().zip(&opt.safe).all(|(v, s)| *s || live.base[v.0 as usize] != b);
+                    // Every operand in the buffer being overwritten flows only into this result (a
+                    // single-phase kernel may read it into several, element by element).
+                    let all_safe = n.inputs.iter().enumerate().all(|(k2, v)| {
+                        live.base[v.0 as usize] != b || opt.only_into[k2] == Some(ri) || opt.candidates[ri].contains(&k2)
+                    });
                     let writable = match gr.owner(b) {
                         None => true,
                         Some(x) => is_grad_acc[x as usize] || gr.written_back(b),
@@ -272,7 +275,6 @@ pub fn memplan(g: &Graph, bind: &Bindings, opts: &MemplanOptions) -> Result<MemP
                         continue;
                     }
                     if gr.find(b) != gr.find(r) && gr.merge(&live, b, r).is_ok() {
-                        alias[r as usize].get_or_insert((o, AliasKind::InPlace));
                         break;
                     }
                 }
@@ -295,25 +297,30 @@ pub fn memplan(g: &Graph, bind: &Bindings, opts: &MemplanOptions) -> Result<MemP
     for ((root, _), off) in items.iter().zip(aoff) {
         offset[*root as usize] = persistent_bytes + off;
     }
+    // Every version after the first in a buffer overwrites the one before it.
+    for v in 0..nv as u32 {
+        if live.base[v as usize] == v && gr.find(v) == v {
+            let kind = if gr.owner(v).is_some() { AliasKind::State } else { AliasKind::InPlace };
+            let vs = gr.versions(v).to_vec();
+            for w in vs.windows(2) {
+                alias[w[1] as usize] = Some((ValueId(w[0]), kind));
+            }
+        }
+    }
     let mut values = Vec::with_capacity(nv);
     let (mut in_place, mut view_aliases, mut state_aliases) = (0, 0, 0);
     for v in 0..nv as u32 {
         let b = live.base[v as usize];
-        let root = gr.find(b);
         let (reg, off) = match gr.owner(b) {
             Some(x) => (region[x as usize], offset[x as usize]),
-            None => (Region::Arena, offset[root as usize]),
+            None => (Region::Arena, offset[gr.find(b) as usize]),
         };
-        let mut a = alias[v as usize];
-        if let Some((_, kind)) = &mut a {
-            if *kind != AliasKind::View {
-                *kind = if reg == Region::Arena { AliasKind::InPlace } else { AliasKind::State };
-            }
-            match kind {
-                AliasKind::View => view_aliases += 1,
-                AliasKind::InPlace => in_place += 1,
-                AliasKind::State => state_aliases += 1,
-            }
+        let a = alias[v as usize];
+        match a.map(|(_, k)| k) {
+            Some(AliasKind::View) => view_aliases += 1,
+            Some(AliasKind::InPlace) => in_place += 1,
+            Some(AliasKind::State) => state_aliases += 1,
+            None => {}
         }
         values.push(ValuePlan { region: reg, offset: off, bytes: live.bytes[v as usize], live: (live.def[v as usize], live.end[v as usize]), alias: a });
     }

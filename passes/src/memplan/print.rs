@@ -51,7 +51,8 @@ impl MemPlan {
             super::ALIGN
         );
         for r in &self.regions {
-            let _ = writeln!(s, "#   {:<7} offset {:>10}  bytes {:>10}  ({} tensors)", r.region.name(), r.offset, r.bytes, r.tensors);
+            let plural = if r.tensors == 1 { "" } else { "s" };
+            let _ = writeln!(s, "#   {:<7} offset {:>10}  bytes {:>10}  ({} tensor{plural})", r.region.name(), r.offset, r.bytes, r.tensors);
         }
         let _ = writeln!(
             s,

@@ -1,0 +1,320 @@
+//! CPU matrix products for `matmul` and `gemm` nodes, on raw row-major f32 slices.
+//!
+//! Every product goes through the `gemm` crate (AVX-512 kernels with its `x86-v4` feature),
+//! with strides expressing the transposes, so no operand is ever copied. The output is cut
+//! into tiles of fixed size (a pure function of the shape, never of the thread count, so one
+//! and two threads give the same bits); tiles run in parallel on the current rayon pool, each
+//! as one single-threaded `gemm` call followed at once by its epilogue (bias add, GELU with
+//! the pre-activation saved, accumulation) while the tile is still in cache.
+//!
+//! Semantics are those of `Op::Gemm` in `fusec-ir`: `t = op(a) op(b)`, then `t + bias[n]`,
+//! then `pre_gelu = t, y = gelu(t)` (tanh form, evaluated in f32 exactly as llm.c's
+//! `gelu_forward`), then `y = acc + y` in place when accumulating. The product accumulates in
+//! f32 with FMA in the crate's order (which depends on the shape only), so results agree with
+//! an f64 reference to about `1e-5` relative.
+//!
+//! bf16 operands ([`gemm_bf16`]) are widened to f32 in reusable thread-local scratch and
+//! multiplied in f32; the crate has no bf16 kernels.
+//!
+//! Steady-state calls allocate nothing in this module (scratch is thread-local and grows
+//! only); the `gemm` crate itself may allocate its packing buffers per call.
+
+mod bf16;
+mod epilogue;
+
+pub use bf16::{gemm_bf16, Bf16Out};
+pub use epilogue::gelu;
+
+use gemm::Parallelism;
+use rayon::prelude::*;
+use std::cell::RefCell;
+
+/// The shape and flags of one batched matrix product with its epilogue.
+///
+/// Storage is row-major: `a` is `[batch, m, k]` (`[batch, k, m]` if `trans_a`), `b` is
+/// `[batch, k, n]` (`[batch, n, k]` if `trans_b`; without the batch axis if `b_shared`), and
+/// `y` (and `pre_gelu`) is `[batch, m, n]`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct GemmSpec {
+    /// Number of independent products (the product of the leading axes; 1 for plain 2-D).
+    pub batch: usize,
+    /// Rows of `op(a)` and of the result.
+    pub m: usize,
+    /// Columns of `op(b)` and of the result.
+    pub n: usize,
+    /// The contracted dimension.
+    pub k: usize,
+    /// `a` is stored transposed (`[k, m]` per batch).
+    pub trans_a: bool,
+    /// `b` is stored transposed (`[n, k]`).
+    pub trans_b: bool,
+    /// `b` has no batch axis: one `b` shared by every batch of `a`.
+    pub b_shared: bool,
+    /// Add a bias vector of length `n` over the last axis.
+    pub bias: bool,
+    /// Apply GELU (tanh form) after the bias; the pre-activation goes to `pre_gelu`.
+    pub gelu: bool,
+    /// Add the result into the existing contents of `y` (beta = 1) instead of overwriting.
+    pub accumulate: bool,
+}
+
+impl GemmSpec {
+    /// A plain 2-D `y = a @ b` with `a: [m, k]`, `b: [k, n]` and no epilogue.
+    pub fn new(m: usize, n: usize, k: usize) -> Self {
+        GemmSpec { batch: 1, m, n, k, trans_a: false, trans_b: false, b_shared: true, bias: false, gelu: false, accumulate: false }
+    }
+
+    /// Elements `a` must hold.
+    pub fn a_len(&self) -> usize {
+        self.batch * self.m * self.k
+    }
+
+    /// Elements `b` must hold.
+    pub fn b_len(&self) -> usize {
+        if self.b_shared {
+            self.k * self.n
+        } else {
+            self.batch * self.k * self.n
+        }
+    }
+
+    /// Elements `y` (and `pre_gelu`) must hold.
+    pub fn y_len(&self) -> usize {
+        self.batch * self.m * self.n
+    }
+
+    /// Floating-point operations of the product (`2 batch m n k`), for GFLOP/s figures.
+    pub fn flops(&self) -> u64 {
+        2 * (self.batch * self.m * self.n) as u64 * self.k as u64
+    }
+
+    /// Whether anything happens after the product besides plain accumulation.
+    fn has_epilogue(&self) -> bool {
+        self.bias || self.gelu
+    }
+
+    /// Panics unless the slices fit the spec.
+    fn check(&self, a: usize, b: usize, bias: Option<usize>, y: usize, pre: Option<usize>) {
+        assert_eq!(a, self.a_len(), "gemm: `a` has {a} elements, the spec needs {}", self.a_len());
+        assert_eq!(b, self.b_len(), "gemm: `b` has {b} elements, the spec needs {}", self.b_len());
+        assert_eq!(y, self.y_len(), "gemm: `y` has {y} elements, the spec needs {}", self.y_len());
+        match (self.bias, bias) {
+            (true, Some(len)) => assert_eq!(len, self.n, "gemm: bias has {len} elements, the spec needs {}", self.n),
+            (false, None) => {}
+            (want, _) => panic!("gemm: spec.bias is {want} but a bias was{} given", if want { " not" } else { "" }),
+        }
+        match (self.gelu, pre) {
+            (true, Some(len)) => assert_eq!(len, self.y_len(), "gemm: pre_gelu has {len} elements, the spec needs {}", self.y_len()),
+            (false, None) => {}
+            (want, _) => panic!("gemm: spec.gelu is {want} but pre_gelu was{} given", if want { " not" } else { "" }),
+        }
+    }
+}
+
+/// `y[batch][m][n] (= or +=) gelu?(op(a) op(b) (+ bias))`; with `gelu`, `pre_gelu` receives
+/// the value before GELU (never accumulated).
+///
+/// `bias` must be given exactly when `spec.bias` (length `n`) and `pre_gelu` exactly when
+/// `spec.gelu` (length of `y`). `threads <= 1` runs on the calling thread; otherwise tiles run
+/// on the current rayon pool, split into at most `threads` parallel parts. The result does not
+/// depend on `threads`.
+///
+/// # Panics
+/// If a slice length does not match the spec.
+pub fn gemm_f32(spec: &GemmSpec, a: &[f32], b: &[f32], bias: Option<&[f32]>, y: &mut [f32], pre_gelu: Option<&mut [f32]>, threads: usize) {
+    spec.check(a.len(), b.len(), bias.map(<[f32]>::len), y.len(), pre_gelu.as_deref().map(<[f32]>::len));
+    if spec.y_len() == 0 {
+        return;
+    }
+    let plan = Plan::new(spec, a, b, bias, y, pre_gelu);
+    for_each_task(plan.tasks(), threads, &|t| {
+        // SAFETY: the plan's pointers come from slices checked against the spec above, and
+        // distinct tasks write disjoint tiles of `y` and `pre_gelu`.
+        unsafe { plan.run(t) }
+    });
+}
+
+/// Largest tile height (rows); a multiple of 8, the crate's register tile width.
+const TILE_M: usize = 512;
+/// Largest tile width (columns); a multiple of 16, the AVX-512 f32 lane count.
+const TILE_N: usize = 256;
+/// Tiles are halved (down to [`MIN_TILE`]) until a product has at least this many.
+const MIN_TILES: usize = 4;
+/// Smallest tile side the halving goes to.
+const MIN_TILE: usize = 64;
+
+fn envu(name: &str, d: usize) -> usize { std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(d) }
+
+/// Tile sides `(rows, cols)` for a `rows x n` output: a pure function of the shape, so results
+/// do not depend on the thread count. Large tiles keep operand re-packing small (each `op(b)`
+/// column is packed once per row tile, each `op(a)` row once per column tile); enough tiles
+/// keep two threads busy.
+fn tile_sides(rows: usize, n: usize) -> (usize, usize) {
+    let (tm0, tn0, min_tiles) = (envu("TM", TILE_M), envu("TN", TILE_N), envu("MT", MIN_TILES));
+    let even = |len: usize, max: usize, unit: usize| len.div_ceil(len.div_ceil(max)).next_multiple_of(unit).min(len).max(1);
+    let (mut tm, mut tn) = (even(rows, tm0, 8), even(n, tn0, 16));
+    while rows.div_ceil(tm) * n.div_ceil(tn) < min_tiles {
+        if tm >= tn && tm / 2 >= MIN_TILE {
+            tm = even(rows, tm / 2, 8);
+        } else if tn / 2 >= MIN_TILE {
+            tn = even(n, tn / 2, 16);
+        } else {
+            break;
+        }
+    }
+    (tm, tn)
+}
+
+/// A raw pointer that tiles share; each task touches only its own tile.
+#[derive(Clone, Copy)]
+struct Raw<T>(*mut T);
+// SAFETY: tasks write disjoint tiles through it and only read the operands.
+unsafe impl<T> Send for Raw<T> {}
+// SAFETY: as above.
+unsafe impl<T> Sync for Raw<T> {}
+
+/// One call's operands, strides and tiling.
+struct Plan {
+    spec: GemmSpec,
+    /// Independent products after folding a shared-`b` batch into the rows.
+    batches: usize,
+    /// Rows per product after folding.
+    rows: usize,
+    /// Tiles per product along rows and columns, and the columns of one tile.
+    row_tiles: usize,
+    col_tiles: usize,
+    tile_m: usize,
+    tile_n: usize,
+    a: Raw<f32>,
+    b: Raw<f32>,
+    bias: Option<Raw<f32>>,
+    y: Raw<f32>,
+    pre: Option<Raw<f32>>,
+    /// Element offsets between consecutive batches of `a`, `b` and `y`.
+    a_batch: usize,
+    b_batch: usize,
+    /// Row and column strides of `op(a)` and `op(b)` (in elements).
+    a_rs: isize,
+    a_cs: isize,
+    b_rs: isize,
+    b_cs: isize,
+}
+
+impl Plan {
+    fn new(spec: &GemmSpec, a: &[f32], b: &[f32], bias: Option<&[f32]>, y: &mut [f32], pre: Option<&mut [f32]>) -> Self {
+        let (m, n, k) = (spec.m, spec.n, spec.k);
+        // With one `b` and `a` stored `[batch*m, k]`, the batch is just more rows.
+        let fold = spec.batch == 1 || (spec.b_shared && !spec.trans_a);
+        let (batches, rows) = if fold { (1, spec.batch * m) } else { (spec.batch, m) };
+        let (tile_m, tile_n) = tile_sides(rows, n);
+        let (a_rs, a_cs) = if spec.trans_a { (1, m as isize) } else { (k as isize, 1) };
+        let (b_rs, b_cs) = if spec.trans_b { (1, k as isize) } else { (n as isize, 1) };
+        Plan {
+            spec: *spec,
+            batches,
+            rows,
+            row_tiles: rows.div_ceil(tile_m),
+            col_tiles: n.div_ceil(tile_n),
+            tile_m,
+            tile_n,
+            a: Raw(a.as_ptr().cast_mut()),
+            b: Raw(b.as_ptr().cast_mut()),
+            bias: bias.map(|s| Raw(s.as_ptr().cast_mut())),
+            y: Raw(y.as_mut_ptr()),
+            pre: pre.map(|s| Raw(s.as_mut_ptr())),
+            a_batch: m * k,
+            b_batch: if spec.b_shared { 0 } else { k * n },
+            a_rs,
+            a_cs,
+            b_rs,
+            b_cs,
+        }
+    }
+
+    fn tasks(&self) -> usize {
+        self.batches * self.row_tiles * self.col_tiles
+    }
+
+    /// Computes tile `t`: its product, then its epilogue.
+    ///
+    /// # Safety
+    /// The pointers must cover the spec's extents and no other task may run tile `t`.
+    unsafe fn run(&self, t: usize) {
+        let s = &self.spec;
+        let per_batch = self.row_tiles * self.col_tiles;
+        let (z, rest) = (t / per_batch, t % per_batch);
+        let (it, jt) = (rest / self.col_tiles, rest % self.col_tiles);
+        let i0 = it * self.tile_m;
+        let j0 = jt * self.tile_n;
+        let mt = self.tile_m.min(self.rows - i0);
+        let nt = self.tile_n.min(s.n - j0);
+        let n = s.n;
+        let y_off = z * self.rows * n + i0 * n + j0;
+        let a = self.a.0.add(z * self.a_batch).offset(i0 as isize * self.a_rs);
+        let b = self.b.0.add(z * self.b_batch).offset(j0 as isize * self.b_cs);
+        let y = self.y.0.add(y_off);
+        let product = |dst: *mut f32, dst_rs: usize, read_dst: bool| {
+            gemm::gemm(
+                mt, nt, s.k, dst, 1, dst_rs as isize, read_dst, a, self.a_cs, self.a_rs, b, self.b_cs, self.b_rs, 1.0f32, 1.0f32,
+                false, false, false, Parallelism::None,
+            )
+        };
+        if !s.has_epilogue() {
+            product(y, n, s.accumulate);
+            return;
+        }
+        let bias = self.bias.map(|p| std::slice::from_raw_parts(p.0.add(j0), nt));
+        let rows = |p: *mut f32, stride: usize, i: usize| std::slice::from_raw_parts_mut(p.add(i * stride), nt);
+        if let Some(pre) = self.pre {
+            // The product lands in `pre_gelu`, becomes the pre-activation there, then feeds `y`.
+            let pre = pre.0.add(y_off);
+            product(pre, n, false);
+            for i in 0..mt {
+                epilogue::bias_gelu(rows(pre, n, i), rows(y, n, i), bias, s.accumulate);
+            }
+        } else if !s.accumulate {
+            product(y, n, false);
+            for i in 0..mt {
+                epilogue::add_bias(rows(y, n, i), bias.expect("an epilogue without gelu has a bias"));
+            }
+        } else {
+            // `y += product + bias`: the product needs a place of its own.
+            with_scratch(mt * nt, |tmp| {
+                product(tmp.as_mut_ptr(), nt, false);
+                let bias = bias.expect("an epilogue without gelu has a bias");
+                for i in 0..mt {
+                    epilogue::accumulate_bias(rows(y, n, i), &tmp[i * nt..(i + 1) * nt], bias);
+                }
+            });
+        }
+    }
+}
+
+thread_local! {
+    /// Per-thread f32 scratch for tiles whose product cannot go straight to an output.
+    static TILE_SCRATCH: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Runs `f` on `len` elements of this thread's tile scratch (grown, never shrunk).
+fn with_scratch<R>(len: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
+    TILE_SCRATCH.with(|cell| {
+        let mut v = cell.borrow_mut();
+        if v.len() < len {
+            v.resize(len, 0.0);
+        }
+        f(&mut v[..len])
+    })
+}
+
+/// Runs `f(0..n)`: inline for one thread, else on the current rayon pool, dynamically when
+/// `threads` covers the pool, in `threads` contiguous parts otherwise.
+fn for_each_task(n: usize, threads: usize, f: &(dyn Fn(usize) + Sync)) {
+    if threads <= 1 || n <= 1 {
+        (0..n).for_each(f);
+    } else if threads >= rayon::current_num_threads() {
+        (0..n).into_par_iter().for_each(f);
+    } else {
+        let per = n.div_ceil(threads);
+        (0..threads).into_par_iter().for_each(|p| (p * per..((p + 1) * per).min(n)).for_each(f));
+    }
+}
