@@ -1,27 +1,68 @@
 //! `fusec dump FILE --pass NAME`: the graph after a pass, as text.
 
-use clap::Args;
+use clap::{Args, ValueEnum};
 use std::path::PathBuf;
 
+use fusec_ir::Bindings;
+use fusec_passes::amp::Precision;
+use fusec_passes::memplan::MemplanOptions;
 use fusec_passes::optimizer::AdamWConfig;
-use fusec_passes::pipeline::{run_until, PipelineOptions, PASSES};
+use fusec_passes::pipeline::{compile, launches, Mode, PipelineOptions, PASSES};
 
 use crate::{load_graph, CliResult};
+
+/// Which program to dump.
+#[derive(Clone, Copy, ValueEnum)]
+pub enum Program {
+    /// Forward and loss.
+    Forward,
+    /// Forward and backward.
+    Grad,
+    /// A whole training step (forward, backward, AdamW).
+    Step,
+}
 
 /// Arguments of `fusec dump`.
 #[derive(Args)]
 pub struct DumpArgs {
     /// The `.graph` file.
     file: PathBuf,
-    /// Print the graph after this pass (`parse` prints the canonical form of the input).
+    /// Print the graph after this pass (`parse`: the canonical input; `fuse`: after the last fusion pass).
     #[arg(long, default_value = "parse", value_parser = clap::builder::PossibleValuesParser::new(PASSES))]
     pass: String,
+    /// Which program the passes build.
+    #[arg(long, value_enum, default_value = "step")]
+    program: Program,
+    /// Batch size B (binds the symbolic dim for memory planning).
+    #[arg(long, default_value_t = 4)]
+    batch: u64,
+    /// Sequence length T (binds the symbolic dim for memory planning).
+    #[arg(long, default_value_t = 64)]
+    seq: u64,
+    /// Mixed precision: `bf16` casts matmul operands to bf16.
+    #[arg(long, value_enum, default_value = "fp32")]
+    precision: PrecisionArg,
     /// Include global-norm gradient clipping in the optimizer.
     #[arg(long)]
     grad_clip: bool,
-    /// Print per-pass compile time on standard error.
+    /// Memory planning without reuse: every buffer gets its own range (for bisecting).
+    #[arg(long)]
+    no_reuse: bool,
+    /// List the fusion candidates that were refused and the predicate that refused each.
+    #[arg(long)]
+    explain_fusion: bool,
+    /// Print per-pass compile time and launch counts on standard error.
     #[arg(long)]
     timings: bool,
+}
+
+/// Precision choices on the command line.
+#[derive(Clone, Copy, ValueEnum, PartialEq, Eq)]
+pub enum PrecisionArg {
+    /// Everything fp32.
+    Fp32,
+    /// bf16 matmul operands, fp32 master weights, statistics, softmax and loss.
+    Bf16,
 }
 
 /// Runs `fusec dump`.
@@ -29,15 +70,60 @@ pub fn dump(a: DumpArgs) -> CliResult {
     let t0 = std::time::Instant::now();
     let g = load_graph(&a.file)?;
     let parse_time = t0.elapsed();
-    let opts = PipelineOptions { adamw: AdamWConfig { clip: a.grad_clip, ..AdamWConfig::default() } };
-    let (g, runs) = run_until(&g, &a.pass, &opts)?;
-    print!("{}", fusec_ir::text::print(&g));
-    if a.timings {
-        eprintln!("{:<16} {:>10.3} ms", "parse", parse_time.as_secs_f64() * 1e3);
-        for r in &runs {
-            eprintln!("{:<16} {:>10.3} ms", r.name, r.time.as_secs_f64() * 1e3);
+    let opts = PipelineOptions {
+        adamw: AdamWConfig {
+            clip: a.grad_clip,
+            ..AdamWConfig::default()
+        },
+        precision: if a.precision == PrecisionArg::Bf16 {
+            Precision::Bf16
+        } else {
+            Precision::F32
+        },
+        no_fusion: false,
+        memplan: MemplanOptions { reuse: !a.no_reuse },
+    };
+    let mode = match a.program {
+        Program::Forward => Mode::Forward,
+        Program::Grad => Mode::Grad,
+        Program::Step => Mode::Step,
+    };
+    let mut bind = Bindings::default();
+    bind.set("B", a.batch).set("T", a.seq);
+    let out = compile(&g, &a.pass, mode, &opts, &bind)?;
+    match &out.plan {
+        Some(plan) => print!("{}", plan.annotate(&out.graph)),
+        None => print!("{}", fusec_ir::text::print(&out.graph)),
+    }
+    if a.explain_fusion {
+        eprintln!("# {} fusion candidate(s) refused", out.log.refusals.len());
+        for r in &out.log.refusals {
+            eprintln!("{r}");
         }
-        eprintln!("{} nodes", g.nodes.len());
+    }
+    if a.timings {
+        eprintln!("{:<18} {:>9.3} ms", "parse", parse_time.as_secs_f64() * 1e3);
+        let mut total = parse_time;
+        for r in &out.runs {
+            eprintln!("{:<18} {:>9.3} ms", r.name, r.time.as_secs_f64() * 1e3);
+            total += r.time;
+        }
+        eprintln!("{:<18} {:>9.3} ms", "total", total.as_secs_f64() * 1e3);
+        let unfused = compile(
+            &g,
+            &a.pass,
+            mode,
+            &PipelineOptions {
+                no_fusion: true,
+                ..opts.clone()
+            },
+            &bind,
+        )?;
+        let (before, after) = (launches(&unfused.graph), launches(&out.graph));
+        eprintln!(
+            "launches per step: {} non-matmul + {} matmul before fusion, {} + {} after",
+            before.other, before.matmul, after.other, after.matmul
+        );
     }
     Ok(())
 }

@@ -1,3 +1,36 @@
-//! Cranelift code generation for fused kernels (issue 5). Will own: fused kernel -> Cranelift IR -> machine code, and GEMM calls.
+//! CPU code generation: fused kernels → Cranelift IR → machine code, and GEMM calls.
+//!
+//! # Fused kernels
+//!
+//! [`KernelCompiler::compile`] turns a `kernel` node's body (as `fuse-elementwise` builds it:
+//! pointwise, reduction with prologue/epilogue, one row composite with prologue/epilogue, or the
+//! multi-tensor AdamW update) into native code through three steps, one module each:
+//!
+//! 1. [`lower`] (+ [`expand`] for composites): the body becomes one or more *row programs*
+//!    ([`prog`]): the kernel's domain viewed as `[R, C]`, values classified as per-element,
+//!    per-row, per-column or kernel-wide, scheduled into passes over each row (a value that
+//!    depends on a row reduction is computed in a later pass; earlier element values are
+//!    recomputed, never stored), with column reductions as per-chunk partials.
+//! 2. [`clif`] (+ [`ops`], [`math`]): each program becomes a Cranelift function over a chunk of
+//!    rows (f32x4 column loops with a scalar tail) and, when it has column results, a finalize
+//!    function; `exp`/`log`/`tanh` are inline polynomial routines accurate to 2 ulp.
+//! 3. [`jit`]: compilation for the host CPU, with a kernel cache (identical bodies compile once)
+//!    and a function cache (equal segments of different kernels share code); [`run`] invokes it
+//!    over rayon.
+//!
+//! Numerics follow the interpreter: one f32 rounding per IR op (no FMA contraction), bf16
+//! rounded to nearest even at every bf16 result, NaN-propagating max/min, deterministic
+//! reduction orders independent of the thread count.
 
+pub mod clif;
+pub mod expand;
 pub mod gemm;
+pub mod jit;
+pub mod lower;
+pub mod math;
+pub mod ops;
+pub mod prog;
+pub mod run;
+
+pub use jit::KernelCompiler;
+pub use run::CompiledKernel;

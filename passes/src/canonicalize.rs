@@ -37,16 +37,29 @@ pub fn canonicalize(g: &Graph) -> Result<Graph, String> {
     for n in &g.nodes {
         let mut ins = Vec::with_capacity(n.inputs.len());
         for v in &n.inputs {
-            ins.push(map.get(v.0 as usize).copied().flatten().ok_or_else(|| format!("canonicalize: operand {v:?} used before definition"))?);
+            ins.push(
+                map.get(v.0 as usize)
+                    .copied()
+                    .flatten()
+                    .ok_or_else(|| format!("canonicalize: operand {v:?} used before definition"))?,
+            );
         }
         let tys: Vec<Type> = n.results.iter().map(|r| g.ty(*r).clone()).collect();
-        let results = if tys.len() == 1 { simplify(&mut out, n.op.clone(), ins, &tys[0], &mut cse) } else { emit(&mut out, n.op.clone(), ins, tys, &mut cse) };
+        let results = if tys.len() == 1 {
+            simplify(&mut out, n.op.clone(), ins, &tys[0], &mut cse)
+        } else {
+            emit(&mut out, n.op.clone(), ins, tys, &mut cse)
+        };
         for (old, new) in n.results.iter().zip(results) {
             map[old.0 as usize] = Some(new);
         }
     }
     for (name, v) in &g.outputs {
-        let nv = map.get(v.0 as usize).copied().flatten().ok_or_else(|| format!("canonicalize: output `{name}` is undefined"))?;
+        let nv = map
+            .get(v.0 as usize)
+            .copied()
+            .flatten()
+            .ok_or_else(|| format!("canonicalize: output `{name}` is undefined"))?;
         out.output(name, nv);
     }
     Ok(remove_dead_nodes(&out))
@@ -63,10 +76,22 @@ enum Step {
 }
 
 /// Simplifies a single-result node until no rule applies, then emits it (through CSE).
-fn simplify(out: &mut Graph, mut op: Op, mut ins: Vec<ValueId>, ty: &Type, cse: &mut HashMap<(String, Vec<ValueId>), Vec<ValueId>>) -> Vec<ValueId> {
+fn simplify(
+    out: &mut Graph,
+    mut op: Op,
+    mut ins: Vec<ValueId>,
+    ty: &Type,
+    cse: &mut HashMap<(String, Vec<ValueId>), Vec<ValueId>>,
+) -> Vec<ValueId> {
     loop {
         let step = match fold(out, &op, &ins) {
-            Some(value) => Step::Op(Op::Const { value, ty: ty.clone() }, vec![]),
+            Some(value) => Step::Op(
+                Op::Const {
+                    value,
+                    ty: ty.clone(),
+                },
+                vec![],
+            ),
             None => identity(out, op, ins, ty),
         };
         match step {
@@ -85,8 +110,17 @@ fn simplify(out: &mut Graph, mut op: Op, mut ins: Vec<ValueId>, ty: &Type, cse: 
 
 /// Appends the node unless an identical one exists (same op and operands; never for the
 /// interface ops or `gemm`/`kernel`).
-fn emit(out: &mut Graph, op: Op, ins: Vec<ValueId>, tys: Vec<Type>, cse: &mut HashMap<(String, Vec<ValueId>), Vec<ValueId>>) -> Vec<ValueId> {
-    let mergeable = !matches!(op, Op::Param { .. } | Op::Input { .. } | Op::Gemm(_) | Op::Kernel(_));
+fn emit(
+    out: &mut Graph,
+    op: Op,
+    ins: Vec<ValueId>,
+    tys: Vec<Type>,
+    cse: &mut HashMap<(String, Vec<ValueId>), Vec<ValueId>>,
+) -> Vec<ValueId> {
+    let mergeable = !matches!(
+        op,
+        Op::Param { .. } | Op::Input { .. } | Op::Gemm(_) | Op::Kernel(_)
+    );
     if !mergeable {
         return out.push_unchecked(op, &ins, tys).to_vec();
     }
@@ -123,10 +157,17 @@ fn fold_any(out: &Graph, op: &Op, ins: &[ValueId]) -> Option<f64> {
             eval_scalar(op, &vals, &tys)
         }
         // Layout ops of a splat are the same splat (same dtype: no rounding involved).
-        Op::Reshape { .. } | Op::Broadcast { .. } | Op::Permute { .. } | Op::Slice { .. } => Some(vals[0]),
+        Op::Reshape { .. } | Op::Broadcast { .. } | Op::Permute { .. } | Op::Slice { .. } => {
+            Some(vals[0])
+        }
         Op::Concat { .. } if vals.iter().all(|v| v.to_bits() == vals[0].to_bits()) => Some(vals[0]),
-        Op::Reduce { op: ReduceOp::Max, .. } => Some(vals[0]),
-        Op::Reduce { op: ReduceOp::Sum, axes } => {
+        Op::Reduce {
+            op: ReduceOp::Max, ..
+        } => Some(vals[0]),
+        Op::Reduce {
+            op: ReduceOp::Sum,
+            axes,
+        } => {
             let xt = out.ty(ins[0]);
             let mut count = 1u64;
             for &a in axes {
@@ -154,7 +195,19 @@ fn sum_of_splat(dtype: DType, value: f64, count: u64) -> Option<f64> {
 /// Evaluates an elementwise op on scalar constants with the interpreter (f32 semantics).
 fn eval_scalar(op: &Op, vals: &[f64], dtypes: &[DType]) -> Option<f64> {
     let mut g = Graph::new("fold", &[]);
-    let ins: Vec<ValueId> = vals.iter().zip(dtypes).map(|(&value, &dt)| g.add1(Op::Const { value, ty: Type::scalar(dt) }, &[])).collect();
+    let ins: Vec<ValueId> = vals
+        .iter()
+        .zip(dtypes)
+        .map(|(&value, &dt)| {
+            g.add1(
+                Op::Const {
+                    value,
+                    ty: Type::scalar(dt),
+                },
+                &[],
+            )
+        })
+        .collect();
     let r = g.try_add(op.clone(), &ins).ok()?;
     g.output("r", r[0]);
     let t = interp::run(&g, &Bindings::default(), &HashMap::new(), Precision::F32).ok()?;
@@ -166,7 +219,13 @@ fn identity(out: &Graph, op: Op, ins: Vec<ValueId>, ty: &Type) -> Step {
     let same = |v: ValueId| out.ty(v) == ty;
     let is = |v: ValueId, want: f64| konst(out, v).is_some_and(|x| x.to_bits() == want.to_bits());
     let int = ty.dtype == DType::I32;
-    let is_zero = |v: ValueId, neg: bool| if int { konst(out, v) == Some(0.0) } else { is(v, if neg { -0.0 } else { 0.0 }) };
+    let is_zero = |v: ValueId, neg: bool| {
+        if int {
+            konst(out, v) == Some(0.0)
+        } else {
+            is(v, if neg { -0.0 } else { 0.0 })
+        }
+    };
     let producer = |v: ValueId| &out.producer(v).op;
     let fwd = match (&op, ins.as_slice()) {
         (Op::Binary(BinaryOp::Mul), &[a, b]) if is(b, 1.0) => Some(a),
@@ -180,7 +239,9 @@ fn identity(out: &Graph, op: Op, ins: Vec<ValueId>, ty: &Type) -> Step {
             _ => None,
         },
         (Op::Select, &[_, a, b]) if a == b => Some(a),
-        (Op::Select, &[c, a, b]) => konst(out, c).map(|k| if round_to(DType::I32, k) != 0.0 { a } else { b }),
+        (Op::Select, &[c, a, b]) => {
+            konst(out, c).map(|k| if round_to(DType::I32, k) != 0.0 { a } else { b })
+        }
         (Op::Cast { .. } | Op::Reshape { .. } | Op::Broadcast { .. }, &[a]) => Some(a),
         (Op::Permute { perm }, &[a]) if perm.iter().enumerate().all(|(i, &p)| i == p) => Some(a),
         _ => None,
@@ -198,7 +259,9 @@ fn identity(out: &Graph, op: Op, ins: Vec<ValueId>, ty: &Type) -> Step {
         }
         // permute(permute(x, p), q): result axis i is x's axis p[q[i]].
         (Op::Permute { perm: q }, &[a]) => {
-            if let (Op::Permute { perm: p }, &[x]) = (producer(a), out.producer(a).inputs.as_slice()) {
+            if let (Op::Permute { perm: p }, &[x]) =
+                (producer(a), out.producer(a).inputs.as_slice())
+            {
                 if p.len() == q.len() && q.iter().all(|&i| i < p.len()) {
                     let perm = q.iter().map(|&i| p[i]).collect();
                     return Step::Op(Op::Permute { perm }, vec![x]);

@@ -1,17 +1,62 @@
 //! The pass pipeline and its names, as accepted by `fusec dump --pass`.
+//!
+//! ```text
+//! parse → canonicalize → fuse-layernorm → autodiff → optimizer → amp → fuse-epilogue
+//!       → fuse-grad-accum → fuse-elementwise → schedule → memplan
+//! ```
+//!
+//! Decision (differs from DESIGN.md, which runs `fuse-elementwise` before the matmul fusions):
+//! the matmul epilogue passes run first, so that a bias add, GELU or gradient accumulation is
+//! claimed by the matmul that produces it (a cuBLASLt epilogue, or a block-wise CPU epilogue)
+//! instead of becoming a separate elementwise kernel that re-reads the product from memory.
 
-use fusec_ir::Graph;
+use std::time::{Duration, Instant};
 
+use fusec_ir::{Bindings, Graph, Op};
+
+use crate::amp::Precision;
+use crate::explain::FusionLog;
+use crate::memplan::{MemPlan, MemplanOptions};
 use crate::optimizer::AdamWConfig;
 
-/// Pass names in pipeline order.
-pub const PASSES: &[&str] = &["parse", "autodiff", "optimizer"];
+/// Pass names in pipeline order (`fuse` names the last fusion pass).
+pub const PASSES: &[&str] = &[
+    "parse",
+    "canonicalize",
+    "fuse-layernorm",
+    "autodiff",
+    "optimizer",
+    "amp",
+    "fuse-epilogue",
+    "fuse-grad-accum",
+    "fuse-elementwise",
+    "fuse",
+    "schedule",
+    "memplan",
+];
+
+/// Which program to build from a forward graph.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Mode {
+    /// Forward + loss only (`autodiff` and `optimizer` are skipped).
+    Forward,
+    /// Forward + backward, accumulating gradients (`optimizer` is skipped).
+    Grad,
+    /// A whole training step.
+    Step,
+}
 
 /// Options that change what the passes build.
 #[derive(Clone, Debug, Default)]
 pub struct PipelineOptions {
     /// AdamW constants (lr and bias corrections are runtime inputs).
     pub adamw: AdamWConfig,
+    /// The mixed-precision policy of `amp`.
+    pub precision: Precision,
+    /// Run the fusion passes (`canonicalize`, `fuse-*`); off gives the unfused program.
+    pub no_fusion: bool,
+    /// Memory planning options.
+    pub memplan: MemplanOptions,
 }
 
 /// One pass's result and how long it took.
@@ -19,28 +64,120 @@ pub struct PassRun {
     /// The pass name.
     pub name: &'static str,
     /// Wall time.
-    pub time: std::time::Duration,
+    pub time: Duration,
 }
 
-/// Runs the pipeline on a parsed forward graph up to and including `last`, returning the graph
-/// and per-pass timings. Every intermediate graph is verified in debug builds.
-pub fn run_until(g: &Graph, last: &str, opts: &PipelineOptions) -> Result<(Graph, Vec<PassRun>), String> {
-    let stop = PASSES.iter().position(|p| *p == last).ok_or_else(|| {
-        format!("unknown pass `{last}`; passes: {}", PASSES.join(", "))
-    })?;
-    let mut g = g.clone();
-    let mut runs = vec![];
+/// What the pipeline produced.
+pub struct Compiled {
+    /// The graph after the last pass run.
+    pub graph: Graph,
+    /// Per-pass timings, in order.
+    pub runs: Vec<PassRun>,
+    /// Refused fusion candidates.
+    pub log: FusionLog,
+    /// The memory plan, when `memplan` ran.
+    pub plan: Option<MemPlan>,
+}
+
+/// Runs the pipeline on a parsed forward graph up to and including `last` (a name from
+/// [`PASSES`]). `bind` binds the symbolic dims for `memplan`. Every intermediate graph is
+/// verified in debug builds.
+pub fn compile(
+    g: &Graph,
+    last: &str,
+    mode: Mode,
+    opts: &PipelineOptions,
+    bind: &Bindings,
+) -> Result<Compiled, String> {
+    let last = if last == "fuse" {
+        "fuse-elementwise"
+    } else {
+        last
+    };
+    let stop = PASSES
+        .iter()
+        .position(|p| *p == last)
+        .ok_or_else(|| format!("unknown pass `{last}`; passes: {}", PASSES.join(", ")))?;
+    let mut out = Compiled {
+        graph: g.clone(),
+        runs: vec![],
+        log: FusionLog::default(),
+        plan: None,
+    };
     for &name in &PASSES[1..=stop] {
-        let t0 = std::time::Instant::now();
-        g = match name {
-            "autodiff" => crate::autodiff::autodiff(&g)?,
-            "optimizer" => crate::optimizer::optimizer(&g, &opts.adamw)?,
+        let skip = match name {
+            "autodiff" => mode == Mode::Forward,
+            "optimizer" => mode != Mode::Step,
+            "fuse" => true,
+            "canonicalize" | "fuse-layernorm" | "fuse-epilogue" | "fuse-grad-accum"
+            | "fuse-elementwise" => opts.no_fusion,
+            _ => false,
+        };
+        if skip {
+            continue;
+        }
+        let t0 = Instant::now();
+        let g = &out.graph;
+        let log = &mut out.log;
+        out.graph = match name {
+            "canonicalize" => crate::canonicalize::canonicalize(g)?,
+            "fuse-layernorm" => crate::fuse_layernorm::fuse_layernorm(g, log)?,
+            "autodiff" => crate::autodiff::autodiff(g)?,
+            "optimizer" => crate::optimizer::optimizer(g, &opts.adamw)?,
+            "amp" => crate::amp::amp(g, opts.precision)?,
+            "fuse-epilogue" => crate::fuse_epilogue::fuse_epilogue(g, log)?,
+            "fuse-grad-accum" => crate::fuse_grad_accum::fuse_grad_accum(g, log)?,
+            "fuse-elementwise" => crate::fuse_elementwise::fuse_elementwise(g, log)?,
+            "schedule" => crate::schedule::schedule_with(g, bind)?,
+            "memplan" => {
+                out.plan = Some(crate::memplan::memplan(g, bind, &opts.memplan)?);
+                g.clone()
+            }
             _ => unreachable!("every name in PASSES has a case"),
         };
-        runs.push(PassRun { name, time: t0.elapsed() });
+        out.runs.push(PassRun {
+            name,
+            time: t0.elapsed(),
+        });
         if cfg!(debug_assertions) {
-            fusec_ir::verify::verify(&g).map_err(|e| format!("after pass `{name}`: {e}"))?;
+            fusec_ir::verify::verify(&out.graph)
+                .map_err(|e| format!("after pass `{name}`: {e}"))?;
         }
     }
-    Ok((g, runs))
+    Ok(out)
+}
+
+/// Launch counts of a program: what a backend runs per step.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Launches {
+    /// Matmuls and gemms.
+    pub matmul: usize,
+    /// Everything else that runs (kernels, composites, unfused primitives, constant fills).
+    pub other: usize,
+}
+
+/// Counts launches: every node except parameters, inputs and views (`reshape`).
+pub fn launches(g: &Graph) -> Launches {
+    let mut l = Launches::default();
+    for n in &g.nodes {
+        match n.op {
+            Op::Param { .. } | Op::Input { .. } | Op::Reshape { .. } => {}
+            Op::MatMul { .. } | Op::Gemm(_) => l.matmul += 1,
+            _ => l.other += 1,
+        }
+    }
+    l
+}
+
+/// The forward, gradient and training-step programs of a forward graph, compiled through
+/// `schedule` (the runtime plans memory itself).
+pub fn programs(
+    g: &Graph,
+    opts: &PipelineOptions,
+    bind: &Bindings,
+) -> Result<Vec<(Mode, Compiled)>, String> {
+    [Mode::Forward, Mode::Grad, Mode::Step]
+        .into_iter()
+        .map(|m| Ok((m, compile(g, "schedule", m, opts, bind)?)))
+        .collect()
 }

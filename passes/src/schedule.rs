@@ -35,7 +35,7 @@ use std::collections::{BinaryHeap, HashMap};
 use fusec_ir::{Bindings, Graph, Op, ValueId};
 use smallvec::SmallVec;
 
-use crate::memplan::buffers::in_place_options;
+use crate::memplan::buffers::{in_place_options, view_bases, war_edges};
 
 /// The value every symbolic dim takes in [`default_bindings`].
 pub const DEFAULT_DIM: u64 = 64;
@@ -74,7 +74,10 @@ pub fn schedule_with(g: &Graph, bind: &Bindings) -> Result<Graph, String> {
 /// current choice when it is no worse under every probe (and, for the greedy orders, strictly
 /// better under one), or when the current choice violates a state-ordering constraint.
 fn schedule_for(g: &Graph, probes: &[Bindings]) -> Result<Graph, String> {
-    let models = probes.iter().map(|b| Model::new(g, b)).collect::<Result<Vec<_>, _>>()?;
+    let models = probes
+        .iter()
+        .map(|b| Model::new(g, b))
+        .collect::<Result<Vec<_>, _>>()?;
     let peaks = |o: &[usize]| models.iter().map(|m| m.peak(o)).collect::<Vec<u64>>();
     let m0 = &models[0];
     let mut best = m0.baseline_order();
@@ -107,7 +110,11 @@ pub fn peak_bytes(g: &Graph, bind: &Bindings) -> Result<u64, String> {
 /// A copy of `g` with its nodes in `order` (a permutation of node indices that is topological),
 /// values renumbered in the new order.
 pub fn reorder(g: &Graph, order: &[usize]) -> Graph {
-    let mut out = Graph { name: g.name.clone(), syms: g.syms.clone(), ..Graph::default() };
+    let mut out = Graph {
+        name: g.name.clone(),
+        syms: g.syms.clone(),
+        ..Graph::default()
+    };
     let mut map = vec![ValueId(u32::MAX); g.values.len()];
     for &ni in order {
         let n = &g.nodes[ni];
@@ -118,74 +125,16 @@ pub fn reorder(g: &Graph, order: &[usize]) -> Graph {
             map[old.0 as usize] = new;
         }
     }
-    out.outputs = g.outputs.iter().map(|(n, v)| (n.clone(), map[v.0 as usize])).collect();
+    out.outputs = g
+        .outputs
+        .iter()
+        .map(|(n, v)| (n.clone(), map[v.0 as usize]))
+        .collect();
     out
 }
 
-/// The value whose buffer `v` shares by view (following `reshape` operands).
-pub(crate) fn view_bases(g: &Graph) -> Vec<u32> {
-    let mut base: Vec<u32> = (0..g.values.len() as u32).collect();
-    for n in &g.nodes {
-        if matches!(n.op, Op::Reshape { .. }) {
-            base[n.results[0].0 as usize] = base[n.inputs[0].0 as usize];
-        }
-    }
-    base
-}
-
-/// Write-after-read constraints `(reader, writer)`: every node reading the old value of state
-/// (or of an accumulating `gemm`'s accumulator, or a view of it) runs before the writer.
-pub(crate) fn war_edges(g: &Graph, base: &[u32]) -> Vec<(usize, usize)> {
-    let producer = |v: u32| g.values[v as usize].node.0 as usize;
-    let names: HashMap<&str, u32> = g
-        .nodes
-        .iter()
-        .filter_map(|n| match &n.op {
-            Op::Param { name, .. } | Op::Input { name, .. } => Some((name.as_str(), n.results[0].0)),
-            _ => None,
-        })
-        .collect();
-    // (old base, writer node)
-    let mut writes: Vec<(u32, usize)> = vec![];
-    for (name, v) in &g.outputs {
-        if let Some(&x) = names.get(name.as_str()) {
-            let b = base[v.0 as usize];
-            if b != x && !g.nodes[producer(b)].op.is_source() {
-                writes.push((x, producer(b)));
-            }
-        }
-    }
-    for (i, n) in g.nodes.iter().enumerate() {
-        if let Op::Gemm(gm) = &n.op {
-            if let (true, Some(acc)) = (gm.accumulate, n.inputs.last()) {
-                writes.push((base[acc.0 as usize], i));
-            }
-        }
-    }
-    if writes.is_empty() {
-        return vec![];
-    }
-    let mut written = vec![false; g.values.len()];
-    for &(b, _) in &writes {
-        written[b as usize] = true;
-    }
-    let mut readers: Vec<Vec<usize>> = vec![vec![]; g.values.len()];
-    for (i, n) in g.nodes.iter().enumerate() {
-        for v in &n.inputs {
-            let b = base[v.0 as usize] as usize;
-            if written[b] && readers[b].last() != Some(&i) {
-                readers[b].push(i);
-            }
-        }
-    }
-    let mut edges: Vec<(usize, usize)> = writes
-        .iter()
-        .flat_map(|&(b, w)| readers[b as usize].iter().filter(move |&&r| r != w).map(move |&r| (r, w)))
-        .collect();
-    edges.sort_unstable();
-    edges.dedup();
-    edges
-}
+/// A result and the operands it may overwrite.
+type InPlacePair = (u32, SmallVec<[u32; 4]>);
 
 /// The scheduler's view of the graph: buffers, their sizes and their readers.
 struct Model<'g> {
@@ -203,7 +152,7 @@ struct Model<'g> {
     /// Per node: distinct roots of its operands.
     node_roots: Vec<SmallVec<[u32; 4]>>,
     /// Per node: results that may be written in place over one of these operands.
-    inplace: Vec<SmallVec<[(u32, SmallVec<[u32; 4]>); 1]>>,
+    inplace: Vec<SmallVec<[InPlacePair; 1]>>,
     /// Write-after-read constraints `(reader, writer)`.
     war: Vec<(usize, usize)>,
 }
@@ -237,7 +186,9 @@ impl<'g> Model<'g> {
         }
         // Gradient accumulators: `memplan` accumulates into them in place.
         let is_acc = |n: &fusec_ir::Node| match &n.op {
-            Op::Input { name, .. } => name.strip_prefix("grad.").is_some_and(|p| names.get(p) == Some(&true)),
+            Op::Input { name, .. } => name
+                .strip_prefix("grad.")
+                .is_some_and(|p| names.get(p) == Some(&true)),
             _ => false,
         };
         let mut root: Vec<u32> = (0..nv as u32).collect();
@@ -262,11 +213,15 @@ impl<'g> Model<'g> {
                     for (ri, cands) in opts.candidates.iter().enumerate() {
                         let r = n.results[ri].0 as usize;
                         let into_acc = cands.iter().map(|&k| n.inputs[k].0 as usize).find(|&o| {
-                            acc[root[o] as usize] && readers[o] == 1 && !is_output[o] && bytes[o] == bytes[r]
+                            acc[root[o] as usize]
+                                && readers[o] == 1
+                                && !is_output[o]
+                                && bytes[o] == bytes[r]
                         });
                         match into_acc {
                             Some(o) => root[r] = root[o],
-                            None if !cands.is_empty() => inplace[i].push((r as u32, cands.iter().map(|&k| n.inputs[k].0).collect())),
+                            None if !cands.is_empty() => inplace[i]
+                                .push((r as u32, cands.iter().map(|&k| n.inputs[k].0).collect())),
                             None => {}
                         }
                     }
@@ -300,13 +255,24 @@ impl<'g> Model<'g> {
             node_roots.push(rs);
         }
         let war = war_edges(g, &view_bases(g));
-        Ok(Model { g, root, new_buf, bytes, keep, users, node_roots, inplace, war })
+        Ok(Model {
+            g,
+            root,
+            new_buf,
+            bytes,
+            keep,
+            users,
+            node_roots,
+            inplace,
+            war,
+        })
     }
 
     /// The input order with parameters and inputs hoisted to the front.
     fn baseline_order(&self) -> Vec<usize> {
         let n = self.g.nodes.len();
-        let is_iface = |i: &usize| matches!(self.g.nodes[*i].op, Op::Param { .. } | Op::Input { .. });
+        let is_iface =
+            |i: &usize| matches!(self.g.nodes[*i].op, Op::Param { .. } | Op::Input { .. });
         let mut order: Vec<usize> = (0..n).filter(is_iface).collect();
         order.extend((0..n).filter(|i| !is_iface(i)));
         order
@@ -339,7 +305,9 @@ impl<'g> Model<'g> {
                 let r = *r as usize;
                 let fits = |o: &&u32| {
                     let o = self.root[**o as usize];
-                    let ok = self.new_buf[o as usize] && !self.keep[o as usize] && remaining[o as usize] == 1;
+                    let ok = self.new_buf[o as usize]
+                        && !self.keep[o as usize]
+                        && remaining[o as usize] == 1;
                     ok && self.bytes[o as usize] == self.bytes[r] && !taken.contains(&o)
                 };
                 if let Some(o) = cands.iter().find(fits).filter(|_| self.new_buf[r]) {
@@ -399,7 +367,11 @@ impl<'g> Model<'g> {
         let mut succs: Vec<Vec<u32>> = vec![vec![]; nn];
         let mut lazy_preds: Vec<SmallVec<[u32; 4]>> = vec![SmallVec::new(); nn];
         for i in 0..nn {
-            let preds = g.nodes[i].inputs.iter().map(producer).chain(war_preds[i].iter().copied());
+            let preds = g.nodes[i]
+                .inputs
+                .iter()
+                .map(producer)
+                .chain(war_preds[i].iter().copied());
             let mut seen: SmallVec<[usize; 8]> = SmallVec::new();
             for p in preds {
                 if seen.contains(&p) || is_iface(p) {

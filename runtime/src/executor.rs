@@ -40,8 +40,17 @@ pub struct RefExecutor {
 
 impl RefExecutor {
     /// An executor for the given programs under a binding of `B` and `T`.
-    pub fn new(graphs: HashMap<Program, Graph>, bindings: Bindings, precision: Precision) -> RefExecutor {
-        RefExecutor { graphs, bindings, precision, tensors: HashMap::new() }
+    pub fn new(
+        graphs: HashMap<Program, Graph>,
+        bindings: Bindings,
+        precision: Precision,
+    ) -> RefExecutor {
+        RefExecutor {
+            graphs,
+            bindings,
+            precision,
+            tensors: HashMap::new(),
+        }
     }
 }
 
@@ -52,7 +61,10 @@ impl Executor for RefExecutor {
     }
 
     fn get(&self, name: &str) -> Result<Tensor, String> {
-        self.tensors.get(name).cloned().ok_or_else(|| format!("no tensor named `{name}`"))
+        self.tensors
+            .get(name)
+            .cloned()
+            .ok_or_else(|| format!("no tensor named `{name}`"))
     }
 
     fn zero_grads(&mut self) -> Result<(), String> {
@@ -65,13 +77,20 @@ impl Executor for RefExecutor {
     }
 
     fn run(&mut self, program: Program) -> Result<HashMap<String, f64>, String> {
-        let g = self.graphs.get(&program).ok_or_else(|| format!("program {program:?} was not compiled"))?;
+        let g = self
+            .graphs
+            .get(&program)
+            .ok_or_else(|| format!("program {program:?} was not compiled"))?;
         let mut feeds = HashMap::new();
         for (name, _) in g.params().into_iter().chain(g.inputs()) {
-            let t = self.tensors.get(name).ok_or_else(|| format!("nothing was set for `{name}`"))?;
+            let t = self
+                .tensors
+                .get(name)
+                .ok_or_else(|| format!("nothing was set for `{name}`"))?;
             feeds.insert(name.to_string(), t.clone());
         }
-        let outs = interp::run(g, &self.bindings, &feeds, self.precision).map_err(|e| e.to_string())?;
+        let outs =
+            interp::run(g, &self.bindings, &feeds, self.precision).map_err(|e| e.to_string())?;
         let mut scalars = HashMap::new();
         for ((name, _), t) in g.outputs.iter().zip(outs) {
             if t.shape.is_empty() {

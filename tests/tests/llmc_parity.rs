@@ -25,17 +25,42 @@ struct Setup {
     ex: fusec_runtime::executor::RefExecutor,
 }
 
-fn setup() -> Option<Setup> {
+/// The unfused programs (the oracle) and the fully fused ones, both through the interpreter.
+fn variants() -> [(&'static str, PipelineOptions); 2] {
+    [
+        ("unfused", common::unfused()),
+        ("fused", PipelineOptions::default()),
+    ]
+}
+
+fn setup(opts: &PipelineOptions) -> Option<Setup> {
     let dir = common::llmc_odd()?;
     let json = common::reference_json(&dir);
     let ckpt = Checkpoint::read(&dir.join("gpt2_odd_s4242.bin")).unwrap();
     let c = &ckpt.config;
-    let cfg = Gpt2Config { layers: c.layers, heads: c.heads, channels: c.channels, vocab: c.vocab, padded_vocab: c.padded_vocab, max_seq: c.max_seq };
+    let cfg = Gpt2Config {
+        layers: c.layers,
+        heads: c.heads,
+        channels: c.channels,
+        vocab: c.vocab,
+        padded_vocab: c.padded_vocab,
+        max_seq: c.max_seq,
+    };
     let fwd = build_gpt2(&cfg, "gpt2_odd");
-    let mut ex = common::ref_executor(&fwd, &PipelineOptions::default(), B, T, Precision::F32);
-    let step = common::programs(&fwd, &PipelineOptions::default()).remove(&Program::Step).unwrap();
-    init_state(&mut ex, &step, &params_from_checkpoint(&fwd, &ckpt).unwrap()).unwrap();
-    Some(Setup { dir, json, ckpt, ex })
+    let mut ex = common::ref_executor(&fwd, opts, B, T, Precision::F32);
+    let step = common::programs(&fwd, opts).remove(&Program::Step).unwrap();
+    init_state(
+        &mut ex,
+        &step,
+        &params_from_checkpoint(&fwd, &ckpt).unwrap(),
+    )
+    .unwrap();
+    Some(Setup {
+        dir,
+        json,
+        ckpt,
+        ex,
+    })
 }
 
 fn loader(dir: &std::path::Path, file: &str) -> DataLoader {
@@ -44,77 +69,117 @@ fn loader(dir: &std::path::Path, file: &str) -> DataLoader {
 
 #[test]
 fn forward_and_val_loss_match_llmc() {
-    let Some(mut s) = setup() else { return };
-    let want = s.json["losses"][0].as_f64().unwrap();
-    let got = eval_loss(&mut s.ex, &loader(&s.dir, "tokens_train_s11.bin"), 1, B, T).unwrap();
-    assert!((got - want).abs() <= 1e-5, "step-0 loss {got} vs llm.c {want}");
-    let want_val = s.json["val_loss_before_step0"].as_f64().unwrap();
-    let got_val = eval_loss(&mut s.ex, &loader(&s.dir, "tokens_val_s12.bin"), 4, B, T).unwrap();
-    assert!((got_val - want_val).abs() <= 1e-5, "val loss {got_val} vs llm.c {want_val}");
+    for (variant, opts) in variants() {
+        eprintln!("{variant}:");
+        let Some(mut s) = setup(&opts) else { return };
+        let want = s.json["losses"][0].as_f64().unwrap();
+        let got = eval_loss(&mut s.ex, &loader(&s.dir, "tokens_train_s11.bin"), 1, B, T).unwrap();
+        assert!(
+            (got - want).abs() <= 1e-5,
+            "step-0 loss {got} vs llm.c {want}"
+        );
+        let want_val = s.json["val_loss_before_step0"].as_f64().unwrap();
+        let got_val = eval_loss(&mut s.ex, &loader(&s.dir, "tokens_val_s12.bin"), 4, B, T).unwrap();
+        assert!(
+            (got_val - want_val).abs() <= 1e-5,
+            "val loss {got_val} vs llm.c {want_val}"
+        );
+    }
 }
 
 #[test]
 fn step0_gradients_match_llmc() {
-    let Some(mut s) = setup() else { return };
-    let data = loader(&s.dir, "tokens_train_s11.bin");
-    let (x, y) = data.batch(0);
-    s.ex.set("tokens", Tensor::from_i32(vec![B, T], &x)).unwrap();
-    s.ex.set("targets", Tensor::from_i32(vec![B, T], &y)).unwrap();
-    s.ex.set("dloss", Tensor::scalar(DType::F32, 1.0)).unwrap();
-    s.ex.run(Program::Grad).unwrap();
-    let reference = common::read_f32s(&s.dir.join("grads_step0.f32"));
-    let mut offset = 0;
-    let mut worst = (0.0f64, String::new());
-    for (name, shape, _) in s.ckpt.named_tensors() {
-        let n: usize = shape.iter().product();
-        let got = s.ex.get(&format!("grad.{name}")).unwrap().to_f32();
-        let want = &reference[offset..offset + n];
-        offset += n;
-        let diff: f64 = got.iter().zip(want).map(|(a, b)| (*a as f64 - *b as f64).powi(2)).sum::<f64>().sqrt();
-        let norm: f64 = want.iter().map(|b| (*b as f64).powi(2)).sum::<f64>().sqrt();
-        let rel = diff / norm;
-        assert!(rel <= 3e-6, "grad of {name}: relative L2 error {rel:e}");
-        if rel > worst.0 {
-            worst = (rel, name);
+    for (variant, opts) in variants() {
+        eprintln!("{variant}:");
+        let Some(mut s) = setup(&opts) else { return };
+        let data = loader(&s.dir, "tokens_train_s11.bin");
+        let (x, y) = data.batch(0);
+        s.ex.set("tokens", Tensor::from_i32(vec![B, T], &x))
+            .unwrap();
+        s.ex.set("targets", Tensor::from_i32(vec![B, T], &y))
+            .unwrap();
+        s.ex.set("dloss", Tensor::scalar(DType::F32, 1.0)).unwrap();
+        s.ex.run(Program::Grad).unwrap();
+        let reference = common::read_f32s(&s.dir.join("grads_step0.f32"));
+        let mut offset = 0;
+        let mut worst = (0.0f64, String::new());
+        for (name, shape, _) in s.ckpt.named_tensors() {
+            let n: usize = shape.iter().product();
+            let got = s.ex.get(&format!("grad.{name}")).unwrap().to_f32();
+            let want = &reference[offset..offset + n];
+            offset += n;
+            let diff: f64 = got
+                .iter()
+                .zip(want)
+                .map(|(a, b)| (*a as f64 - *b as f64).powi(2))
+                .sum::<f64>()
+                .sqrt();
+            let norm: f64 = want.iter().map(|b| (*b as f64).powi(2)).sum::<f64>().sqrt();
+            let rel = diff / norm;
+            assert!(rel <= 3e-6, "grad of {name}: relative L2 error {rel:e}");
+            if rel > worst.0 {
+                worst = (rel, name);
+            }
         }
+        assert_eq!(offset, reference.len());
+        eprintln!(
+            "worst per-tensor relative L2 error: {:e} ({})",
+            worst.0, worst.1
+        );
+        let wte = s.ex.get("grad.wte").unwrap().to_f32();
+        assert!(
+            wte[500 * 32..].iter().all(|&g| g == 0.0),
+            "padding rows of wte must get exactly zero gradient"
+        );
     }
-    assert_eq!(offset, reference.len());
-    eprintln!("worst per-tensor relative L2 error: {:e} ({})", worst.0, worst.1);
-    let wte = s.ex.get("grad.wte").unwrap().to_f32();
-    assert!(wte[500 * 32..].iter().all(|&g| g == 0.0), "padding rows of wte must get exactly zero gradient");
 }
 
 #[test]
 fn ten_steps_match_llmc_losses_and_parameters() {
-    let Some(mut s) = setup() else { return };
-    let cfg = TrainConfig {
-        batch: B,
-        seq: T,
-        steps: 10,
-        lr: s.json["lr"].as_f64().unwrap() as f32,
-        betas: (0.9, 0.999),
-        grad_accum: 1,
-        grad_clip: None,
-        val_every: None,
-        val_batches: 0,
-        log_json: None,
-    };
-    let logs = train(&mut s.ex, &cfg, &loader(&s.dir, "tokens_train_s11.bin"), None, |_| {}).unwrap();
-    for (log, want) in logs.iter().zip(s.json["losses"].as_array().unwrap()) {
-        let want = want.as_f64().unwrap();
-        assert!((log.loss - want).abs() <= 1e-5, "step {} loss {} vs llm.c {want}", log.step, log.loss);
-    }
-    let reference = common::read_f32s(&s.dir.join("params_step10.f32"));
-    let mut offset = 0;
-    let mut worst = 0.0f32;
-    for (name, shape, _) in s.ckpt.named_tensors() {
-        let n: usize = shape.iter().product();
-        let got = s.ex.get(&name).unwrap().to_f32();
-        for (a, b) in got.iter().zip(&reference[offset..offset + n]) {
-            worst = worst.max((a - b).abs());
+    for (variant, opts) in variants() {
+        eprintln!("{variant}:");
+        let Some(mut s) = setup(&opts) else { return };
+        let cfg = TrainConfig {
+            batch: B,
+            seq: T,
+            steps: 10,
+            lr: s.json["lr"].as_f64().unwrap() as f32,
+            betas: (0.9, 0.999),
+            grad_accum: 1,
+            grad_clip: None,
+            val_every: None,
+            val_batches: 0,
+            log_json: None,
+        };
+        let logs = train(
+            &mut s.ex,
+            &cfg,
+            &loader(&s.dir, "tokens_train_s11.bin"),
+            None,
+            |_| {},
+        )
+        .unwrap();
+        for (log, want) in logs.iter().zip(s.json["losses"].as_array().unwrap()) {
+            let want = want.as_f64().unwrap();
+            assert!(
+                (log.loss - want).abs() <= 1e-5,
+                "step {} loss {} vs llm.c {want}",
+                log.step,
+                log.loss
+            );
         }
-        offset += n;
+        let reference = common::read_f32s(&s.dir.join("params_step10.f32"));
+        let mut offset = 0;
+        let mut worst = 0.0f32;
+        for (name, shape, _) in s.ckpt.named_tensors() {
+            let n: usize = shape.iter().product();
+            let got = s.ex.get(&name).unwrap().to_f32();
+            for (a, b) in got.iter().zip(&reference[offset..offset + n]) {
+                worst = worst.max((a - b).abs());
+            }
+            offset += n;
+        }
+        eprintln!("params after 10 steps: max abs difference {worst:e}");
+        assert!(worst <= 1e-5, "params after 10 steps differ by {worst}");
     }
-    eprintln!("params after 10 steps: max abs difference {worst:e}");
-    assert!(worst <= 1e-5, "params after 10 steps differ by {worst}");
 }

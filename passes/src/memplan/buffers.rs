@@ -7,7 +7,10 @@
 //! writes the next one (in place). A group may be *owned* by a parameter or input: it is then
 //! that persistent tensor's buffer.
 
+use std::collections::HashMap;
+
 use fusec_ir::{Bindings, Graph, Op};
+use smallvec::SmallVec;
 
 /// Positions and sizes of every value on the launch order (the node order of the graph).
 pub(super) struct Live {
@@ -48,7 +51,7 @@ impl Live {
         for (v, info) in g.values.iter().enumerate() {
             bytes[v] = info.ty.bytes(bind).map_err(|e| format!("memplan: {e}"))? as u64;
         }
-        let base = crate::schedule::view_bases(g);
+        let base = view_bases(g);
         let mut vend = end.clone();
         // `base` follows reshape chains to the end, so each view folds straight into its base.
         for v in 0..nv {
@@ -57,7 +60,14 @@ impl Live {
                 vend[b] = vend[b].max(end[v]);
             }
         }
-        Ok(Live { n, def, end, base, vend, bytes })
+        Ok(Live {
+            n,
+            def,
+            end,
+            base,
+            vend,
+            bytes,
+        })
     }
 }
 
@@ -90,8 +100,21 @@ impl Groups {
                 owner[n.results[0].0 as usize] = Some(n.results[0].0);
             }
         }
-        let versions = (0..nv as u32).map(|v| if live.base[v as usize] == v { vec![v] } else { vec![] }).collect();
-        Groups { parent: (0..nv as u32).collect(), versions, owner, written_back: vec![false; nv] }
+        let versions = (0..nv as u32)
+            .map(|v| {
+                if live.base[v as usize] == v {
+                    vec![v]
+                } else {
+                    vec![]
+                }
+            })
+            .collect();
+        Groups {
+            parent: (0..nv as u32).collect(),
+            versions,
+            owner,
+            written_back: vec![false; nv],
+        }
     }
 
     /// The group (root) of a base value.
@@ -154,7 +177,10 @@ impl Groups {
         for w in merged.windows(2) {
             let (e, l) = (w[0] as usize, w[1] as usize);
             if live.vend[e] > live.def[l] || live.def[e] == live.def[l] {
-                return Err(Conflict::Overlap { earlier: w[0], later: w[1] });
+                return Err(Conflict::Overlap {
+                    earlier: w[0],
+                    later: w[1],
+                });
             }
         }
         self.parent[rb as usize] = ra;
@@ -166,56 +192,189 @@ impl Groups {
     }
 }
 
-/// Which operands of `node` its results may overwrite in place.
+/// How a node reads its operands, for deciding what it may overwrite while it runs.
+///
+/// Contract with the backends: a single-phase node (elementwise ops, `adamw`, a kernel of only
+/// those, broadcasts and sources) loads every operand element `i` before it stores element `i` of
+/// any result; a multi-phase kernel may run its body in several passes.
 pub(crate) struct InPlace {
-    /// Per operand: the one result it flows into through elementwise ops only, so that element
-    /// `i` of it is read only while element `i` of that result is computed (`None`: read in
-    /// some other way, or into several results of a multi-phase kernel).
-    pub only_into: Vec<Option<usize>>,
-    /// Per result: the operand positions it may overwrite (same type), in operand order.
+    /// Per operand: the results it flows into through pointwise ops only (element `i` read only
+    /// to compute element `i`), or `None` if it is read any other way.
+    pub reach: Vec<Option<SmallVec<[usize; 2]>>>,
+    /// Whether the node computes all its results in one pass over the elements.
+    pub single_phase: bool,
+    /// Per result: the operand positions it may overwrite (same shape), in operand order.
     pub candidates: Vec<Vec<usize>>,
 }
 
-/// The in-place options of `node`. Conservative: an elementwise op may overwrite any operand of
-/// its result's shape. A `kernel` may overwrite operand `k` with result `r` of the same type when
-/// everything downstream of `k` in its body is elementwise and `k` reaches `r`; if the body has
-/// any other op than elementwise ops, broadcasts and sources (a kernel with phases, e.g. a
-/// reduction and its epilogue), `k` must reach no other result.
+impl InPlace {
+    /// Whether result `r` may be stored over operand `k`'s buffer while the node reads `k`.
+    pub fn safe_while_writing(&self, k: usize, r: usize) -> bool {
+        match &self.reach[k] {
+            Some(rs) => self.single_phase || rs.iter().all(|&x| x == r),
+            None => false,
+        }
+    }
+}
+
+/// Elementwise ops and `adamw`: element `i` of every result from element `i` of the operands.
+fn is_pointwise(op: &Op) -> bool {
+    op.is_elementwise() || matches!(op, Op::AdamW { .. })
+}
+
+/// The in-place options of `node`; see [`InPlace`]. Conservative: an elementwise op may overwrite
+/// any operand of its result's shape; `adamw` its `p`, `m` and `v`; a kernel may overwrite operand
+/// `k` with result `r` of the same shape when everything downstream of `k` in its body is pointwise
+/// and reaches `r` (and, in a multi-phase kernel, nothing else).
 pub(crate) fn in_place_options(node: &fusec_ir::Node, g: &Graph) -> InPlace {
     let (ni, nr) = (node.inputs.len(), node.results.len());
-    let same_type = |k: usize, r: usize| g.ty(node.inputs[k]) == g.ty(node.results[r]);
+    // Same element count; `memplan` also requires the same byte size (an i32 mask may become f32).
+    let same_shape = |k: usize, r: usize| g.ty(node.inputs[k]).shape == g.ty(node.results[r]).shape;
+    let shape0 = node.results.first().map(|r| &g.ty(*r).shape);
+    let all = || -> SmallVec<[usize; 2]> { (0..nr).collect() };
+    let mut o = InPlace {
+        reach: vec![None; ni],
+        single_phase: false,
+        candidates: vec![vec![]; nr],
+    };
     match &node.op {
-        op if op.is_elementwise() => {
-            let same_shape = |k: &usize| g.ty(node.inputs[*k]).shape == g.ty(node.results[0]).shape;
-            InPlace { only_into: vec![Some(0); ni], candidates: vec![(0..ni).filter(same_shape).collect()] }
+        op if is_pointwise(op) => {
+            o.single_phase = true;
+            for k in 0..ni {
+                if Some(&g.ty(node.inputs[k]).shape) == shape0 {
+                    o.reach[k] = Some(all());
+                }
+            }
+            let pairs: Vec<(usize, usize)> = if let Op::AdamW { .. } = op {
+                vec![(0, 0), (1, 2), (2, 3)]
+            } else {
+                (0..ni).map(|k| (0, k)).collect()
+            };
+            for (r, k) in pairs {
+                if k < ni && r < nr && o.reach[k].is_some() && same_shape(k, r) {
+                    o.candidates[r].push(k);
+                }
+            }
         }
-        Op::Kernel(k) => {
-            let body = &k.body;
-            let single_phase = body.nodes.iter().all(|n| {
-                n.op.is_elementwise() || matches!(n.op, Op::Input { .. } | Op::Const { .. } | Op::Iota { .. } | Op::Broadcast { .. })
+        Op::Gemm(gm) if gm.accumulate && ni > 0 => {
+            o.reach[ni - 1] = Some(SmallVec::from_slice(&[0]))
+        }
+        Op::Kernel(kernel) => {
+            let body = &kernel.body;
+            o.single_phase = body.nodes.iter().all(|n| {
+                is_pointwise(&n.op)
+                    || matches!(
+                        n.op,
+                        Op::Input { .. }
+                            | Op::Const { .. }
+                            | Op::Iota { .. }
+                            | Op::Broadcast { .. }
+                    )
             });
-            let body_inputs = body.nodes.iter().filter(|n| matches!(n.op, Op::Input { .. })).map(|n| n.results[0].0 as usize);
-            let mut only_into = vec![None; ni];
-            let mut reaches: Vec<Vec<usize>> = vec![vec![]; ni];
+            let body_inputs = body
+                .nodes
+                .iter()
+                .filter(|n| matches!(n.op, Op::Input { .. }))
+                .map(|n| n.results[0].0 as usize);
             for (k, bv) in body_inputs.enumerate().take(ni) {
                 let mut reach = vec![false; body.values.len()];
                 reach[bv] = true;
-                let mut elementwise = true;
+                let mut pointwise = true;
                 for n in &body.nodes {
                     if n.inputs.iter().any(|v| reach[v.0 as usize]) {
-                        elementwise &= n.op.is_elementwise();
+                        pointwise &= is_pointwise(&n.op);
                         n.results.iter().for_each(|r| reach[r.0 as usize] = true);
                     }
                 }
-                let outs: Vec<usize> = (0..nr.min(body.outputs.len())).filter(|&j| reach[body.outputs[j].1 .0 as usize]).collect();
-                if elementwise && (outs.len() == 1 || (single_phase && !outs.is_empty())) {
-                    only_into[k] = (outs.len() == 1).then(|| outs[0]);
-                    reaches[k] = outs;
+                if pointwise {
+                    let outs = (0..nr.min(body.outputs.len()))
+                        .filter(|&j| reach[body.outputs[j].1 .0 as usize])
+                        .collect();
+                    o.reach[k] = Some(outs);
                 }
             }
-            let candidates = (0..nr).map(|r| (0..ni).filter(|&k| reaches[k].contains(&r) && same_type(k, r)).collect()).collect();
-            InPlace { only_into, candidates }
+            for k in 0..ni {
+                let rs = o.reach[k].clone().unwrap_or_default();
+                for r in rs {
+                    if same_shape(k, r) && o.safe_while_writing(k, r) {
+                        o.candidates[r].push(k);
+                    }
+                }
+            }
         }
-        _ => InPlace { only_into: vec![None; ni], candidates: vec![vec![]; nr] },
+        _ => {}
     }
+    o
+}
+
+/// The value whose buffer `v` shares by view (following `reshape` operands).
+pub(crate) fn view_bases(g: &Graph) -> Vec<u32> {
+    let mut base: Vec<u32> = (0..g.values.len() as u32).collect();
+    for n in &g.nodes {
+        if matches!(n.op, Op::Reshape { .. }) {
+            base[n.results[0].0 as usize] = base[n.inputs[0].0 as usize];
+        }
+    }
+    base
+}
+
+/// Write-after-read constraints `(reader, writer)`: every node reading the old value of state
+/// (or of an accumulating `gemm`'s accumulator, or a view of it) runs before the writer.
+pub(crate) fn war_edges(g: &Graph, base: &[u32]) -> Vec<(usize, usize)> {
+    let producer = |v: u32| g.values[v as usize].node.0 as usize;
+    let names: HashMap<&str, u32> = g
+        .nodes
+        .iter()
+        .filter_map(|n| match &n.op {
+            Op::Param { name, .. } | Op::Input { name, .. } => {
+                Some((name.as_str(), n.results[0].0))
+            }
+            _ => None,
+        })
+        .collect();
+    // (old base, writer node)
+    let mut writes: Vec<(u32, usize)> = vec![];
+    for (name, v) in &g.outputs {
+        if let Some(&x) = names.get(name.as_str()) {
+            let b = base[v.0 as usize];
+            if b != x && !g.nodes[producer(b)].op.is_source() {
+                writes.push((x, producer(b)));
+            }
+        }
+    }
+    for (i, n) in g.nodes.iter().enumerate() {
+        if let Op::Gemm(gm) = &n.op {
+            if let (true, Some(acc)) = (gm.accumulate, n.inputs.last()) {
+                writes.push((base[acc.0 as usize], i));
+            }
+        }
+    }
+    if writes.is_empty() {
+        return vec![];
+    }
+    let mut written = vec![false; g.values.len()];
+    for &(b, _) in &writes {
+        written[b as usize] = true;
+    }
+    let mut readers: Vec<Vec<usize>> = vec![vec![]; g.values.len()];
+    for (i, n) in g.nodes.iter().enumerate() {
+        for v in &n.inputs {
+            let b = base[v.0 as usize] as usize;
+            if written[b] && readers[b].last() != Some(&i) {
+                readers[b].push(i);
+            }
+        }
+    }
+    let mut edges: Vec<(usize, usize)> = writes
+        .iter()
+        .flat_map(|&(b, w)| {
+            readers[b as usize]
+                .iter()
+                .filter(move |&&r| r != w)
+                .map(move |&r| (r, w))
+        })
+        .collect();
+    edges.sort_unstable();
+    edges.dedup();
+    edges
 }

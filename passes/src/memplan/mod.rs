@@ -9,17 +9,18 @@
 //!   gradients is one memset; AdamW can run over one flat range.
 //! - **State write-back**: a graph output named like a parameter or input is computed straight
 //!   into that tensor's buffer. Legal only if the old value is not read after the producer runs
-//!   (the producer itself may read it); otherwise [`memplan`] fails and says which read is late.
+//!   and the producer itself reads it only element by element (`adamw`, elementwise ops);
+//!   otherwise [`memplan`] fails and says which read is in the way.
 //! - **Views**: a `reshape` result aliases its operand; the operand stays live until the view's
 //!   last read.
 //! - **In place**: an accumulating `gemm` always writes over its last operand. With reuse, an
-//!   elementwise op (or a `kernel` that reads the operand only elementwise into that result, see
-//!   [`buffers::in_place_options`]) whose operand of equal size is last read by it writes its
-//!   result into that operand's buffer;
-//!   operands already in a persistent buffer are preferred. Gradient accumulators (`grad.P`) are
-//!   scratch owned by the step: accumulations write into them even when the graph does not output
-//!   `grad.P` (after the step they hold the gradient, as llm.c's gradient buffer does); other
-//!   parameters and inputs are only overwritten by their write-back.
+//!   elementwise op, or a `kernel` that reads the operand only pointwise into that result (see
+//!   `buffers::in_place_options` for the exact rule and the contract it puts on backends), writes
+//!   its result into the buffer of an operand of equal size that it reads last; operands already
+//!   in a persistent buffer are preferred. Gradient accumulators (`grad.P` inputs) are scratch
+//!   owned by the step: accumulations write into them even when the graph does not output `grad.P`
+//!   (after the step they hold the gradient, as llm.c's gradient buffer does); other parameters
+//!   and inputs are only overwritten by their own write-back.
 //! - **Transients** (everything else, `loss` included): one buffer per group of values sharing
 //!   it in place, live from the first definition to the last read (graph outputs: to the end).
 //!   Placed by decreasing-size best fit into one arena. Without reuse (`--no-reuse`), every
@@ -75,7 +76,13 @@ pub enum Region {
 
 impl Region {
     /// The persistent regions in layout order.
-    pub const PERSISTENT: [Region; 5] = [Region::Params, Region::Grads, Region::AdamM, Region::AdamV, Region::Inputs];
+    pub const PERSISTENT: [Region; 5] = [
+        Region::Params,
+        Region::Grads,
+        Region::AdamM,
+        Region::AdamV,
+        Region::Inputs,
+    ];
 
     /// The name used in reports.
     pub fn name(self) -> &'static str {
@@ -185,7 +192,11 @@ pub fn memplan(g: &Graph, bind: &Bindings, opts: &MemplanOptions) -> Result<MemP
         is_grad_acc[v as usize] = r == Region::Grads;
     }
     let conflict_msg = |c: Conflict, live: &Live| match c {
-        Conflict::TwoOwners(x, y) => format!("{} and {} are different persistent tensors", name(x), name(y)),
+        Conflict::TwoOwners(x, y) => format!(
+            "{} and {} are different persistent tensors",
+            name(x),
+            name(y)
+        ),
         Conflict::Overlap { earlier, later } => format!(
             "{} (live at positions {}..={}) is still read after {} is written at position {}",
             name(earlier),
@@ -204,29 +215,67 @@ pub fn memplan(g: &Graph, bind: &Bindings, opts: &MemplanOptions) -> Result<MemP
     // Semantics first: accumulating gemms, then state write-back.
     for (i, n) in g.nodes.iter().enumerate() {
         let Op::Gemm(gm) = &n.op else { continue };
-        let (true, Some(&acc)) = (gm.accumulate, n.inputs.last()) else { continue };
+        let (true, Some(&acc)) = (gm.accumulate, n.inputs.last()) else {
+            continue;
+        };
         let (r, b) = (n.results[0].0, live.base[acc.0 as usize]);
-        let at = || format!("memplan: gemm {} (position {i}) accumulates in place into {}", name(r), name(acc.0));
-        if n.inputs[..n.inputs.len() - 1].iter().any(|v| live.base[v.0 as usize] == b) {
+        let at = || {
+            format!(
+                "memplan: gemm {} (position {i}) accumulates in place into {}",
+                name(r),
+                name(acc.0)
+            )
+        };
+        if n.inputs[..n.inputs.len() - 1]
+            .iter()
+            .any(|v| live.base[v.0 as usize] == b)
+        {
             return Err(format!("{}, which it also reads as a factor", at()));
         }
         if live.bytes[r as usize] != live.bytes[b as usize] {
             return Err(format!("{}, whose size differs", at()));
         }
-        gr.merge(&live, b, r).map_err(|c| format!("{}: {}", at(), conflict_msg(c, &live)))?;
+        gr.merge(&live, b, r)
+            .map_err(|c| format!("{}: {}", at(), conflict_msg(c, &live)))?;
     }
-    let by_name: std::collections::HashMap<&str, u32> = persistent.iter().map(|&(_, v)| (source_name(g, v), v)).collect();
+    let ipo: Vec<_> = g.nodes.iter().map(|n| in_place_options(n, g)).collect();
+    let by_name: std::collections::HashMap<&str, u32> = persistent
+        .iter()
+        .map(|&(_, v)| (source_name(g, v), v))
+        .collect();
     for (oname, v) in &g.outputs {
-        let Some(&x) = by_name.get(oname.as_str()) else { continue };
+        let Some(&x) = by_name.get(oname.as_str()) else {
+            continue;
+        };
         let b = live.base[v.0 as usize];
         if gr.find(b) != gr.find(x) {
             let at = || {
                 format!("memplan: output `{oname}` ({}, position {}) cannot be written back in place over {}", name(v.0), live.def[b as usize], name(x))
             };
             if live.bytes[b as usize] != live.bytes[x as usize] {
-                return Err(format!("{}: sizes differ ({} vs {} bytes)", at(), live.bytes[b as usize], live.bytes[x as usize]));
+                return Err(format!(
+                    "{}: sizes differ ({} vs {} bytes)",
+                    at(),
+                    live.bytes[b as usize],
+                    live.bytes[x as usize]
+                ));
             }
-            gr.merge(&live, x, b).map_err(|c| format!("{}: {}", at(), conflict_msg(c, &live)))?;
+            // The producer may read the old value only element by element.
+            let pi = g.values[b as usize].node.0 as usize;
+            let pn = &g.nodes[pi];
+            let ri = pn.results.iter().position(|r| r.0 == b).unwrap_or(0);
+            let opt = &ipo[pi];
+            if let Some(k) = (0..pn.inputs.len()).find(|&k| {
+                live.base[pn.inputs[k].0 as usize] == x && !opt.safe_while_writing(k, ri)
+            }) {
+                return Err(format!(
+                    "{}: `{}` reads it (operand {k}) other than element by element",
+                    at(),
+                    pn.op.mnemonic()
+                ));
+            }
+            gr.merge(&live, x, b)
+                .map_err(|c| format!("{}: {}", at(), conflict_msg(c, &live)))?;
         }
         gr.set_written_back(x);
     }
@@ -246,11 +295,14 @@ pub fn memplan(g: &Graph, bind: &Bindings, opts: &MemplanOptions) -> Result<MemP
         }
     }
     // The buffers without reuse: the naive sum.
-    let naive_bytes: u64 = transient_items(&mut gr, &live).iter().map(|(_, it)| align(it.bytes)).sum();
+    let naive_bytes: u64 = transient_items(&mut gr, &live)
+        .iter()
+        .map(|(_, it)| align(it.bytes))
+        .sum();
 
     if opts.reuse {
         for (i, n) in g.nodes.iter().enumerate() {
-            let opt = in_place_options(n, g);
+            let opt = &ipo[i];
             for (ri, cands) in opt.candidates.iter().enumerate() {
                 let r = n.results[ri].0;
                 if cands.is_empty() || live.base[r as usize] != r {
@@ -262,16 +314,19 @@ pub fn memplan(g: &Graph, bind: &Bindings, opts: &MemplanOptions) -> Result<MemP
                 for k in order {
                     let o = n.inputs[k];
                     let b = live.base[o.0 as usize];
-                    // Every operand in the buffer being overwritten flows only into this result (a
-                    // single-phase kernel may read it into several, element by element).
+                    // Every read of the buffer being overwritten is element by element.
                     let all_safe = n.inputs.iter().enumerate().all(|(k2, v)| {
-                        live.base[v.0 as usize] != b || opt.only_into[k2] == Some(ri) || opt.candidates[ri].contains(&k2)
+                        live.base[v.0 as usize] != b || opt.safe_while_writing(k2, ri)
                     });
                     let writable = match gr.owner(b) {
                         None => true,
                         Some(x) => is_grad_acc[x as usize] || gr.written_back(b),
                     };
-                    if live.vend[b as usize] != i || live.bytes[b as usize] != live.bytes[r as usize] || !all_safe || !writable {
+                    if live.vend[b as usize] != i
+                        || live.bytes[b as usize] != live.bytes[r as usize]
+                        || !all_safe
+                        || !writable
+                    {
                         continue;
                     }
                     if gr.find(b) != gr.find(r) && gr.merge(&live, b, r).is_ok() {
@@ -300,7 +355,11 @@ pub fn memplan(g: &Graph, bind: &Bindings, opts: &MemplanOptions) -> Result<MemP
     // Every version after the first in a buffer overwrites the one before it.
     for v in 0..nv as u32 {
         if live.base[v as usize] == v && gr.find(v) == v {
-            let kind = if gr.owner(v).is_some() { AliasKind::State } else { AliasKind::InPlace };
+            let kind = if gr.owner(v).is_some() {
+                AliasKind::State
+            } else {
+                AliasKind::InPlace
+            };
             let vs = gr.versions(v).to_vec();
             for w in vs.windows(2) {
                 alias[w[1] as usize] = Some((ValueId(w[0]), kind));
@@ -322,7 +381,13 @@ pub fn memplan(g: &Graph, bind: &Bindings, opts: &MemplanOptions) -> Result<MemP
             Some(AliasKind::State) => state_aliases += 1,
             None => {}
         }
-        values.push(ValuePlan { region: reg, offset: off, bytes: live.bytes[v as usize], live: (live.def[v as usize], live.end[v as usize]), alias: a });
+        values.push(ValuePlan {
+            region: reg,
+            offset: off,
+            bytes: live.bytes[v as usize],
+            live: (live.def[v as usize], live.end[v as usize]),
+            alias: a,
+        });
     }
     Ok(MemPlan {
         values,
@@ -348,7 +413,11 @@ fn transient_items(gr: &mut Groups, live: &Live) -> Vec<(u32, Item)> {
             continue;
         }
         let vs = gr.versions(v);
-        let bytes = vs.iter().map(|&b| live.bytes[b as usize]).max().unwrap_or(0);
+        let bytes = vs
+            .iter()
+            .map(|&b| live.bytes[b as usize])
+            .max()
+            .unwrap_or(0);
         let start = vs.iter().map(|&b| live.def[b as usize]).min().unwrap_or(0);
         let end = vs.iter().map(|&b| live.vend[b as usize]).max().unwrap_or(0);
         out.push((v, Item { bytes, start, end }));

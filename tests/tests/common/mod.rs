@@ -7,16 +7,22 @@ use std::path::PathBuf;
 
 use fusec_ir::interp::Precision;
 use fusec_ir::{Bindings, Graph};
-use fusec_passes::pipeline::{run_until, PipelineOptions};
+use fusec_passes::pipeline::{compile, Mode, PipelineOptions};
 use fusec_runtime::executor::{Program, RefExecutor};
 
 /// The llm.c reference folder, or `None` (with a printed reason) when ../shared is absent.
 pub fn llmc_odd() -> Option<PathBuf> {
-    let p = PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared/refs/llmc-odd"));
+    let p = PathBuf::from(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../shared/refs/llmc-odd"
+    ));
     if p.join("reference.json").exists() {
         Some(p)
     } else {
-        eprintln!("SKIPPED: {} is absent (the llm.c reference lives outside the repository)", p.display());
+        eprintln!(
+            "SKIPPED: {} is absent (the llm.c reference lives outside the repository)",
+            p.display()
+        );
         None
     }
 }
@@ -26,15 +32,35 @@ pub fn reference_json(dir: &std::path::Path) -> serde_json::Value {
     serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap()).unwrap()
 }
 
-/// The forward graph and the Grad and Step programs of a forward graph.
+/// The Eval, Grad and Step programs of a forward graph, through the whole pipeline up to
+/// `schedule` with `opts` (`no_fusion` gives the unfused programs).
 pub fn programs(fwd: &Graph, opts: &PipelineOptions) -> HashMap<Program, Graph> {
-    let grad = run_until(fwd, "autodiff", opts).unwrap().0;
-    let step = run_until(fwd, "optimizer", opts).unwrap().0;
-    [(Program::Eval, fwd.clone()), (Program::Grad, grad), (Program::Step, step)].into()
+    let bind = fusec_passes::schedule::default_bindings(fwd);
+    let c = |m| compile(fwd, "schedule", m, opts, &bind).unwrap().graph;
+    [
+        (Program::Eval, c(Mode::Forward)),
+        (Program::Grad, c(Mode::Grad)),
+        (Program::Step, c(Mode::Step)),
+    ]
+    .into()
+}
+
+/// Pipeline options for the unfused reference programs.
+pub fn unfused() -> PipelineOptions {
+    PipelineOptions {
+        no_fusion: true,
+        ..PipelineOptions::default()
+    }
 }
 
 /// A reference executor for B x T.
-pub fn ref_executor(fwd: &Graph, opts: &PipelineOptions, b: usize, t: usize, prec: Precision) -> RefExecutor {
+pub fn ref_executor(
+    fwd: &Graph,
+    opts: &PipelineOptions,
+    b: usize,
+    t: usize,
+    prec: Precision,
+) -> RefExecutor {
     let mut bind = Bindings::default();
     bind.set("B", b as u64).set("T", t as u64);
     RefExecutor::new(programs(fwd, opts), bind, prec)
@@ -42,5 +68,9 @@ pub fn ref_executor(fwd: &Graph, opts: &PipelineOptions, b: usize, t: usize, pre
 
 /// Reads a headerless little-endian f32 file.
 pub fn read_f32s(path: &std::path::Path) -> Vec<f32> {
-    std::fs::read(path).unwrap().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+    std::fs::read(path)
+        .unwrap()
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
 }

@@ -1,0 +1,671 @@
+//! Row program → Cranelift IR: the chunk function and the finalize function.
+//!
+//! The chunk function is `fn(args: *const *mut u8, row_begin: i64, row_end: i64, chunk: i64)`:
+//!
+//! ```text
+//! entry:    slot pointers from `args`; kernel-wide values (constants, scalar operands);
+//!           this chunk's column-reduction partials set to 0 (or -inf for max)
+//! row loop: per-row addresses and level-0 row values (targets, mean, rstd)
+//!           for each pass L:  splat the row values it reads (hoisted out of the column loop)
+//!                             vector loop over c in steps of 4 (f32x4): element values,
+//!                               row-reduction accumulators, column partials, stores
+//!                             horizontal reduction of the accumulators, lanes in fixed order
+//!                             scalar tail columns (C mod 4, unrolled: C is a constant)
+//!                             row values of level L + 1 (statistics)
+//!           per-row results; row-value column partials
+//! ```
+//!
+//! The finalize function `fn(args)` runs once after every chunk: it adds the partials in chunk
+//! order (then the column-space epilogue, e.g. `grad.w + dw`) and stores column and scalar
+//! results. Row reductions sum four interleaved lanes then the tail, column reductions sum rows
+//! in order within a chunk then chunks in order: fixed orders, so results are deterministic.
+//!
+//! Element code uses one instruction per IR operation (separate `fmul` and `fadd`: the
+//! interpreter rounds after every op, so contraction into FMA would change results), and
+//! compare + select for max/min so NaN propagates as in the interpreter.
+
+use std::collections::HashMap;
+
+use cranelift_codegen::ir::condcodes::IntCC;
+use cranelift_codegen::ir::{types, AbiParam, Function, InstBuilder, MemFlagsData, Signature, Type, UserFuncName, Value};
+use cranelift_codegen::isa::{CallConv, TargetFrontendConfig};
+use cranelift_frontend::{FunctionBuilder, FunctionBuilderContext};
+use fusec_ir::ReduceOp;
+
+use crate::math::Fx;
+use crate::ops;
+use crate::prog::{Expr, NodeId, Prog, RowTerm, Space, Store, Ty, View, FINAL, UNI_PARTIAL_STRIDE};
+
+type R<T> = Result<T, String>;
+
+/// The Cranelift functions of one program.
+pub struct Built {
+    /// The chunk function.
+    pub main: Function,
+    /// The finalize function, if the program has column-space or scalar results.
+    pub finalize: Option<Function>,
+}
+
+/// Where a node is computed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Region {
+    /// Once, at function entry (kernel-wide values).
+    Entry,
+    /// Once per row, after the pass producing its level.
+    Row,
+    /// Per column, inside a column loop.
+    Col,
+    /// In the finalize function (column-reduction results and what depends on them).
+    Final,
+}
+
+fn region(p: &Prog, id: NodeId) -> Region {
+    let n = p.node(id);
+    if n.level == FINAL {
+        Region::Final
+    } else if n.space.has_col() {
+        Region::Col
+    } else if n.space == Space::Uni && n.level == 0 {
+        Region::Entry
+    } else {
+        Region::Row
+    }
+}
+
+/// The work of one pass over the columns of a row.
+struct Pass {
+    level: u32,
+    /// Row reductions finished by this pass.
+    rowreds: Vec<NodeId>,
+    /// Column reductions of element values accumulated in this pass.
+    colreds: Vec<NodeId>,
+    /// Element stores (last pass only), as indices into `Prog::stores`.
+    stores: Vec<usize>,
+    /// Row and kernel-wide values read inside the loop (splatted before it).
+    splats: Vec<NodeId>,
+}
+
+/// What the two functions compute.
+struct Plan {
+    passes: Vec<Pass>,
+    /// Live in the chunk function.
+    main_live: Vec<bool>,
+    /// Live in the finalize function.
+    fin_live: Vec<bool>,
+    /// Per-row stores.
+    row_stores: Vec<usize>,
+    /// Column and scalar stores (finalize).
+    fin_stores: Vec<usize>,
+    /// Column reductions of row values (accumulated at the end of each row).
+    row_colreds: Vec<NodeId>,
+    /// Every column reduction (partials to initialize).
+    colreds: Vec<NodeId>,
+}
+
+fn mark(p: &Prog, live: &mut [bool], root: NodeId, stop_at_colred: bool) {
+    let mut stack = vec![root];
+    while let Some(id) = stack.pop() {
+        if live[id as usize] {
+            continue;
+        }
+        live[id as usize] = true;
+        let e = &p.node(id).expr;
+        if stop_at_colred && matches!(e, Expr::ColReduce(..)) {
+            continue;
+        }
+        stack.extend(e.args());
+    }
+}
+
+fn plan(p: &Prog) -> Plan {
+    let n = p.nodes.len();
+    let (mut main_live, mut fin_live) = (vec![false; n], vec![false; n]);
+    let (mut row_stores, mut elem_stores, mut fin_stores) = (vec![], vec![], vec![]);
+    for (i, s) in p.stores.iter().enumerate() {
+        match s.view.space() {
+            Space::Elem => elem_stores.push(i),
+            Space::Row => row_stores.push(i),
+            Space::Col | Space::Uni => fin_stores.push(i),
+        }
+    }
+    for &i in &fin_stores {
+        mark(p, &mut fin_live, p.stores[i].value, true);
+    }
+    let colreds: Vec<NodeId> =
+        (0..n as NodeId).filter(|&i| fin_live[i as usize] && matches!(p.node(i).expr, Expr::ColReduce(..))).collect();
+    for &i in row_stores.iter().chain(&elem_stores) {
+        mark(p, &mut main_live, p.stores[i].value, false);
+    }
+    for &c in &colreds {
+        mark(p, &mut main_live, p.node(c).expr.args()[0], false);
+    }
+    let arg = |id: NodeId| p.node(id).expr.args()[0];
+    let rowreds: Vec<NodeId> =
+        (0..n as NodeId).filter(|&i| main_live[i as usize] && matches!(p.node(i).expr, Expr::RowReduce(..))).collect();
+    let col_colreds: Vec<NodeId> = colreds.iter().copied().filter(|&c| p.node(arg(c)).space.has_col()).collect();
+    let row_colreds: Vec<NodeId> = colreds.iter().copied().filter(|&c| !p.node(arg(c)).space.has_col()).collect();
+    let last = rowreds
+        .iter()
+        .chain(&col_colreds)
+        .map(|&r| p.node(arg(r)).level)
+        .chain(elem_stores.iter().map(|&s| p.node(p.stores[s].value).level))
+        .max();
+    let mut passes = vec![];
+    for level in 0..=last.unwrap_or(0) {
+        if last.is_none() {
+            break;
+        }
+        let rr: Vec<NodeId> = rowreds.iter().copied().filter(|&r| p.node(arg(r)).level == level).collect();
+        let cr: Vec<NodeId> = col_colreds.iter().copied().filter(|&r| p.node(arg(r)).level == level).collect();
+        let st: Vec<usize> = if Some(level) == last { elem_stores.clone() } else { vec![] };
+        if rr.is_empty() && cr.is_empty() && st.is_empty() {
+            continue;
+        }
+        // Row values read by the pass's column work are splatted before its loop.
+        let mut seen = vec![false; n];
+        let mut splats = vec![];
+        let mut stack: Vec<NodeId> = rr.iter().chain(&cr).map(|&r| arg(r)).collect();
+        stack.extend(st.iter().map(|&s| p.stores[s].value));
+        while let Some(id) = stack.pop() {
+            if std::mem::replace(&mut seen[id as usize], true) {
+                continue;
+            }
+            if region(p, id) == Region::Col {
+                stack.extend(p.node(id).expr.args());
+            } else {
+                splats.push(id);
+            }
+        }
+        splats.sort_unstable();
+        passes.push(Pass { level, rowreds: rr, colreds: cr, stores: st, splats });
+    }
+    Plan { passes, main_live, fin_live, row_stores, fin_stores, row_colreds, colreds }
+}
+
+/// The column being computed.
+#[derive(Clone, Copy)]
+pub(crate) enum ColPos {
+    /// The vector loop's `c` (i64, a multiple of 4).
+    Var(Value),
+    /// A tail column.
+    Const(u64),
+}
+
+/// Code generation state for one function.
+pub(crate) struct Gen<'p, 'f> {
+    pub p: &'p Prog,
+    pub b: FunctionBuilder<'f>,
+    /// Slot pointers (loaded at entry).
+    pub slots: Vec<Value>,
+    /// Entry, row and finalize-scalar values, and raw comparison masks among them.
+    pub scalars: HashMap<NodeId, Value>,
+    pub scalar_masks: HashMap<NodeId, Value>,
+    /// Splats of scalar values for the current vector loop.
+    pub splats: HashMap<NodeId, Value>,
+    /// Column values of the current column (vector or scalar), and their raw masks.
+    pub cur: HashMap<NodeId, Value>,
+    pub cur_masks: HashMap<NodeId, Value>,
+    /// Per-row base addresses by (slot, row terms).
+    pub rowaddr: HashMap<(u32, Vec<RowTerm>), Value>,
+    /// Four lanes (else one).
+    pub vec: bool,
+    pub cpos: ColPos,
+    /// The row index (chunk function).
+    pub r: Option<Value>,
+    /// This chunk's partials base per column reduction.
+    pub partial_base: HashMap<NodeId, Value>,
+    /// Generating the finalize function.
+    pub fin: bool,
+}
+
+impl<'f> Gen<'_, 'f> {
+    /// An `Fx` at the current width.
+    pub fn fx(&mut self) -> Fx<'_, 'f> {
+        Fx { b: &mut self.b, vec: self.vec }
+    }
+
+    /// The register type of a node at the current width.
+    pub fn vty(&self, ty: Ty) -> Type {
+        match (ty, self.vec) {
+            (Ty::F32, true) => types::F32X4,
+            (Ty::F32, false) => types::F32,
+            (Ty::I32, true) => types::I32X4,
+            (Ty::I32, false) => types::I32,
+        }
+    }
+
+    /// Node `id` at the current width.
+    pub fn get(&mut self, id: NodeId) -> R<Value> {
+        let reg = region(self.p, id);
+        if self.is_loop(id) {
+            if let Some(&v) = self.cur.get(&id) {
+                return Ok(v);
+            }
+            let v = ops::compute(self, id)?;
+            self.cur.insert(id, v);
+            return Ok(v);
+        }
+        let map = if self.vec { &self.splats } else { &self.scalars };
+        map.get(&id).copied().ok_or_else(|| format!("internal: %{id} ({reg:?}) is not available here"))
+    }
+
+    /// Whether node `id` is computed per column (inside a column loop).
+    pub fn is_loop(&self, id: NodeId) -> bool {
+        let reg = region(self.p, id);
+        reg == Region::Col || (self.fin && reg == Region::Final && self.p.node(id).space.has_col())
+    }
+
+    /// Computes a scalar (entry, row or finalize) node and records it.
+    fn emit_scalar(&mut self, id: NodeId) -> R<()> {
+        let saved = self.vec;
+        self.vec = false;
+        let v = ops::compute(self, id)?;
+        self.vec = saved;
+        self.scalars.insert(id, v);
+        Ok(())
+    }
+
+    /// The address of element `(r, c)` of a view at the current column.
+    pub fn addr(&mut self, v: &View) -> R<Value> {
+        let base = if v.row.is_empty() {
+            self.slots[v.slot as usize]
+        } else {
+            *self.rowaddr.get(&(v.slot, v.row.clone())).ok_or("internal: row address not computed")?
+        };
+        if !v.col {
+            return Ok(base);
+        }
+        Ok(match self.cpos {
+            ColPos::Var(c) => {
+                let off = self.b.ins().ishl_imm_u(c, v.mem.size().trailing_zeros() as i64);
+                self.b.ins().iadd(base, off)
+            }
+            ColPos::Const(t) => self.b.ins().iadd_imm_s(base, (t * v.mem.size()) as i64),
+        })
+    }
+
+    fn row_addresses(&mut self, views: &[View]) {
+        let r = self.r.expect("row loop");
+        for v in views {
+            let key = (v.slot, v.row.clone());
+            if v.row.is_empty() || self.rowaddr.contains_key(&key) {
+                continue;
+            }
+            let mut off: Option<Value> = None;
+            for t in &v.row {
+                let mut q = r;
+                if t.div != 1 {
+                    let d = self.b.ins().iconst(types::I64, t.div as i64);
+                    q = self.b.ins().udiv(q, d);
+                }
+                if t.modulo != 0 {
+                    let m = self.b.ins().iconst(types::I64, t.modulo as i64);
+                    q = self.b.ins().urem(q, m);
+                }
+                let q = self.b.ins().imul_imm_s(q, (t.stride * v.mem.size()) as i64);
+                off = Some(match off {
+                    Some(o) => self.b.ins().iadd(o, q),
+                    None => q,
+                });
+            }
+            let a = self.b.ins().iadd(self.slots[v.slot as usize], off.expect("row terms"));
+            self.rowaddr.insert(key, a);
+        }
+    }
+
+    /// Identity of a reduction at the current width.
+    fn red_init(&mut self, op: ReduceOp) -> Value {
+        let x = if op == ReduceOp::Max { f32::NEG_INFINITY } else { 0.0 };
+        self.fx().f(x)
+    }
+
+    /// `acc ⊕ v`.
+    pub fn red_step(&mut self, op: ReduceOp, acc: Value, v: Value) -> Value {
+        match op {
+            ReduceOp::Sum => self.b.ins().fadd(acc, v),
+            ReduceOp::Max => self.fx().max_nan(acc, v),
+        }
+    }
+
+    /// The lanes of a vector accumulator combined as `(l0 ⊕ l1) ⊕ (l2 ⊕ l3)`.
+    fn hreduce(&mut self, op: ReduceOp, acc: Value) -> Value {
+        let l: Vec<Value> = (0..4u8).map(|i| self.b.ins().extractlane(acc, i)).collect();
+        let saved = self.vec;
+        self.vec = false;
+        let a = self.red_step(op, l[0], l[1]);
+        let b = self.red_step(op, l[2], l[3]);
+        let r = self.red_step(op, a, b);
+        self.vec = saved;
+        r
+    }
+
+    /// Sink values of one column (all loads happen here, before any store).
+    fn column(&mut self, pass: &Pass, reds: &mut [Value]) -> R<()> {
+        let p = self.p;
+        let vals: Vec<Value> = pass.rowreds.iter().map(|&r| self.get(p.node(r).expr.args()[0])).collect::<R<_>>()?;
+        let cvals: Vec<Value> = pass.colreds.iter().map(|&r| self.get(p.node(r).expr.args()[0])).collect::<R<_>>()?;
+        let svals: Vec<Value> = pass.stores.iter().map(|&s| self.get(p.stores[s].value)).collect::<R<_>>()?;
+        for (i, &r) in pass.rowreds.iter().enumerate() {
+            let Expr::RowReduce(op, _) = p.node(r).expr else { unreachable!() };
+            reds[i] = self.red_step(op, reds[i], vals[i]);
+        }
+        for (i, &c) in pass.colreds.iter().enumerate() {
+            let Expr::ColReduce(op, _, _) = p.node(c).expr else { unreachable!() };
+            let base = self.partial_base[&c];
+            let addr = self.col_offset(base, 4);
+            let ty = self.vty(Ty::F32);
+            let old = self.b.ins().load(ty, MemFlagsData::new().with_notrap(), addr, 0);
+            let new = self.red_step(op, old, cvals[i]);
+            self.b.ins().store(MemFlagsData::new().with_notrap(), new, addr, 0);
+        }
+        for (i, &s) in pass.stores.iter().enumerate() {
+            self.store(&p.stores[s], svals[i])?;
+        }
+        Ok(())
+    }
+
+    /// `base + c * size` at the current column.
+    pub fn col_offset(&mut self, base: Value, size: u64) -> Value {
+        match self.cpos {
+            ColPos::Var(c) => {
+                let off = self.b.ins().ishl_imm_u(c, size.trailing_zeros() as i64);
+                self.b.ins().iadd(base, off)
+            }
+            ColPos::Const(t) => self.b.ins().iadd_imm_s(base, (t * size) as i64),
+        }
+    }
+
+    fn store(&mut self, s: &Store, v: Value) -> R<()> {
+        let addr = self.addr(&s.view)?;
+        ops::store(self, s.view.mem, v, addr);
+        Ok(())
+    }
+
+    /// One pass: vector loop, horizontal reductions, tail columns.
+    fn pass(&mut self, pass: &Pass) -> R<()> {
+        let cols = self.p.cols;
+        let c4 = cols / 4 * 4;
+        let ops_of: Vec<ReduceOp> = pass
+            .rowreds
+            .iter()
+            .map(|&r| match self.p.node(r).expr {
+                Expr::RowReduce(op, _) => op,
+                _ => unreachable!(),
+            })
+            .collect();
+        let mut reds: Vec<Value>;
+        if c4 > 0 {
+            self.vec = true;
+            self.splats.clear();
+            for &id in &pass.splats {
+                let s = self.scalars.get(&id).copied().ok_or_else(|| format!("internal: %{id} not computed before pass"))?;
+                let ty = self.vty(self.p.node(id).ty);
+                let sp = self.b.ins().splat(ty, s);
+                self.splats.insert(id, sp);
+            }
+            let accs: Vec<_> = ops_of
+                .iter()
+                .map(|&op| {
+                    let var = self.b.declare_var(types::F32X4);
+                    let init = self.red_init(op);
+                    self.b.def_var(var, init);
+                    var
+                })
+                .collect();
+            let cvar = self.b.declare_var(types::I64);
+            let zero = self.b.ins().iconst(types::I64, 0);
+            self.b.def_var(cvar, zero);
+            let (body, after) = (self.b.create_block(), self.b.create_block());
+            self.b.ins().jump(body, &[]);
+            self.b.switch_to_block(body);
+            let c = self.b.use_var(cvar);
+            self.cpos = ColPos::Var(c);
+            self.cur.clear();
+            self.cur_masks.clear();
+            let mut vals: Vec<Value> = accs.iter().map(|&a| self.b.use_var(a)).collect();
+            self.column(pass, &mut vals)?;
+            for (a, v) in accs.iter().zip(vals) {
+                self.b.def_var(*a, v);
+            }
+            let c2 = self.b.ins().iadd_imm_s(c, 4);
+            self.b.def_var(cvar, c2);
+            let more = self.b.ins().icmp_imm_s(IntCC::SignedLessThan, c2, c4 as i64);
+            self.b.ins().brif(more, body, &[], after, &[]);
+            self.b.switch_to_block(after);
+            reds = Vec::new();
+            for (i, a) in accs.iter().enumerate() {
+                let acc = self.b.use_var(*a);
+                reds.push(self.hreduce(ops_of[i], acc));
+            }
+        } else {
+            self.vec = false;
+            reds = ops_of.iter().map(|&op| self.red_init(op)).collect();
+        }
+        self.vec = false;
+        for t in c4..cols {
+            self.cpos = ColPos::Const(t);
+            self.cur.clear();
+            self.cur_masks.clear();
+            self.column(pass, &mut reds)?;
+        }
+        for (i, &r) in pass.rowreds.iter().enumerate() {
+            self.scalars.insert(r, reds[i]);
+        }
+        Ok(())
+    }
+
+    /// Sets this chunk's partials of every column reduction to the reduction's identity.
+    fn init_partials(&mut self, colreds: &[NodeId], chunk: Value) -> R<()> {
+        for &c in colreds {
+            let Expr::ColReduce(op, a, slot) = self.p.node(c).expr else { unreachable!() };
+            let has_col = self.p.node(a).space.has_col();
+            let stride = if has_col { self.p.cols } else { UNI_PARTIAL_STRIDE } * 4;
+            let off = self.b.ins().imul_imm_s(chunk, stride as i64);
+            let base = self.b.ins().iadd(self.slots[slot as usize], off);
+            self.partial_base.insert(c, base);
+            let n = if has_col { self.p.cols } else { 1 };
+            self.fill(base, n, op)?;
+        }
+        Ok(())
+    }
+
+    /// Stores the identity of `op` into `n` floats at `base`.
+    fn fill(&mut self, base: Value, n: u64, op: ReduceOp) -> R<()> {
+        let n4 = n / 4 * 4;
+        if n4 > 0 {
+            self.vec = true;
+            let init = self.red_init(op);
+            let cvar = self.b.declare_var(types::I64);
+            let zero = self.b.ins().iconst(types::I64, 0);
+            self.b.def_var(cvar, zero);
+            let (body, after) = (self.b.create_block(), self.b.create_block());
+            self.b.ins().jump(body, &[]);
+            self.b.switch_to_block(body);
+            let c = self.b.use_var(cvar);
+            self.cpos = ColPos::Var(c);
+            let addr = self.col_offset(base, 4);
+            self.b.ins().store(MemFlagsData::new().with_notrap(), init, addr, 0);
+            let c2 = self.b.ins().iadd_imm_s(c, 4);
+            self.b.def_var(cvar, c2);
+            let more = self.b.ins().icmp_imm_s(IntCC::SignedLessThan, c2, n4 as i64);
+            self.b.ins().brif(more, body, &[], after, &[]);
+            self.b.switch_to_block(after);
+        }
+        self.vec = false;
+        let init = self.red_init(op);
+        for t in n4..n {
+            self.b.ins().store(MemFlagsData::new().with_notrap(), init, base, (t * 4) as i32);
+        }
+        Ok(())
+    }
+
+    fn load_slots(&mut self, args: Value) {
+        for i in 0..self.p.slots.len() {
+            let v = self.b.ins().load(types::I64, MemFlagsData::trusted().with_readonly(), args, (i * 8) as i32);
+            self.slots.push(v);
+        }
+    }
+}
+
+fn signature(cc: CallConv, n: usize) -> Signature {
+    let mut s = Signature::new(cc);
+    for _ in 0..n {
+        s.params.push(AbiParam::new(types::I64));
+    }
+    s
+}
+
+fn new_gen<'p, 'f>(p: &'p Prog, b: FunctionBuilder<'f>, fin: bool) -> Gen<'p, 'f> {
+    Gen {
+        p,
+        b,
+        slots: vec![],
+        scalars: HashMap::new(),
+        scalar_masks: HashMap::new(),
+        splats: HashMap::new(),
+        cur: HashMap::new(),
+        cur_masks: HashMap::new(),
+        rowaddr: HashMap::new(),
+        vec: false,
+        cpos: ColPos::Const(0),
+        r: None,
+        partial_base: HashMap::new(),
+        fin,
+    }
+}
+
+/// Builds the Cranelift functions of a program (named `<name>_chunk` and `<name>_final`).
+pub fn build(p: &Prog, cc: CallConv, tfc: TargetFrontendConfig, fctx: &mut FunctionBuilderContext) -> R<Built> {
+    let plan = plan(p);
+    let main = build_main(p, &plan, cc, tfc, fctx)?;
+    let finalize = if plan.fin_stores.is_empty() { None } else { Some(build_final(p, &plan, cc, tfc, fctx)?) };
+    Ok(Built { main, finalize })
+}
+
+fn build_main(p: &Prog, plan: &Plan, cc: CallConv, tfc: TargetFrontendConfig, fctx: &mut FunctionBuilderContext) -> R<Function> {
+    let mut func = Function::with_name_signature(UserFuncName::testcase(format!("{}_chunk", p.name)), signature(cc, 4));
+    let mut g = new_gen(p, FunctionBuilder::new(&mut func, fctx), false);
+    let entry = g.b.create_block();
+    g.b.append_block_params_for_function_params(entry);
+    g.b.switch_to_block(entry);
+    let params = g.b.block_params(entry).to_vec();
+    let (args, rb, re, chunk) = (params[0], params[1], params[2], params[3]);
+    g.load_slots(args);
+    let live = |id: NodeId| plan.main_live[id as usize];
+    for id in 0..p.nodes.len() as NodeId {
+        if live(id) && region(p, id) == Region::Entry {
+            g.emit_scalar(id)?;
+        }
+    }
+    g.init_partials(&plan.colreds, chunk)?;
+    // The row loop.
+    let rvar = g.b.declare_var(types::I64);
+    g.b.def_var(rvar, rb);
+    let (header, body, exit) = (g.b.create_block(), g.b.create_block(), g.b.create_block());
+    g.b.ins().jump(header, &[]);
+    g.b.switch_to_block(header);
+    let r = g.b.use_var(rvar);
+    let more = g.b.ins().icmp(IntCC::SignedLessThan, r, re);
+    g.b.ins().brif(more, body, &[], exit, &[]);
+    g.b.switch_to_block(body);
+    g.r = Some(r);
+    let views: Vec<View> = p
+        .nodes
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| plan.main_live[*i])
+        .filter_map(|(_, n)| if let Expr::Load(v) = &n.expr { Some(v.clone()) } else { None })
+        .chain(p.stores.iter().filter(|s| s.view.space().has_row()).map(|s| s.view.clone()))
+        .collect();
+    g.row_addresses(&views);
+    let row_nodes = |level: u32| -> Vec<NodeId> {
+        (0..p.nodes.len() as NodeId)
+            .filter(|&id| live(id) && region(p, id) == Region::Row && p.node(id).level == level && !matches!(p.node(id).expr, Expr::RowReduce(..)))
+            .collect()
+    };
+    for id in row_nodes(0) {
+        g.emit_scalar(id)?;
+    }
+    let max_level = p.nodes.iter().filter(|n| n.level != FINAL).map(|n| n.level).max().unwrap_or(0);
+    let mut next_pass = 0;
+    for level in 0..=max_level {
+        if next_pass < plan.passes.len() && plan.passes[next_pass].level == level {
+            g.pass(&plan.passes[next_pass])?;
+            next_pass += 1;
+        }
+        for id in row_nodes(level + 1) {
+            g.emit_scalar(id)?;
+        }
+    }
+    // Per-row results and row-value column partials.
+    g.vec = false;
+    for &s in &plan.row_stores {
+        let st = &p.stores[s];
+        let v = g.get(st.value)?;
+        let addr = g.addr(&st.view)?;
+        ops::store(&mut g, st.view.mem, v, addr);
+    }
+    for &c in &plan.row_colreds {
+        let Expr::ColReduce(op, a, _) = p.node(c).expr else { unreachable!() };
+        let v = g.get(a)?;
+        let base = g.partial_base[&c];
+        let old = g.b.ins().load(types::F32, MemFlagsData::new().with_notrap(), base, 0);
+        let new = g.red_step(op, old, v);
+        g.b.ins().store(MemFlagsData::new().with_notrap(), new, base, 0);
+    }
+    let r1 = g.b.ins().iadd_imm_s(r, 1);
+    g.b.def_var(rvar, r1);
+    g.b.ins().jump(header, &[]);
+    g.b.switch_to_block(exit);
+    g.b.ins().return_(&[]);
+    g.b.seal_all_blocks();
+    g.b.finalize(tfc);
+    Ok(func)
+}
+
+fn build_final(p: &Prog, plan: &Plan, cc: CallConv, tfc: TargetFrontendConfig, fctx: &mut FunctionBuilderContext) -> R<Function> {
+    let mut func = Function::with_name_signature(UserFuncName::testcase(format!("{}_final", p.name)), signature(cc, 1));
+    let mut g = new_gen(p, FunctionBuilder::new(&mut func, fctx), true);
+    let entry = g.b.create_block();
+    g.b.append_block_params_for_function_params(entry);
+    g.b.switch_to_block(entry);
+    let args = g.b.block_params(entry)[0];
+    g.load_slots(args);
+    // Scalars: kernel-wide values and combined scalar reductions.
+    for id in 0..p.nodes.len() as NodeId {
+        if !plan.fin_live[id as usize] {
+            continue;
+        }
+        match region(p, id) {
+            Region::Entry => g.emit_scalar(id)?,
+            Region::Final if !p.node(id).space.has_col() => g.emit_scalar(id)?,
+            Region::Row => return Err("a per-row value used by a column result".into()),
+            _ => {}
+        }
+    }
+    let (col_stores, uni_stores): (Vec<usize>, Vec<usize>) =
+        plan.fin_stores.iter().partition(|&&s| p.stores[s].view.space() == Space::Col);
+    if !col_stores.is_empty() {
+        let pass = Pass {
+            level: FINAL,
+            rowreds: vec![],
+            colreds: vec![],
+            stores: col_stores,
+            splats: (0..p.nodes.len() as NodeId)
+                .filter(|&id| plan.fin_live[id as usize] && g.scalars.contains_key(&id))
+                .collect(),
+        };
+        g.pass(&pass)?;
+    }
+    g.vec = false;
+    for &s in &uni_stores {
+        let st = &p.stores[s];
+        let v = g.get(st.value)?;
+        let addr = g.addr(&st.view)?;
+        ops::store(&mut g, st.view.mem, v, addr);
+    }
+    g.b.ins().return_(&[]);
+    g.b.seal_all_blocks();
+    g.b.finalize(tfc);
+    Ok(func)
+}

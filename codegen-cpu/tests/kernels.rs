@@ -1,0 +1,465 @@
+//! Compiled CPU kernels against the reference interpreter.
+//!
+//! Every kernel form is checked on random non-zero inputs with `|a - b| <= atol + rtol |ref|`
+//! (1e-5 for f32 results, 1e-2 for bf16; NaN never passes): hand-built kernels for each form,
+//! and every kernel `fuse-elementwise` produces for the tiny GPT-2 training graph. Also: the
+//! kernel cache, thread-count determinism, and the ulp error of the `exp`/`log`/`tanh` routines.
+
+use std::collections::HashMap;
+use std::time::Instant;
+
+use fusec_codegen_cpu::{CompiledKernel, KernelCompiler};
+use fusec_ir::interp::{self, Precision, Tensor};
+use fusec_ir::rng::Rng;
+use fusec_ir::{BinaryOp, Bindings, CmpOp, DType, Dim, Graph, Kernel, Op, ReduceOp, Shape, Type, UnaryOp, ValueId};
+
+// ---- harness ------------------------------------------------------------------------------
+
+fn bind(b: u64, t: u64) -> Bindings {
+    let mut x = Bindings::default();
+    x.set("B", b).set("T", t);
+    x
+}
+
+/// The body's input types, in order.
+fn input_types(k: &Kernel) -> Vec<Type> {
+    k.body.nodes.iter().filter_map(|n| if let Op::Input { ty, .. } = &n.op { Some(ty.clone()) } else { None }).collect()
+}
+
+/// The interpreter's results for the kernel node alone.
+fn reference(k: &Kernel, b: &Bindings, ins: &[Tensor]) -> Vec<Tensor> {
+    let mut g = Graph::new("ref", &["B", "T"]);
+    let mut feeds = HashMap::new();
+    let mut vs = vec![];
+    for (i, ty) in input_types(k).into_iter().enumerate() {
+        let name = format!("x{i}");
+        vs.push(g.add1(Op::Input { name: name.clone(), ty }, &[]));
+        feeds.insert(name, ins[i].clone());
+    }
+    let outs = g.add(Op::Kernel(Box::new(k.clone())), &vs);
+    for (i, o) in outs.iter().enumerate() {
+        g.output(&format!("y{i}"), *o);
+    }
+    interp::run(&g, b, &feeds, Precision::F32).unwrap_or_else(|e| panic!("interpreter on `{}`: {e}", k.name))
+}
+
+/// Raw little-endian bytes of a tensor in its storage type.
+fn to_bytes(t: &Tensor) -> Vec<u8> {
+    match t.dtype {
+        DType::F32 => t.data.iter().flat_map(|&x| (x as f32).to_le_bytes()).collect(),
+        DType::BF16 => t.data.iter().flat_map(|&x| (((x as f32).to_bits() >> 16) as u16).to_le_bytes()).collect(),
+        DType::I32 => t.data.iter().flat_map(|&x| (x as i32).to_le_bytes()).collect(),
+        DType::F16 => panic!("f16"),
+    }
+}
+
+fn from_bytes(dtype: DType, shape: Vec<usize>, b: &[u8]) -> Tensor {
+    let data = match dtype {
+        DType::F32 => b.chunks(4).map(|c| f32::from_le_bytes(c.try_into().unwrap()) as f64).collect(),
+        DType::BF16 => b.chunks(2).map(|c| f32::from_bits((u16::from_le_bytes(c.try_into().unwrap()) as u32) << 16) as f64).collect(),
+        DType::I32 => b.chunks(4).map(|c| i32::from_le_bytes(c.try_into().unwrap()) as f64).collect(),
+        DType::F16 => panic!("f16"),
+    };
+    Tensor::new(dtype, shape, data)
+}
+
+/// Runs a compiled kernel on tensors.
+fn execute(ck: &CompiledKernel, k: &Kernel, b: &Bindings, ins: &[Tensor], threads: usize) -> Vec<Tensor> {
+    let in_bytes: Vec<Vec<u8>> = ins.iter().map(to_bytes).collect();
+    let out_tys: Vec<Type> = k.body.outputs.iter().map(|(_, v)| k.body.ty(*v).clone()).collect();
+    let mut out_bytes: Vec<Vec<u8>> = out_tys.iter().map(|t| vec![0xAAu8; t.bytes(b).unwrap()]).collect();
+    let ops: Vec<*const u8> = in_bytes.iter().map(|v| v.as_ptr()).collect();
+    let res: Vec<*mut u8> = out_bytes.iter_mut().map(|v| v.as_mut_ptr()).collect();
+    unsafe { ck.run(&ops, &res, threads) };
+    out_tys
+        .iter()
+        .zip(&out_bytes)
+        .map(|(t, bytes)| from_bytes(t.dtype, interp::concrete_shape(t, b).unwrap(), bytes))
+        .collect()
+}
+
+/// Random operands: normal floats (|x| for the inputs listed in `positive`), i32 in `0..int_hi`.
+fn random_inputs(k: &Kernel, b: &Bindings, seed: u64, int_hi: u64, positive: &[usize]) -> Vec<Tensor> {
+    let mut rng = Rng::new(seed);
+    input_types(k)
+        .iter()
+        .enumerate()
+        .map(|(i, ty)| {
+            let mut t = Tensor::random(&mut rng, interp::concrete_shape(ty, b).unwrap(), ty.dtype, int_hi);
+            if positive.contains(&i) {
+                t.data.iter_mut().for_each(|x| *x = x.abs());
+            }
+            t
+        })
+        .collect()
+}
+
+/// Compiles, runs and compares a kernel with the interpreter.
+fn check(c: &mut KernelCompiler, k: &Kernel, b: &Bindings, ins: &[Tensor]) {
+    let ck = c.compile(k, b).unwrap_or_else(|e| panic!("compile `{}`: {e}\n{}", k.name, fusec_ir::text::print(&k.body)));
+    let want = reference(k, b, ins);
+    let got = execute(&ck, k, b, ins, 1);
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        let tol = if w.dtype == DType::BF16 { 1e-2 } else { 1e-5 };
+        if let Err(e) = g.check_close(w, tol, tol) {
+            panic!("kernel `{}` result {i}: {e}\nbody:\n{}\nclif:\n{}", k.name, fusec_ir::text::print(&k.body), ck.clif);
+        }
+    }
+}
+
+/// A kernel body under construction.
+struct Body {
+    g: Graph,
+    n_in: usize,
+}
+
+impl Body {
+    fn new() -> Body {
+        Body { g: Graph::new("k", &["B", "T"]), n_in: 0 }
+    }
+    fn input(&mut self, dtype: DType, dims: &[Dim]) -> ValueId {
+        self.n_in += 1;
+        let ty = Type::new(dtype, Shape::from(dims.to_vec()));
+        self.g.add1(Op::Input { name: format!("in{}", self.n_in - 1), ty }, &[])
+    }
+    fn op(&mut self, op: Op, ins: &[ValueId]) -> ValueId {
+        self.g.add1(op, ins)
+    }
+    fn bin(&mut self, op: BinaryOp, a: ValueId, b: ValueId) -> ValueId {
+        self.op(Op::Binary(op), &[a, b])
+    }
+    fn un(&mut self, op: UnaryOp, a: ValueId) -> ValueId {
+        self.op(Op::Unary(op), &[a])
+    }
+    fn bcast(&mut self, x: ValueId, dims: &[usize], to: &[Dim]) -> ValueId {
+        self.op(Op::Broadcast { dims: dims.to_vec(), shape: Shape::from(to.to_vec()) }, &[x])
+    }
+    fn constant(&mut self, v: f64, dtype: DType, dims: &[Dim]) -> ValueId {
+        self.op(Op::Const { value: v, ty: Type::new(dtype, Shape::from(dims.to_vec())) }, &[])
+    }
+    fn kernel(mut self, name: &str, outs: &[ValueId]) -> Kernel {
+        for (i, o) in outs.iter().enumerate() {
+            self.g.output(&format!("out{i}"), *o);
+        }
+        fusec_ir::verify::verify(&self.g).unwrap_or_else(|e| panic!("test body `{name}` does not verify: {e}"));
+        Kernel { name: name.to_string(), body: self.g }
+    }
+}
+
+fn s(n: &str) -> Dim {
+    Dim::sym(n)
+}
+fn l(n: u64) -> Dim {
+    Dim::lit(n)
+}
+
+// ---- hand-built kernels, one per form ---------------------------------------------------------
+
+/// Pointwise chain with every kind of broadcast (per-column vector, per-row value, scalar) and
+/// the transcendental functions; C = 37 exercises the scalar tail.
+#[test]
+fn pointwise_chain_with_broadcasts() {
+    let mut c = KernelCompiler::new().unwrap();
+    let d = [s("B"), s("T"), l(37)];
+    let mut k = Body::new();
+    let x = k.input(DType::F32, &d);
+    let w = k.input(DType::F32, &[l(37)]);
+    let r = k.input(DType::F32, &[s("B"), s("T")]);
+    let sc = k.input(DType::F32, &[]);
+    let wb = k.bcast(w, &[2], &d);
+    let rb = k.bcast(r, &[0, 1], &d);
+    let sb = k.bcast(sc, &[], &d);
+    let a = k.bin(BinaryOp::Add, x, wb);
+    let t = k.un(UnaryOp::Tanh, a);
+    let m = k.bin(BinaryOp::Mul, t, sb);
+    let e = k.un(UnaryOp::Exp, m);
+    let xx = k.bin(BinaryOp::Mul, x, x);
+    let one = k.constant(1.0, DType::F32, &d);
+    let xx1 = k.bin(BinaryOp::Add, xx, one);
+    let lg = k.un(UnaryOp::Log, xx1);
+    let z = k.bin(BinaryOp::Sub, e, lg);
+    let q = k.bin(BinaryOp::Div, z, rb);
+    let mx = k.bin(BinaryOp::Max, q, x);
+    let mn = k.bin(BinaryOp::Min, mx, rb);
+    let sq = k.un(UnaryOp::Sqrt, xx1);
+    let rs = k.un(UnaryOp::Rsqrt, xx1);
+    let rc = k.un(UnaryOp::Recip, sq);
+    let ng = k.un(UnaryOp::Neg, rc);
+    let y = k.bin(BinaryOp::Add, ng, rs);
+    let kernel = k.kernel("pointwise", &[t, z, mn, y]);
+    let b = bind(2, 3);
+    for seed in 0..3 {
+        check(&mut c, &kernel, &b, &random_inputs(&kernel, &b, seed, 1, &[]));
+    }
+}
+
+/// Bias add + GELU (both results), and the GELU gradient.
+#[test]
+fn bias_gelu_and_gelu_grad() {
+    let mut c = KernelCompiler::new().unwrap();
+    let d = [s("B"), s("T"), l(64)];
+    let mut k = Body::new();
+    let x = k.input(DType::F32, &d);
+    let bias = k.input(DType::F32, &[l(64)]);
+    let bb = k.bcast(bias, &[2], &d);
+    let h = k.bin(BinaryOp::Add, x, bb);
+    let g = k.op(Op::Gelu, &[h]);
+    let kernel = k.kernel("bias_gelu", &[h, g]);
+    let b = bind(2, 5);
+    check(&mut c, &kernel, &b, &random_inputs(&kernel, &b, 1, 1, &[]));
+    // Wider inputs reach the tanh saturation and the cancellation region of GELU.
+    let mut ins = random_inputs(&kernel, &b, 2, 1, &[]);
+    ins[0].data.iter_mut().for_each(|v| *v *= 4.0);
+    check(&mut c, &kernel, &b, &ins);
+
+    let mut k = Body::new();
+    let x = k.input(DType::F32, &d);
+    let dy = k.input(DType::F32, &d);
+    let g = k.op(Op::GeluGrad, &[x, dy]);
+    let kernel = k.kernel("gelu_grad", &[g]);
+    let mut ins = random_inputs(&kernel, &b, 3, 1, &[]);
+    check(&mut c, &kernel, &b, &ins);
+    ins[0].data.iter_mut().for_each(|v| *v *= 4.0);
+    check(&mut c, &kernel, &b, &ins);
+}
+
+/// Row reductions (sum and max) with a prologue and an epilogue on the reduced shape.
+#[test]
+fn row_reduction_with_epilogue() {
+    let mut c = KernelCompiler::new().unwrap();
+    let d = [s("B"), s("T"), l(30)];
+    let r = [s("B"), s("T")];
+    let mut k = Body::new();
+    let x = k.input(DType::F32, &d);
+    let extra = k.input(DType::F32, &r);
+    let xx = k.bin(BinaryOp::Mul, x, x);
+    let ss = k.op(Op::Reduce { op: ReduceOp::Sum, axes: vec![2] }, &[xx]);
+    let mx = k.op(Op::Reduce { op: ReduceOp::Max, axes: vec![2] }, &[x]);
+    let inv = k.constant(1.0 / 30.0, DType::F32, &r);
+    let ms = k.bin(BinaryOp::Mul, ss, inv);
+    let eps = k.constant(1e-5, DType::F32, &r);
+    let v = k.bin(BinaryOp::Add, ms, eps);
+    let rs = k.un(UnaryOp::Rsqrt, v);
+    let o2 = k.bin(BinaryOp::Sub, mx, extra);
+    let kernel = k.kernel("reduce_rows", &[xx, rs, o2]);
+    for (bb, t) in [(2, 3), (1, 1), (3, 7)] {
+        let b = bind(bb, t);
+        check(&mut c, &kernel, &b, &random_inputs(&kernel, &b, 4, 1, &[]));
+    }
+}
+
+/// Column reductions (bias-gradient form: sum over all rows, then `grad + sum`) and a full
+/// reduction to a scalar (the mean loss), over enough rows for several chunks.
+#[test]
+fn column_and_full_reductions() {
+    let mut c = KernelCompiler::new().unwrap();
+    let d = [s("B"), s("T"), l(24)];
+    let mut k = Body::new();
+    let x = k.input(DType::F32, &d);
+    let gin = k.input(DType::F32, &[l(24)]);
+    let w = k.input(DType::F32, &[l(24)]);
+    let wb = k.bcast(w, &[2], &d);
+    let xw = k.bin(BinaryOp::Mul, x, wb);
+    let cs = k.op(Op::Reduce { op: ReduceOp::Sum, axes: vec![0, 1] }, &[xw]);
+    let cm = k.op(Op::Reduce { op: ReduceOp::Max, axes: vec![0, 1] }, &[x]);
+    let acc = k.bin(BinaryOp::Add, gin, cs);
+    let acc2 = k.bin(BinaryOp::Mul, acc, cm);
+    let kernel = k.kernel("colsum", &[acc2]);
+    for (bb, t) in [(2, 3), (4, 600)] {
+        let b = bind(bb, t);
+        check(&mut c, &kernel, &b, &random_inputs(&kernel, &b, 5, 1, &[]));
+    }
+
+    let r = [s("B"), s("T")];
+    let mut k = Body::new();
+    let loss = k.input(DType::F32, &r);
+    let tot = k.op(Op::Reduce { op: ReduceOp::Sum, axes: vec![0, 1] }, &[loss]);
+    let n = k.constant(32.0, DType::F32, &[]);
+    let mean = k.bin(BinaryOp::Div, tot, n);
+    let kernel = k.kernel("mean_loss", &[mean]);
+    for (bb, t) in [(2, 16), (4, 5000)] {
+        let b = bind(bb, t);
+        check(&mut c, &kernel, &b, &random_inputs(&kernel, &b, 6, 1, &[]));
+    }
+}
+
+/// Residual add feeding LayerNorm (all four results out), at an even and an odd width.
+#[test]
+fn add_layernorm() {
+    let mut c = KernelCompiler::new().unwrap();
+    for cols in [64, 50, 3] {
+        let d = [s("B"), s("T"), l(cols)];
+        let mut k = Body::new();
+        let a = k.input(DType::F32, &d);
+        let r = k.input(DType::F32, &d);
+        let w = k.input(DType::F32, &[l(cols)]);
+        let bias = k.input(DType::F32, &[l(cols)]);
+        let x = k.bin(BinaryOp::Add, a, r);
+        let ln = k.g.add(Op::LayerNorm { eps: 1e-5 }, &[x, w, bias]);
+        let kernel = k.kernel("add_layernorm", &[x, ln[0], ln[1], ln[2]]);
+        let b = bind(2, 7);
+        check(&mut c, &kernel, &b, &random_inputs(&kernel, &b, 7, 1, &[]));
+    }
+}
+
+/// LayerNorm backward with the residual-gradient add and the dw/db accumulation adds.
+#[test]
+fn layernorm_grad_with_accumulation() {
+    let mut c = KernelCompiler::new().unwrap();
+    let kernel = ln_grad_kernel(64);
+    for (bb, t) in [(2, 7), (4, 256)] {
+        let b = bind(bb, t);
+        check(&mut c, &kernel, &b, &random_inputs(&kernel, &b, 8, 1, &[4]));
+    }
+}
+
+fn ln_grad_kernel(cols: u64) -> Kernel {
+    let d = [s("B"), s("T"), l(cols)];
+    let r = [s("B"), s("T")];
+    let mut k = Body::new();
+    let dy = k.input(DType::F32, &d);
+    let x = k.input(DType::F32, &d);
+    let w = k.input(DType::F32, &[l(cols)]);
+    let mean = k.input(DType::F32, &r);
+    let rstd = k.input(DType::F32, &r);
+    let dres = k.input(DType::F32, &d);
+    let gw = k.input(DType::F32, &[l(cols)]);
+    let gb = k.input(DType::F32, &[l(cols)]);
+    let lg = k.g.add(Op::LayerNormGrad, &[dy, x, w, mean, rstd]);
+    let dx = k.bin(BinaryOp::Add, dres, lg[0]);
+    let dw = k.bin(BinaryOp::Add, gw, lg[1]);
+    let db = k.bin(BinaryOp::Add, gb, lg[2]);
+    k.kernel("layernorm_grad", &[dx, dw, db])
+}
+
+/// Softmax and its gradient.
+#[test]
+fn softmax_and_grad() {
+    let mut c = KernelCompiler::new().unwrap();
+    let d = [s("B"), s("T"), l(33)];
+    let mut k = Body::new();
+    let x = k.input(DType::F32, &d);
+    let sc = k.input(DType::F32, &[]);
+    let sb = k.bcast(sc, &[], &d);
+    let xs = k.bin(BinaryOp::Mul, x, sb);
+    let y = k.op(Op::Softmax, &[xs]);
+    let kernel = k.kernel("softmax", &[y]);
+    let b = bind(3, 4);
+    check(&mut c, &kernel, &b, &random_inputs(&kernel, &b, 9, 1, &[]));
+
+    let mut k = Body::new();
+    let y = k.input(DType::F32, &d);
+    let dy = k.input(DType::F32, &d);
+    let dx = k.op(Op::SoftmaxGrad, &[y, dy]);
+    let kernel = k.kernel("softmax_grad", &[dx]);
+    check(&mut c, &kernel, &b, &random_inputs(&kernel, &b, 10, 1, &[]));
+}
+
+/// Cross-entropy and its gradient over a padded vocabulary (padding columns hold garbage).
+#[test]
+fn cross_entropy_padded() {
+    let mut c = KernelCompiler::new().unwrap();
+    let (vocab, vp) = (33u64, 40u64);
+    let d = [s("B"), s("T"), l(vp)];
+    let r = [s("B"), s("T")];
+    let mut k = Body::new();
+    let x = k.input(DType::F32, &d);
+    let t = k.input(DType::I32, &r);
+    let loss = k.op(Op::CrossEntropy { vocab }, &[x, t]);
+    let kernel = k.kernel("cross_entropy", &[loss]);
+    let b = bind(2, 9);
+    let mut ins = random_inputs(&kernel, &b, 11, vocab, &[]);
+    for (i, v) in ins[0].data.iter_mut().enumerate() {
+        if i as u64 % vp >= vocab {
+            *v = 1e30; // never read by the reference
+        }
+    }
+    check(&mut c, &kernel, &b, &ins);
+
+    let mut k = Body::new();
+    let x = k.input(DType::F32, &d);
+    let t = k.input(DType::I32, &r);
+    let dl = k.input(DType::F32, &r);
+    let g = k.op(Op::CrossEntropyGrad { vocab }, &[x, t, dl]);
+    let kernel = k.kernel("cross_entropy_grad", &[g]);
+    let mut ins2 = random_inputs(&kernel, &b, 12, vocab, &[]);
+    ins2[0] = ins[0].clone();
+    check(&mut c, &kernel, &b, &ins2);
+}
+
+/// The multi-tensor AdamW kernel: three parameters of different shapes, one with a gradient
+/// accumulation prologue; shared lr and bias corrections; results in place semantics aside.
+#[test]
+fn adamw_multi_tensor() {
+    let mut c = KernelCompiler::new().unwrap();
+    let mut k = Body::new();
+    let lr = k.input(DType::F32, &[]);
+    let bc1 = k.input(DType::F32, &[]);
+    let bc2 = k.input(DType::F32, &[]);
+    let mut outs = vec![];
+    let mut positive = vec![1, 2];
+    for (i, shape) in [vec![l(37)], vec![l(6), l(64)], vec![l(5), l(3), l(7)]].into_iter().enumerate() {
+        let p = k.input(DType::F32, &shape);
+        let mut g = k.input(DType::F32, &shape);
+        if i == 1 {
+            let g2 = k.input(DType::F32, &shape);
+            g = k.bin(BinaryOp::Add, g, g2);
+        }
+        let m = k.input(DType::F32, &shape);
+        let v = k.input(DType::F32, &shape);
+        positive.push(k.n_in - 1);
+        let wd = if i == 0 { 0.0 } else { 0.1 };
+        let r = k.g.add(Op::AdamW { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: wd }, &[p, g, m, v, lr, bc1, bc2]);
+        outs.extend(r);
+    }
+    let kernel = k.kernel("adamw", &outs);
+    let b = bind(1, 1);
+    let mut ins = random_inputs(&kernel, &b, 13, 1, &positive);
+    ins[0].data[0] = 1e-3;
+    check(&mut c, &kernel, &b, &ins);
+}
+
+/// bf16 storage: bf16 operands and results, bf16-typed arithmetic, casts both ways.
+#[test]
+fn bf16_storage() {
+    let mut c = KernelCompiler::new().unwrap();
+    let d = [s("B"), s("T"), l(19)];
+    let mut k = Body::new();
+    let x = k.input(DType::BF16, &d);
+    let y = k.input(DType::BF16, &d);
+    let w = k.input(DType::F32, &[l(19)]);
+    let s_ = k.bin(BinaryOp::Add, x, y); // bf16 arithmetic: rounded to bf16
+    let xf = k.op(Op::Cast { to: DType::F32 }, &[s_]);
+    let wb = k.bcast(w, &[2], &d);
+    let p = k.bin(BinaryOp::Mul, xf, wb);
+    let pb = k.op(Op::Cast { to: DType::BF16 }, &[p]);
+    let g = k.op(Op::Gelu, &[pb]);
+    let i = k.op(Op::Cast { to: DType::I32 }, &[p]);
+    let kernel = k.kernel("bf16_cast", &[s_, p, pb, g, i]);
+    let b = bind(2, 3);
+    check(&mut c, &kernel, &b, &random_inputs(&kernel, &b, 14, 1, &[]));
+}
+
+/// Masks from comparisons against iota, selects, and i32 arithmetic.
+#[test]
+fn iota_compare_select() {
+    let mut c = KernelCompiler::new().unwrap();
+    let d = [s("B"), s("T"), l(21)];
+    let mut k = Body::new();
+    let x = k.input(DType::F32, &d);
+    let t = k.input(DType::I32, &[s("B"), s("T")]);
+    let ic = k.op(Op::Iota { axis: 2, ty: Type::new(DType::I32, Shape::from(d.to_vec())) }, &[]);
+    let ir = k.op(Op::Iota { axis: 1, ty: Type::new(DType::I32, Shape::from(d.to_vec())) }, &[]);
+    let tb = k.bcast(t, &[0, 1], &d);
+    let sum = k.bin(BinaryOp::Add, ic, ir);
+    let eq = k.op(Op::Compare(CmpOp::Eq), &[sum, tb]);
+    let zero = k.constant(0.0, DType::F32, &d);
+    let sel = k.op(Op::Select, &[eq, x, zero]);
+    let ge = k.op(Op::Compare(CmpOp::Ge), &[x, zero]);
+    let sel2 = k.op(Op::Select, &[ge, sel, x]);
+    let fi = k.op(Op::Iota { axis: 0, ty: Type::new(DType::F32, Shape::from(d.to_vec())) }, &[]);
+    let out = k.bin(BinaryOp::Add, sel2, fi);
+    let kernel = k.kernel("masks", &[eq, out, sum]);
+    let b = bind(3, 5);
+    check(&mut c, &kernel, &b, &random_inputs(&kernel, &b, 15, 25, &[]));
+}
