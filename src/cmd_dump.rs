@@ -109,19 +109,13 @@ pub fn dump(a: DumpArgs) -> CliResult {
             total += r.time;
         }
         eprintln!("{:<18} {:>9.3} ms", "total", total.as_secs_f64() * 1e3);
-        let unfused = compile(
-            &g,
-            &a.pass,
-            mode,
-            &PipelineOptions {
-                no_fusion: true,
-                ..opts.clone()
-            },
-            &bind,
-        )?;
+    }
+    let fused_at = PASSES.iter().position(|p| *p == "fuse-elementwise");
+    if PASSES.iter().position(|p| *p == a.pass) >= fused_at {
+        let unfused = compile(&g, &a.pass, mode, &PipelineOptions { no_fusion: true, ..opts.clone() }, &bind)?;
         let (before, after) = (launches(&unfused.graph), launches(&out.graph));
         eprintln!(
-            "launches per step: {} non-matmul + {} matmul before fusion, {} + {} after",
+            "kernels per step: {} non-matmul + {} matmul before fusion, {} + {} after",
             before.other, before.matmul, after.other, after.matmul
         );
     }

@@ -122,10 +122,15 @@ fn plan(p: &Prog) -> Plan {
     let (mut main_live, mut fin_live) = (vec![false; n], vec![false; n]);
     let (mut row_stores, mut elem_stores, mut fin_stores) = (vec![], vec![], vec![]);
     for (i, s) in p.stores.iter().enumerate() {
-        match s.view.space() {
-            Space::Elem => elem_stores.push(i),
-            Space::Row => row_stores.push(i),
-            Space::Col | Space::Uni => fin_stores.push(i),
+        // Column results and scalars are written once, by the finalize function; with a single
+        // row (all row axes of size 1) every non-final result is written by the row loop.
+        let once = !s.view.space().has_row() && p.rows > 1;
+        if p.node(s.value).level == FINAL || once {
+            fin_stores.push(i);
+        } else if s.view.col {
+            elem_stores.push(i);
+        } else {
+            row_stores.push(i);
         }
     }
     for &i in &fin_stores {

@@ -117,12 +117,27 @@ impl<'g> Body<'g> {
             }
             x
         }
-        for (i, node) in self.g.nodes.iter().enumerate() {
-            if node.results.iter().all(|r| self.free[r.0 as usize]) {
-                continue;
+        // Nodes are connected through every value that costs something to compute: an
+        // elementwise op of operands counts too (so that its result is computed once, in the
+        // segment that also reduces it), except scalars computed from operands alone, which
+        // each segment may recompute (so AdamW updates sharing `lr` stay separate).
+        let mut layout = vec![false; self.g.values.len()];
+        for n in &self.g.nodes {
+            let l = match n.op {
+                Op::Input { .. } | Op::Const { .. } | Op::Iota { .. } => true,
+                Op::Broadcast { .. } | Op::Reshape { .. } => layout[n.inputs[0].0 as usize],
+                _ => false,
+            };
+            for r in &n.results {
+                layout[r.0 as usize] = l;
             }
+        }
+        let member = |v: ValueId| {
+            !layout[v.0 as usize] && (self.shape(v).iter().product::<usize>() > 1 || !self.free[v.0 as usize])
+        };
+        for (i, node) in self.g.nodes.iter().enumerate() {
             for v in &node.inputs {
-                if !self.free[v.0 as usize] {
+                if member(*v) {
                     let (a, b) = (find(&mut parent, i), find(&mut parent, self.prod(*v)));
                     parent[a] = b;
                 }
@@ -130,14 +145,14 @@ impl<'g> Body<'g> {
         }
         let mut segs: Vec<(Option<usize>, Seg)> = Vec::new();
         for (j, (_, v)) in self.g.outputs.iter().enumerate() {
-            let root = (!self.free[v.0 as usize]).then(|| find(&mut parent, self.prod(*v)));
+            let root = (!layout[v.0 as usize]).then(|| find(&mut parent, self.prod(*v)));
             match segs.iter_mut().find(|(r, _)| root.is_some() && *r == root) {
                 Some((_, s)) => s.outputs.push(j),
                 None => segs.push((root, Seg { nodes: vec![], outputs: vec![j] })),
             }
         }
         for (i, node) in self.g.nodes.iter().enumerate() {
-            if node.results.iter().any(|r| !self.free[r.0 as usize]) {
+            if node.results.iter().any(|r| !layout[r.0 as usize]) {
                 let root = find(&mut parent, i);
                 if let Some((_, s)) = segs.iter_mut().find(|(r, _)| *r == Some(root)) {
                     s.nodes.push(i);

@@ -463,3 +463,245 @@ fn iota_compare_select() {
     let b = bind(3, 5);
     check(&mut c, &kernel, &b, &random_inputs(&kernel, &b, 15, 25, &[]));
 }
+
+// ---- math routines ------------------------------------------------------------------------------
+
+/// The spacing of f32 values at `|x|` (subnormal spacing below the normal range).
+fn ulp(x: f64) -> f64 {
+    let e = x.abs().log2().floor().max(-126.0);
+    2f64.powf(e - 23.0)
+}
+
+/// Error of `got` against the exact `want`, in ulps of `want` (0 for matching specials).
+fn ulp_err(got: f32, want: f64) -> f64 {
+    if want.is_nan() {
+        return if got.is_nan() { 0.0 } else { f64::INFINITY };
+    }
+    if want.abs() > f32::MAX as f64 * (1.0 + 2f64.powi(-25)) || want.is_infinite() {
+        return if got.is_infinite() && got.signum() as f64 == want.signum() { 0.0 } else { f64::INFINITY };
+    }
+    if want == 0.0 {
+        return if got == 0.0 { 0.0 } else { f64::INFINITY };
+    }
+    (got as f64 - want).abs() / ulp(want)
+}
+
+/// Max ulp error of exp, log and tanh over millions of inputs, through both the vector loop
+/// (one long row) and the scalar tail (rows of 3 columns). Asserts: exp and log ≤ 2 ulp; tanh
+/// ≤ 2 ulp (or 1e-7 absolute).
+#[test]
+fn math_ulp_errors() {
+    let n: u64 = 3 << 20;
+    let mut rng = Rng::new(99);
+    let mut xe = Vec::with_capacity(n as usize);
+    let mut xl = Vec::with_capacity(n as usize);
+    let mut xt = Vec::with_capacity(n as usize);
+    for i in 0..n {
+        xe.push(match i % 4 {
+            0 => rng.range(-1.0, 1.0),
+            1 => rng.range(88.0, 89.0),
+            2 => rng.range(-104.0, -85.0),
+            _ => rng.range(-104.0, 89.0),
+        } as f32 as f64);
+        let bits = match i % 3 {
+            0 => (rng.below(0x7f7f_ffff) + 1) as u32,
+            1 => (rng.below(0x0080_0000) + 0x3f00_0000) as u32, // [0.5, 2)
+            _ => (rng.below(0x0100_0000) + 0x3f40_0000) as u32, // around 1
+        };
+        xl.push(f32::from_bits(bits) as f64);
+        xt.push(match i % 3 {
+            0 => rng.range(-10.0, 10.0),
+            1 => rng.range(-1.0, 1.0),
+            _ => 10f64.powf(rng.range(-10.0, 0.0)) * if rng.chance(0.5) { 1.0 } else { -1.0 },
+        } as f32 as f64);
+    }
+    for (i, v) in [0.0, f64::INFINITY, f64::NAN, -1.0, 1.0, f64::NEG_INFINITY, 88.72283, 88.72284, -103.97, -87.3].iter().enumerate() {
+        xl[i] = *v;
+        xe[i] = (*v as f32) as f64;
+        xt[i] = (*v as f32) as f64;
+    }
+    let mut c = KernelCompiler::new().unwrap();
+    for (shape, label) in [(vec![l(n)], "vector"), (vec![l(n / 3), l(3)], "scalar")] {
+        let mut k = Body::new();
+        let (a, b_, t) = (k.input(DType::F32, &shape), k.input(DType::F32, &shape), k.input(DType::F32, &shape));
+        let (e, lg, th) = (k.un(UnaryOp::Exp, a), k.un(UnaryOp::Log, b_), k.un(UnaryOp::Tanh, t));
+        let kernel = k.kernel("math", &[e, lg, th]);
+        let dims: Vec<usize> = if shape.len() == 1 { vec![n as usize] } else { vec![n as usize / 3, 3] };
+        let ins: Vec<Tensor> = [&xe, &xl, &xt].iter().map(|x| Tensor::new(DType::F32, dims.clone(), x.to_vec())).collect();
+        let b = bind(1, 1);
+        let ck = c.compile(&kernel, &b).unwrap();
+        let out = execute(&ck, &kernel, &b, &ins, 1);
+        let mut worst = [(0.0f64, 0.0f64); 3];
+        for i in 0..n as usize {
+            let refs = [xe[i].exp(), xl[i].ln(), xt[i].tanh()];
+            for f in 0..3 {
+                let got = out[f].data[i] as f32;
+                let mut err = ulp_err(got, refs[f]);
+                if f == 2 && (got as f64 - refs[f]).abs() <= 1e-7 {
+                    err = err.min(2.0);
+                }
+                if err > worst[f].0 {
+                    worst[f] = (err, [xe[i], xl[i], xt[i]][f]);
+                }
+            }
+        }
+        println!(
+            "{label}: max ulp error exp {:.3} (at {}), log {:.3} (at {}), tanh {:.3} (at {})",
+            worst[0].0, worst[0].1, worst[1].0, worst[1].1, worst[2].0, worst[2].1
+        );
+        assert!(worst[0].0 <= 2.0, "exp: {} ulp at {}", worst[0].0, worst[0].1);
+        assert!(worst[1].0 <= 2.0, "log: {} ulp at {}", worst[1].0, worst[1].1);
+        assert!(worst[2].0 <= 2.0, "tanh: {} ulp at {}", worst[2].0, worst[2].1);
+    }
+}
+
+// ---- every kernel of the GPT-2 training graph -----------------------------------------------------
+
+/// The training graph (forward, backward, AdamW) after `fuse-elementwise`, optionally with
+/// `fuse-layernorm` first (so that the composite kernel forms appear).
+fn fused_training_graph(fwd: &Graph, composites: bool) -> Graph {
+    use fusec_passes::explain::FusionLog;
+    let mut log = FusionLog::default();
+    let g = if composites { fusec_passes::fuse_layernorm::fuse_layernorm(fwd, &mut log).unwrap() } else { fwd.clone() };
+    let g = fusec_passes::autodiff::autodiff(&g).unwrap();
+    let g = fusec_passes::optimizer::optimizer(&g, &Default::default()).unwrap();
+    fusec_passes::fuse_elementwise::fuse_elementwise(&g, &mut log).unwrap()
+}
+
+fn kernels_of(g: &Graph) -> Vec<Kernel> {
+    g.nodes.iter().filter_map(|n| if let Op::Kernel(k) = &n.op { Some((**k).clone()) } else { None }).collect()
+}
+
+/// Body inputs that must be non-negative for finite results: AdamW's second moment, learning
+/// rate and bias corrections, and direct operands of log/sqrt/rsqrt.
+fn positive_inputs(k: &Kernel) -> Vec<usize> {
+    let g = &k.body;
+    let mut input_index = HashMap::new();
+    for n in &g.nodes {
+        if let Op::Input { .. } = n.op {
+            let i = input_index.len();
+            input_index.insert(n.results[0], i);
+        }
+    }
+    let mut out = vec![];
+    for n in &g.nodes {
+        let picks: Vec<ValueId> = match &n.op {
+            Op::AdamW { .. } => n.inputs[3..7].to_vec(),
+            Op::Unary(UnaryOp::Log | UnaryOp::Sqrt | UnaryOp::Rsqrt) => n.inputs.to_vec(),
+            _ => vec![],
+        };
+        out.extend(picks.iter().filter_map(|v| input_index.get(v)));
+    }
+    out
+}
+
+fn check_graph_kernels(c: &mut KernelCompiler, g: &Graph, b: &Bindings, int_hi: u64) -> usize {
+    let ks = kernels_of(g);
+    assert!(!ks.is_empty(), "no kernels in the fused graph");
+    for (i, k) in ks.iter().enumerate() {
+        let ins = random_inputs(k, b, 1000 + i as u64, int_hi, &positive_inputs(k));
+        check(c, k, b, &ins);
+    }
+    ks.len()
+}
+
+/// The whole pipeline up to the last fusion pass (`fusec dump --pass fuse`), for a training step.
+fn pipeline_graph(fwd: &Graph, precision: fusec_passes::amp::Precision, b: &Bindings) -> Graph {
+    use fusec_passes::pipeline::{compile, Mode, PipelineOptions};
+    let opts = PipelineOptions { precision, ..Default::default() };
+    compile(fwd, "fuse", Mode::Step, &opts, b).unwrap_or_else(|e| panic!("pipeline: {e}")).graph
+}
+
+/// The fused training graphs the tests compile: `fuse-elementwise` right after `optimizer`
+/// (primitive LayerNorm and cross-entropy: reduction kernels), with `fuse-layernorm` first
+/// (composite kernels), and the whole pipeline in f32 and in bf16 mixed precision.
+fn training_graphs(fwd: &Graph, b: &Bindings) -> Vec<(&'static str, Graph)> {
+    use fusec_passes::amp::Precision as P;
+    vec![
+        ("optimizer + fuse-elementwise", fused_training_graph(fwd, false)),
+        ("fuse-layernorm .. fuse-elementwise", fused_training_graph(fwd, true)),
+        ("pipeline f32", pipeline_graph(fwd, P::F32, b)),
+        ("pipeline bf16", pipeline_graph(fwd, P::Bf16, b)),
+    ]
+}
+
+/// Every kernel `fuse-elementwise` makes of the tiny GPT-2 training graph (B=2, T=16) compiles
+/// and matches the interpreter; the second layer's kernels come from the cache.
+#[test]
+fn gpt2_tiny_training_kernels() {
+    let cfg = fusec_models::Gpt2Config::preset("tiny").unwrap();
+    let fwd = fusec_models::build_gpt2(&cfg, "t");
+    let b = bind(2, 16);
+    for (label, g) in training_graphs(&fwd, &b) {
+        let mut c = KernelCompiler::new().unwrap();
+        let n = check_graph_kernels(&mut c, &g, &b, cfg.vocab as u64);
+        let (compiled, hits) = c.stats();
+        println!("tiny GPT-2 ({label}): {n} kernels, {compiled} compiled, {hits} cache hits, {} functions", c.functions());
+        assert_eq!(compiled + hits, n);
+        assert!(hits > 0, "the two layers' identical kernels should hit the cache");
+    }
+}
+
+/// Same inputs, 1 and 2 threads: identical bits (column-reduction partials are per chunk, chunks
+/// are fixed by the shape, and combined in chunk order).
+#[test]
+fn threads_do_not_change_bits() {
+    let mut c = KernelCompiler::new().unwrap();
+    let kernel = ln_grad_kernel(256);
+    let b = bind(4, 128);
+    let ins = random_inputs(&kernel, &b, 77, 1, &[4]);
+    let ck = c.compile(&kernel, &b).unwrap();
+    let one = execute(&ck, &kernel, &b, &ins, 1);
+    for threads in [2, 3] {
+        let many = execute(&ck, &kernel, &b, &ins, threads);
+        for (x, y) in one.iter().zip(&many) {
+            assert!(x.data.iter().zip(&y.data).all(|(a, b)| a.to_bits() == b.to_bits()), "{threads} threads changed the bits");
+        }
+    }
+    let want = reference(&kernel, &b, &ins);
+    for (g, w) in one.iter().zip(&want) {
+        g.check_close(w, 1e-5, 1e-5).unwrap();
+    }
+}
+
+/// Identical kernels compile once; a different binding compiles anew.
+#[test]
+fn identical_kernels_compile_once() {
+    let mut c = KernelCompiler::new().unwrap();
+    let k1 = ln_grad_kernel(64);
+    let k2 = ln_grad_kernel(64);
+    let b = bind(2, 4);
+    let a = c.compile(&k1, &b).unwrap();
+    let a2 = c.compile(&k2, &b).unwrap();
+    assert!(std::sync::Arc::ptr_eq(&a, &a2));
+    assert_eq!(c.stats(), (1, 1));
+    c.compile(&k1, &bind(2, 8)).unwrap();
+    assert_eq!(c.stats(), (2, 1));
+    assert!(a.clif.contains("function %layernorm_grad_chunk"), "{}", a.clif);
+    assert!(a.bytes_moved() > 0 && a.flops() > 0);
+}
+
+/// Compile time of every kernel of the GPT-2 124M training graph (B=4, T=64), with the cache.
+#[test]
+fn gpt2_124m_compile_time() {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../models/gpt2-124m.graph");
+    let src = std::fs::read_to_string(path).unwrap();
+    let fwd = fusec_ir::text::parse(&src, path).unwrap();
+    let b = bind(4, 64);
+    for (label, g) in training_graphs(&fwd, &b) {
+        let ks = kernels_of(&g);
+        let mut c = KernelCompiler::new().unwrap();
+        let t0 = Instant::now();
+        for k in &ks {
+            c.compile(k, &b).unwrap_or_else(|e| panic!("{e}"));
+        }
+        let dt = t0.elapsed();
+        let (compiled, hits) = c.stats();
+        println!(
+            "GPT-2 124M ({label}): {} kernels, {compiled} compiled, {hits} cache hits, {} functions, {:.1} ms",
+            ks.len(),
+            c.functions(),
+            dt.as_secs_f64() * 1e3
+        );
+    }
+}

@@ -67,7 +67,7 @@ pub fn fuse_epilogue(g: &Graph, log: &mut FusionLog) -> Result<Graph, String> {
             }
         } else if uses.users[y.0 as usize]
             .iter()
-            .any(|&u| matches!(g.nodes[u].op, Op::Binary(BinaryOp::Add)))
+            .any(|&u| adds_a_broadcast(g, u, y))
         {
             log.refuse(PASS, &at, "bias-is-row-vector", "the add's other operand is not a vector broadcast along the last axis, or the matmul result has other users");
         }
@@ -128,4 +128,10 @@ fn bias_add(g: &Graph, uses: &Uses, mi: usize, y: ValueId) -> Option<(usize, Val
         }
         _ => None,
     }
+}
+
+/// Whether node `u` adds a broadcast value to `y` (a bias-add candidate).
+fn adds_a_broadcast(g: &Graph, u: usize, y: ValueId) -> bool {
+    let n = &g.nodes[u];
+    n.op == Op::Binary(BinaryOp::Add) && n.inputs.iter().any(|&v| v != y && matches!(g.producer(v).op, Op::Broadcast { .. }))
 }

@@ -4,7 +4,8 @@
 //! GEMM time of one step: what a whole training step is compared against.
 //!
 //! `cargo run --release -p fusec-benches --bin gemm_bench -- [--threads N] [--plain]
-//! [--config small|124m|both] [--secs S]`. `--plain` drops the forward epilogues (pure products).
+//! [--config small|124m|both] [--secs S] [--only SUBSTR]`. `--plain` drops the forward epilogues
+//! (pure products); `--only` keeps the shapes whose name contains `SUBSTR`.
 
 use fusec_codegen_cpu::gemm::{gemm_f32, GemmSpec};
 use std::time::{Duration, Instant};
@@ -136,7 +137,7 @@ fn time(s: &GemmSpec, threads: usize, secs: f64) -> (f64, f64) {
     (samples[samples.len() / 2], samples[0])
 }
 
-fn bench(cfg: &Config, threads: usize, plain: bool, secs: f64) {
+fn bench(cfg: &Config, threads: usize, plain: bool, secs: f64, only: &str) {
     println!(
         "\n== {}: L={} C={} Vp={} B={} T={} (BT={}), {} thread(s){}",
         cfg.name,
@@ -154,7 +155,7 @@ fn bench(cfg: &Config, threads: usize, plain: bool, secs: f64) {
         "shape", "M", "N", "K", "x", "med ms", "GFLOP/s", "best ms", "GFLOP/s", "ms/step"
     );
     let (mut total_med, mut total_best, mut total_flops) = (0.0, 0.0, 0u64);
-    for sh in step_shapes(cfg, plain) {
+    for sh in step_shapes(cfg, plain).into_iter().filter(|s| s.name.contains(only)) {
         let (med, best) = time(&sh.spec, threads, secs);
         let (flops, x) = (sh.spec.flops(), sh.per_step);
         total_med += med * x as f64;
@@ -189,7 +190,7 @@ fn bench(cfg: &Config, threads: usize, plain: bool, secs: f64) {
 
 fn main() {
     let mut threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let (mut plain, mut config, mut secs) = (false, "both".to_string(), 0.4);
+    let (mut plain, mut config, mut secs, mut only) = (false, "both".to_string(), 0.4, String::new());
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
         let mut value = |what: &str| args.next().unwrap_or_else(|| panic!("{arg} needs {what}"));
@@ -198,6 +199,7 @@ fn main() {
             "--config" => config = value("small, 124m or both"),
             "--secs" => secs = value("seconds").parse().expect("--secs S"),
             "--plain" => plain = true,
+            "--only" => only = value("a substring of shape names"),
             "-h" | "--help" => {
                 println!(
                     "gemm_bench [--threads N] [--config small|124m|both] [--secs S] [--plain]"
@@ -233,7 +235,7 @@ fn main() {
             || config.eq_ignore_ascii_case(cfg.name)
             || (config == "124m" && cfg.layers == 12)
         {
-            bench(&cfg, threads, plain, secs);
+            bench(&cfg, threads, plain, secs, &only);
         }
     }
 }

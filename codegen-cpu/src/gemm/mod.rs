@@ -5,7 +5,14 @@
 //! into tiles of fixed size (a pure function of the shape, never of the thread count, so one
 //! and two threads give the same bits); tiles run in parallel on the current rayon pool, each
 //! as one single-threaded `gemm` call followed at once by its epilogue (bias add, GELU with
-//! the pre-activation saved, accumulation) while the tile is still in cache.
+//! the pre-activation saved, accumulation) while the tile (at most 1024 x 1024) is still in
+//! cache. Tiles are large because each one re-packs its rows of `op(a)` and columns of
+//! `op(b)`; there are at least four per product (when the shape allows) to keep two threads
+//! busy.
+//!
+//! GELU uses `f32::tanh` (glibc `tanhf`, as llm.c). It is the epilogue's dominant cost:
+//! about 10-15 ns per element per thread here, several times the product's own time for the
+//! GPT-2 MLP shapes (see `gemm_bench`).
 //!
 //! Semantics are those of `Op::Gemm` in `fusec-ir`: `t = op(a) op(b)`, then `t + bias[n]`,
 //! then `pre_gelu = t, y = gelu(t)` (tanh form, evaluated in f32 exactly as llm.c's
@@ -189,40 +196,29 @@ pub fn gemm_f32(
     });
 }
 
-/// Largest tile height (rows); a multiple of 8, the crate's register tile width.
-const TILE_M: usize = 512;
-/// Largest tile width (columns); a multiple of 16, the AVX-512 f32 lane count.
-const TILE_N: usize = 256;
+/// Largest tile height (rows). Big tiles repack operands least; measured on the GPT-2 step
+/// shapes (`gemm_bench`), 512 to 2048 were within noise of each other, 256 and below slower.
+const TILE_M: usize = 1024;
+/// Largest tile width (columns).
+const TILE_N: usize = 1024;
 /// Tiles are halved (down to [`MIN_TILE`]) until a product has at least this many.
 const MIN_TILES: usize = 4;
 /// Smallest tile side the halving goes to.
 const MIN_TILE: usize = 64;
-
-fn envu(name: &str, d: usize) -> usize {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(d)
-}
 
 /// Tile sides `(rows, cols)` for a `rows x n` output: a pure function of the shape, so results
 /// do not depend on the thread count. Large tiles keep operand re-packing small (each `op(b)`
 /// column is packed once per row tile, each `op(a)` row once per column tile); enough tiles
 /// keep two threads busy.
 fn tile_sides(rows: usize, n: usize) -> (usize, usize) {
-    let (tm0, tn0, min_tiles) = (
-        envu("TM", TILE_M),
-        envu("TN", TILE_N),
-        envu("MT", MIN_TILES),
-    );
     let even = |len: usize, max: usize, unit: usize| {
         len.div_ceil(len.div_ceil(max))
             .next_multiple_of(unit)
             .min(len)
             .max(1)
     };
-    let (mut tm, mut tn) = (even(rows, tm0, 8), even(n, tn0, 16));
-    while rows.div_ceil(tm) * n.div_ceil(tn) < min_tiles {
+    let (mut tm, mut tn) = (even(rows, TILE_M, 8), even(n, TILE_N, 16));
+    while rows.div_ceil(tm) * n.div_ceil(tn) < MIN_TILES {
         if tm >= tn && tm / 2 >= MIN_TILE {
             tm = even(rows, tm / 2, 8);
         } else if tn / 2 >= MIN_TILE {

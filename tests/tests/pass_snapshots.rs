@@ -1,0 +1,36 @@
+//! Snapshots of `fusec dump --pass X` for every pass on one tiny GPT-2 block's training step:
+//! a reviewer reads these diffs to see what a change did to fusion and memory planning.
+
+use fusec_ir::Bindings;
+use fusec_models::{build_gpt2, Gpt2Config};
+use fusec_passes::amp::Precision;
+use fusec_passes::pipeline::{compile, Mode, PipelineOptions, PASSES};
+
+fn block() -> fusec_ir::Graph {
+    let cfg = Gpt2Config { layers: 1, heads: 2, channels: 8, vocab: 10, padded_vocab: 16, max_seq: 8 };
+    build_gpt2(&cfg, "gpt2_block")
+}
+
+fn dump(pass: &str, opts: &PipelineOptions) -> String {
+    let mut bind = Bindings::default();
+    bind.set("B", 2).set("T", 4);
+    let out = compile(&block(), pass, Mode::Step, opts, &bind).unwrap();
+    match &out.plan {
+        Some(plan) => plan.annotate(&out.graph),
+        None => fusec_ir::text::print(&out.graph),
+    }
+}
+
+#[test]
+fn every_pass_on_one_block() {
+    for pass in PASSES.iter().filter(|p| **p != "parse" && **p != "fuse") {
+        insta::assert_snapshot!(format!("block_{pass}"), dump(pass, &PipelineOptions::default()));
+    }
+}
+
+#[test]
+fn amp_bf16_on_one_block() {
+    let opts = PipelineOptions { precision: Precision::Bf16, ..PipelineOptions::default() };
+    insta::assert_snapshot!("block_amp_bf16", dump("amp", &opts));
+    insta::assert_snapshot!("block_fuse_bf16", dump("fuse", &opts));
+}
