@@ -29,6 +29,7 @@ pub mod jit;
 pub mod lower;
 pub mod math;
 pub mod ops;
+pub mod plan;
 pub mod prog;
 pub mod run;
 

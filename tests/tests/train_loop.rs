@@ -171,10 +171,9 @@ fn three_fused_steps_agree_with_unfused_steps() {
             b.loss
         );
     }
+    // Adam divides by sqrt(v): near-zero gradients amplify reassociation noise in the update,
+    // so parameters get an absolute floor far below one step's size (lr = 1e-2).
     for (x, y) in pa.iter().flatten().zip(pb.iter().flatten()) {
-        assert!(
-            (x - y).abs() <= 1e-6 * x.abs().max(1e-2),
-            "parameters differ: {x} vs {y}"
-        );
+        assert!((x - y).abs() <= 1e-6 + 1e-5 * x.abs(), "parameters differ: {x} vs {y}");
     }
 }
