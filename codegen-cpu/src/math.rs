@@ -21,7 +21,7 @@
 //! asserted there: at most 2 ulp for `exp` and `log` over their whole ranges, and for `tanh`
 //! within 2 ulp (or 1e-7 absolute near 0).
 
-use cranelift_codegen::ir::condcodes::{FloatCC, IntCC};
+use cranelift_codegen::ir::condcodes::FloatCC;
 use cranelift_codegen::ir::{types, ConstantData, InstBuilder, MemFlagsData, Type, Value};
 use cranelift_codegen::ir::Endianness;
 use cranelift_frontend::FunctionBuilder;

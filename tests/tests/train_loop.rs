@@ -171,9 +171,10 @@ fn three_fused_steps_agree_with_unfused_steps() {
             b.loss
         );
     }
-    // Adam divides by sqrt(v): near-zero gradients amplify reassociation noise in the update,
-    // so parameters get an absolute floor far below one step's size (lr = 1e-2).
+    // Adam divides by sqrt(v): a gradient that is rounding noise (the key part of qkvb has a
+    // true gradient of exactly 0) becomes an update of up to lr in either direction. The floor
+    // is 1% of one step (lr = 1e-2); a real mistake moves parameters by about lr.
     for (x, y) in pa.iter().flatten().zip(pb.iter().flatten()) {
-        assert!((x - y).abs() <= 1e-6 + 1e-5 * x.abs(), "parameters differ: {x} vs {y}");
+        assert!((x - y).abs() <= 1e-4 + 1e-5 * x.abs(), "parameters differ: {x} vs {y}");
     }
 }
