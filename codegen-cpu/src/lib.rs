@@ -22,6 +22,7 @@
 //! rounded to nearest even at every bf16 result, NaN-propagating max/min, deterministic
 //! reduction orders independent of the thread count.
 
+mod builder;
 pub mod clif;
 pub mod expand;
 pub mod gemm;
@@ -32,6 +33,7 @@ pub mod ops;
 pub mod plan;
 pub mod prog;
 pub mod run;
+mod segment;
 
 pub use jit::KernelCompiler;
 pub use run::CompiledKernel;

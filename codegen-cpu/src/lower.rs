@@ -1,9 +1,6 @@
 //! Kernel body → row programs ([`Prog`]).
 //!
-//! The body is first split into *segments*: groups of computed values connected through
-//! computed values (operands, constants and broadcasts of operands are shared freely). A kernel
-//! from `fuse-elementwise` is one segment, except the multi-tensor AdamW kernel (one per
-//! parameter) and kernels with independent outputs.
+//! The body is first split into *segments* ([`crate::segment`]), each lowered on its own.
 //!
 //! Each segment gets a *domain*: the largest shape among its values and the operands of its
 //! ops (the reduction input, the composite's main operand, the pointwise shape). The domain is
@@ -22,11 +19,12 @@
 
 use std::collections::HashMap;
 
-use fusec_ir::interp::{concrete_shape, round_to};
-use fusec_ir::{BinaryOp, Bindings, CmpOp, DType, Graph, Kernel, Op, ReduceOp, UnaryOp, ValueId};
+use fusec_ir::interp::round_to;
+use fusec_ir::{Bindings, DType, Kernel, Op, ReduceOp, ValueId};
 
 use crate::expand;
-use crate::prog::{Expr, Mem, Node, NodeId, Prog, RowTerm, Slot, Space, Store, Ty, View, FINAL, UNI_PARTIAL_STRIDE};
+use crate::prog::{Expr, Mem, NodeId, Prog, RowTerm, Slot, Store, Ty, View, FINAL};
+use crate::segment::{Body, Seg};
 
 /// For each axis of a value, the domain axis it indexes (`None`: a size-1 axis, index 0).
 pub(crate) type Ctx = Vec<Option<u8>>;
@@ -50,117 +48,6 @@ pub fn lower_kernel(k: &Kernel, bind: &Bindings) -> Result<Vec<Prog>, String> {
         progs.push(lower_segment(&body, &k.name, &seg).map_err(|e| format!("kernel `{}`: {e}", k.name))?);
     }
     Ok(progs)
-}
-
-/// Facts about a kernel body.
-pub(crate) struct Body<'g> {
-    pub g: &'g Graph,
-    /// Concrete shape per value.
-    pub shapes: Vec<Vec<usize>>,
-    /// Per node: the operand index of an `input` node.
-    operand: Vec<Option<usize>>,
-    /// Per value: computed from operands, constants and iotas only (lowered where used).
-    free: Vec<bool>,
-}
-
-/// One segment: its non-free nodes and its outputs (indices into the body's outputs).
-struct Seg {
-    nodes: Vec<usize>,
-    outputs: Vec<usize>,
-}
-
-impl<'g> Body<'g> {
-    fn new(g: &'g Graph, bind: &Bindings) -> Result<Body<'g>, String> {
-        let shapes = g.values.iter().map(|v| concrete_shape(&v.ty, bind)).collect::<Result<Vec<_>, _>>()?;
-        let mut operand = vec![None; g.nodes.len()];
-        let mut free = vec![false; g.values.len()];
-        let mut k = 0;
-        for (i, n) in g.nodes.iter().enumerate() {
-            let is_free = match &n.op {
-                Op::Input { .. } => {
-                    operand[i] = Some(k);
-                    k += 1;
-                    true
-                }
-                Op::Const { .. } | Op::Iota { .. } => true,
-                Op::Broadcast { .. } | Op::Reshape { .. } => free[n.inputs[0].0 as usize],
-                op if op.is_elementwise() => n.inputs.iter().all(|v| free[v.0 as usize]),
-                _ => false,
-            };
-            for r in &n.results {
-                free[r.0 as usize] = is_free;
-            }
-        }
-        Ok(Body { g, shapes, operand, free })
-    }
-
-    fn prod(&self, v: ValueId) -> usize {
-        self.g.values[v.0 as usize].node.0 as usize
-    }
-
-    pub fn dtype(&self, v: ValueId) -> DType {
-        self.g.values[v.0 as usize].ty.dtype
-    }
-
-    pub fn shape(&self, v: ValueId) -> &[usize] {
-        &self.shapes[v.0 as usize]
-    }
-
-    /// Connected groups of non-free nodes, each with its outputs, in output order.
-    fn segments(&self) -> Vec<Seg> {
-        let n = self.g.nodes.len();
-        let mut parent: Vec<usize> = (0..n).collect();
-        fn find(p: &mut [usize], mut x: usize) -> usize {
-            while p[x] != x {
-                p[x] = p[p[x]];
-                x = p[x];
-            }
-            x
-        }
-        // Nodes are connected through every value that costs something to compute: an
-        // elementwise op of operands counts too (so that its result is computed once, in the
-        // segment that also reduces it), except scalars computed from operands alone, which
-        // each segment may recompute (so AdamW updates sharing `lr` stay separate).
-        let mut layout = vec![false; self.g.values.len()];
-        for n in &self.g.nodes {
-            let l = match n.op {
-                Op::Input { .. } | Op::Const { .. } | Op::Iota { .. } => true,
-                Op::Broadcast { .. } | Op::Reshape { .. } => layout[n.inputs[0].0 as usize],
-                _ => false,
-            };
-            for r in &n.results {
-                layout[r.0 as usize] = l;
-            }
-        }
-        let member = |v: ValueId| {
-            !layout[v.0 as usize] && (self.shape(v).iter().product::<usize>() > 1 || !self.free[v.0 as usize])
-        };
-        for (i, node) in self.g.nodes.iter().enumerate() {
-            for v in &node.inputs {
-                if member(*v) {
-                    let (a, b) = (find(&mut parent, i), find(&mut parent, self.prod(*v)));
-                    parent[a] = b;
-                }
-            }
-        }
-        let mut segs: Vec<(Option<usize>, Seg)> = Vec::new();
-        for (j, (_, v)) in self.g.outputs.iter().enumerate() {
-            let root = (!layout[v.0 as usize]).then(|| find(&mut parent, self.prod(*v)));
-            match segs.iter_mut().find(|(r, _)| root.is_some() && *r == root) {
-                Some((_, s)) => s.outputs.push(j),
-                None => segs.push((root, Seg { nodes: vec![], outputs: vec![j] })),
-            }
-        }
-        for (i, node) in self.g.nodes.iter().enumerate() {
-            if node.results.iter().any(|r| !layout[r.0 as usize]) {
-                let root = find(&mut parent, i);
-                if let Some((_, s)) = segs.iter_mut().find(|(r, _)| *r == Some(root)) {
-                    s.nodes.push(i);
-                }
-            }
-        }
-        segs.into_iter().map(|(_, s)| s).collect()
-    }
 }
 
 /// How a reduction's axes sit in a domain of rank `n` split at `split`.
@@ -299,16 +186,16 @@ pub(crate) fn mem_of(d: DType) -> Result<Mem, String> {
 /// Lowers one segment.
 pub(crate) struct Lowerer<'b, 'g> {
     pub b: &'b Body<'g>,
-    dom: Vec<usize>,
-    split: usize,
+    pub(crate) dom: Vec<usize>,
+    pub(crate) split: usize,
     rows: u64,
     /// Columns of the domain.
     pub cols: u64,
     pub prog: Prog,
-    cse: HashMap<(Expr, Ty), NodeId>,
+    pub(crate) cse: HashMap<(Expr, Ty), NodeId>,
     memo: HashMap<(ValueId, Ctx), NodeId>,
     comp: HashMap<usize, Vec<NodeId>>,
-    colred: HashMap<(ReduceOp, NodeId), NodeId>,
+    pub(crate) colred: HashMap<(ReduceOp, NodeId), NodeId>,
     slot_of: HashMap<Slot, u32>,
 }
 
@@ -389,7 +276,7 @@ impl Lowerer<'_, '_> {
         Ok(Some(self.norm(&ctx, self.b.shape(v))))
     }
 
-    fn slot(&mut self, s: Slot) -> u32 {
+    pub(crate) fn slot(&mut self, s: Slot) -> u32 {
         if let Some(&i) = self.slot_of.get(&s) {
             return i;
         }
@@ -452,132 +339,6 @@ impl Lowerer<'_, '_> {
             return Err(format!("a strided or partially broadcast column access (domain {:?})", self.dom));
         };
         Ok(View { slot: self.slot(slot), mem, row, col })
-    }
-
-    /// Adds (or finds) a node.
-    pub fn node(&mut self, expr: Expr, ty: Ty) -> Result<NodeId, String> {
-        if let Some(&id) = self.cse.get(&(expr.clone(), ty)) {
-            return Ok(id);
-        }
-        let arg = |id: NodeId| -> &Node { &self.prog.nodes[id as usize] };
-        let (space, level) = match &expr {
-            Expr::ConstF(_) | Expr::ConstI(_) => (Space::Uni, 0),
-            Expr::Load(v) => (v.space(), 0),
-            Expr::ColIota => (Space::Col, 0),
-            Expr::RowIota { .. } => (Space::Row, 0),
-            Expr::RowReduce(_, a) => {
-                let a = arg(*a);
-                if a.level == FINAL {
-                    return Err("a row reduction of a column-reduction result".into());
-                }
-                (Space::from_parts(a.space.has_row(), false), a.level + 1)
-            }
-            Expr::ColReduce(_, a, _) => {
-                let a = arg(*a);
-                if a.level == FINAL {
-                    return Err("a column reduction of a column-reduction result".into());
-                }
-                (Space::from_parts(false, a.space.has_col()), FINAL)
-            }
-            e => e.args().iter().fold((Space::Uni, 0), |(s, l), &a| (s.join(arg(a).space), l.max(arg(a).level))),
-        };
-        if level == FINAL && space.has_row() {
-            return Err("a column-reduction result is used per row (it exists only after every row)".into());
-        }
-        let id = self.prog.nodes.len() as NodeId;
-        self.prog.nodes.push(Node { expr: expr.clone(), ty, space, level });
-        self.cse.insert((expr, ty), id);
-        Ok(id)
-    }
-
-    /// The type of node `id`.
-    pub fn ty(&self, id: NodeId) -> Ty {
-        self.prog.nodes[id as usize].ty
-    }
-
-    /// An f32 constant.
-    pub fn constf(&mut self, x: f32) -> Result<NodeId, String> {
-        self.node(Expr::ConstF(x.to_bits()), Ty::F32)
-    }
-    /// An i32 constant.
-    pub fn consti(&mut self, x: i32) -> Result<NodeId, String> {
-        self.node(Expr::ConstI(x), Ty::I32)
-    }
-    /// A unary float function.
-    pub fn un(&mut self, u: UnaryOp, a: NodeId) -> Result<NodeId, String> {
-        if self.ty(a) != Ty::F32 {
-            return Err(format!("`{u:?}` of an i32"));
-        }
-        self.node(Expr::Unary(u, a), Ty::F32)
-    }
-    /// A binary op of two values of one type.
-    pub fn bin(&mut self, op: BinaryOp, a: NodeId, b: NodeId) -> Result<NodeId, String> {
-        let ty = self.ty(a);
-        if ty == Ty::I32 && op == BinaryOp::Div {
-            return Err("i32 division".into());
-        }
-        self.node(Expr::Binary(op, a, b), ty)
-    }
-    /// `a + b`.
-    pub fn add(&mut self, a: NodeId, b: NodeId) -> Result<NodeId, String> {
-        self.bin(BinaryOp::Add, a, b)
-    }
-    /// `a - b`.
-    pub fn sub(&mut self, a: NodeId, b: NodeId) -> Result<NodeId, String> {
-        self.bin(BinaryOp::Sub, a, b)
-    }
-    /// `a * b`.
-    pub fn mul(&mut self, a: NodeId, b: NodeId) -> Result<NodeId, String> {
-        self.bin(BinaryOp::Mul, a, b)
-    }
-    /// `a / b`.
-    pub fn div(&mut self, a: NodeId, b: NodeId) -> Result<NodeId, String> {
-        self.bin(BinaryOp::Div, a, b)
-    }
-    /// A comparison (i32 0/1).
-    pub fn cmp(&mut self, c: CmpOp, a: NodeId, b: NodeId) -> Result<NodeId, String> {
-        self.node(Expr::Cmp(c, a, b), Ty::I32)
-    }
-    /// `c != 0 ? a : b`.
-    pub fn select(&mut self, c: NodeId, a: NodeId, b: NodeId) -> Result<NodeId, String> {
-        let ty = self.ty(a);
-        self.node(Expr::Select(c, a, b), ty)
-    }
-    /// The column index (i32).
-    pub fn col_iota(&mut self) -> Result<NodeId, String> {
-        if self.dom.len() - self.split > 1 && self.dom[self.split..self.dom.len() - 1].iter().any(|&d| d > 1) {
-            return Err("a column index over several column axes".into());
-        }
-        self.node(Expr::ColIota, Ty::I32)
-    }
-    /// A reduction over the columns of each row.
-    pub fn row_reduce(&mut self, op: ReduceOp, a: NodeId) -> Result<NodeId, String> {
-        if self.ty(a) != Ty::F32 {
-            return Err("an i32 reduction".into());
-        }
-        self.node(Expr::RowReduce(op, a), Ty::F32)
-    }
-    /// A reduction over all rows (partials per chunk in fresh scratch).
-    pub fn col_reduce(&mut self, op: ReduceOp, a: NodeId) -> Result<NodeId, String> {
-        if self.ty(a) != Ty::F32 {
-            return Err("an i32 reduction".into());
-        }
-        if let Some(&id) = self.colred.get(&(op, a)) {
-            return Ok(id);
-        }
-        let per_chunk = if self.prog.node(a).space.has_col() { self.cols } else { UNI_PARTIAL_STRIDE };
-        let slot = self.slot(Slot::Scratch((self.prog.chunks * per_chunk) as usize));
-        let id = self.node(Expr::ColReduce(op, a, slot), Ty::F32)?;
-        self.colred.insert((op, a), id);
-        Ok(id)
-    }
-    /// `x` rounded as a result of dtype `d` is (bf16 results are rounded to bf16).
-    pub fn round(&mut self, x: NodeId, d: DType) -> Result<NodeId, String> {
-        match d {
-            DType::BF16 => self.node(Expr::RoundBf16(x), Ty::F32),
-            DType::F16 => Err("f16 values are not supported by the CPU kernel compiler".into()),
-            _ => Ok(x),
-        }
     }
 
     /// Lowers value `v` read in context `ctx`.
