@@ -32,7 +32,7 @@ use cranelift_codegen::isa::{CallConv, TargetFrontendConfig};
 use cranelift_frontend::{FunctionBuilder, FunctionBuilderContext};
 use fusec_ir::ReduceOp;
 
-use crate::math::Fx;
+use crate::math::{ConstTable, Fx};
 use crate::ops;
 use crate::plan::{plan, region, Pass, Plan, Region};
 use crate::prog::{Expr, NodeId, Prog, RowTerm, Space, Store, Ty, View, FINAL, UNI_PARTIAL_STRIDE};
@@ -45,6 +45,9 @@ pub struct Built {
     pub main: Function,
     /// The finalize function, if the program has column-space or scalar results.
     pub finalize: Option<Function>,
+    /// The constant table both functions read (the entry after the slots in the argument
+    /// array points at it), as splat lanes: entry `i` is `[consts[i]; 4]`.
+    pub consts: Vec<u32>,
 }
 
 /// The column being computed.
@@ -81,12 +84,18 @@ pub(crate) struct Gen<'p, 'f> {
     pub partial_base: HashMap<NodeId, Value>,
     /// Generating the finalize function.
     pub fin: bool,
+    /// This chunk's row buffer per stashed value.
+    pub stash_base: HashMap<NodeId, Value>,
+    /// The level of the pass being generated.
+    pub level: u32,
+    /// Vector constants.
+    pub ctab: ConstTable,
 }
 
 impl<'f> Gen<'_, 'f> {
     /// An `Fx` at the current width.
     pub fn fx(&mut self) -> Fx<'_, 'f> {
-        Fx { b: &mut self.b, vec: self.vec }
+        Fx { b: &mut self.b, vec: self.vec, ctab: &mut self.ctab }
     }
 
     /// The register type of a node at the current width.
@@ -106,6 +115,19 @@ impl<'f> Gen<'_, 'f> {
             if let Some(&v) = self.cur.get(&id) {
                 return Ok(v);
             }
+            let v = match self.stash_base.get(&id) {
+                Some(&base) if self.p.node(id).level < self.level => {
+                    let addr = self.col_offset(base, 4);
+                    let ty = self.vty(Ty::F32);
+                    self.b.ins().load(ty, MemFlagsData::trusted(), addr, 0)
+                }
+                _ => ops::compute(self, id)?,
+            };
+            self.cur.insert(id, v);
+            return Ok(v);
+        }
+        if self.vec && matches!(self.p.node(id).expr, Expr::ConstF(_) | Expr::ConstI(_)) {
+            // Constants come from the table inside loops (see `ConstTable`).
             let v = ops::compute(self, id)?;
             self.cur.insert(id, v);
             return Ok(v);
@@ -210,6 +232,12 @@ impl<'f> Gen<'_, 'f> {
         let vals: Vec<Value> = pass.rowreds.iter().map(|&r| self.get(p.node(r).expr.args()[0])).collect::<R<_>>()?;
         let cvals: Vec<Value> = pass.colreds.iter().map(|&r| self.get(p.node(r).expr.args()[0])).collect::<R<_>>()?;
         let svals: Vec<Value> = pass.stores.iter().map(|&s| self.get(p.stores[s].value)).collect::<R<_>>()?;
+        let stvals: Vec<Value> = pass.stash_writes.iter().map(|&(t, _)| self.get(t)).collect::<R<_>>()?;
+        for (i, &(t, _)) in pass.stash_writes.iter().enumerate() {
+            let base = self.stash_base[&t];
+            let addr = self.col_offset(base, 4);
+            self.b.ins().store(MemFlagsData::trusted(), stvals[i], addr, 0);
+        }
         for (i, &r) in pass.rowreds.iter().enumerate() {
             let Expr::RowReduce(op, _) = p.node(r).expr else { unreachable!() };
             reds[i] = self.red_step(op, reds[i], vals[i]);
@@ -248,6 +276,7 @@ impl<'f> Gen<'_, 'f> {
 
     /// One pass: vector loop, horizontal reductions, tail columns.
     fn pass(&mut self, pass: &Pass) -> R<()> {
+        self.level = pass.level;
         let cols = self.p.cols;
         let c4 = cols / 4 * 4;
         let ops_of: Vec<ReduceOp> = pass
@@ -365,10 +394,13 @@ impl<'f> Gen<'_, 'f> {
     }
 
     fn load_slots(&mut self, args: Value) {
-        for i in 0..self.p.slots.len() {
+        for i in 0..=self.p.slots.len() {
             let v = self.b.ins().load(types::I64, MemFlagsData::trusted().with_readonly(), args, (i * 8) as i32);
             self.slots.push(v);
         }
+        // The constant table follows the slots.
+        self.ctab.base = self.slots.pop();
+        if std::env::var("FUSEC_NO_CTAB").is_ok() { self.ctab.base = None; }
     }
 }
 
@@ -396,18 +428,32 @@ fn new_gen<'p, 'f>(p: &'p Prog, b: FunctionBuilder<'f>, fin: bool) -> Gen<'p, 'f
         r: None,
         partial_base: HashMap::new(),
         fin,
+        stash_base: HashMap::new(),
+        level: 0,
+        ctab: ConstTable::default(),
     }
 }
 
 /// Builds the Cranelift functions of a program (named `<name>_chunk` and `<name>_final`).
 pub fn build(p: &Prog, cc: CallConv, tfc: TargetFrontendConfig, fctx: &mut FunctionBuilderContext) -> R<Built> {
     let plan = plan(p);
-    let main = build_main(p, &plan, cc, tfc, fctx)?;
-    let finalize = if plan.fin_stores.is_empty() { None } else { Some(build_final(p, &plan, cc, tfc, fctx)?) };
-    Ok(Built { main, finalize })
+    let (main, consts) = build_main(p, &plan, cc, tfc, fctx)?;
+    let (finalize, consts) = if plan.fin_stores.is_empty() {
+        (None, consts)
+    } else {
+        let (f, c) = build_final(p, &plan, cc, tfc, fctx, consts)?;
+        (Some(f), c)
+    };
+    Ok(Built { main, finalize, consts })
 }
 
-fn build_main(p: &Prog, plan: &Plan, cc: CallConv, tfc: TargetFrontendConfig, fctx: &mut FunctionBuilderContext) -> R<Function> {
+fn build_main(
+    p: &Prog,
+    plan: &Plan,
+    cc: CallConv,
+    tfc: TargetFrontendConfig,
+    fctx: &mut FunctionBuilderContext,
+) -> R<(Function, Vec<u32>)> {
     let mut func = Function::with_name_signature(UserFuncName::testcase(format!("{}_chunk", p.name)), signature(cc, 4));
     let mut g = new_gen(p, FunctionBuilder::new(&mut func, fctx), false);
     let entry = g.b.create_block();
@@ -423,6 +469,11 @@ fn build_main(p: &Prog, plan: &Plan, cc: CallConv, tfc: TargetFrontendConfig, fc
         }
     }
     g.init_partials(&plan.colreds, chunk)?;
+    for &(t, slot) in &plan.stashes {
+        let off = g.b.ins().imul_imm_s(chunk, (p.cols * 4) as i64);
+        let base = g.b.ins().iadd(g.slots[slot as usize], off);
+        g.stash_base.insert(t, base);
+    }
     // The row loop.
     let rvar = g.b.declare_var(types::I64);
     g.b.def_var(rvar, rb);
@@ -484,13 +535,22 @@ fn build_main(p: &Prog, plan: &Plan, cc: CallConv, tfc: TargetFrontendConfig, fc
     g.b.switch_to_block(exit);
     g.b.ins().return_(&[]);
     g.b.seal_all_blocks();
+    let consts = std::mem::take(&mut g.ctab.bits);
     g.b.finalize(tfc);
-    Ok(func)
+    Ok((func, consts))
 }
 
-fn build_final(p: &Prog, plan: &Plan, cc: CallConv, tfc: TargetFrontendConfig, fctx: &mut FunctionBuilderContext) -> R<Function> {
+fn build_final(
+    p: &Prog,
+    plan: &Plan,
+    cc: CallConv,
+    tfc: TargetFrontendConfig,
+    fctx: &mut FunctionBuilderContext,
+    consts: Vec<u32>,
+) -> R<(Function, Vec<u32>)> {
     let mut func = Function::with_name_signature(UserFuncName::testcase(format!("{}_final", p.name)), signature(cc, 1));
     let mut g = new_gen(p, FunctionBuilder::new(&mut func, fctx), true);
+    g.ctab.bits = consts;
     let entry = g.b.create_block();
     g.b.append_block_params_for_function_params(entry);
     g.b.switch_to_block(entry);
@@ -519,6 +579,7 @@ fn build_final(p: &Prog, plan: &Plan, cc: CallConv, tfc: TargetFrontendConfig, f
             splats: (0..p.nodes.len() as NodeId)
                 .filter(|&id| plan.fin_live[id as usize] && g.scalars.contains_key(&id))
                 .collect(),
+            stash_writes: vec![],
         };
         g.pass(&pass)?;
     }
@@ -531,6 +592,7 @@ fn build_final(p: &Prog, plan: &Plan, cc: CallConv, tfc: TargetFrontendConfig, f
     }
     g.b.ins().return_(&[]);
     g.b.seal_all_blocks();
+    let consts = std::mem::take(&mut g.ctab.bits);
     g.b.finalize(tfc);
-    Ok(func)
+    Ok((func, consts))
 }

@@ -141,7 +141,7 @@ fn lower_segment(body: &Body, name: &str, seg: &Seg) -> Result<Prog, String> {
         split,
         rows,
         cols,
-        prog: Prog { name: name.to_string(), rows, cols, chunks, nodes: vec![], stores: vec![], slots: vec![] },
+        prog: Prog { name: name.to_string(), rows, cols, chunks, nodes: vec![], stores: vec![], slots: vec![], stashes: vec![] },
         cse: HashMap::new(),
         memo: HashMap::new(),
         comp: HashMap::new(),
@@ -163,6 +163,7 @@ fn lower_segment(body: &Body, name: &str, seg: &Seg) -> Result<Prog, String> {
         }
         l.prog.stores.push(Store { view, value });
     }
+    l.add_stashes();
     Ok(l.prog)
 }
 
@@ -339,6 +340,39 @@ impl Lowerer<'_, '_> {
             return Err(format!("a strided or partially broadcast column access (domain {:?})", self.dom));
         };
         Ok(View { slot: self.slot(slot), mem, row, col })
+    }
+
+    /// Marks the transcendental element values that a later pass needs for stashing (see
+    /// [`Prog::stashes`]).
+    fn add_stashes(&mut self) {
+        let p = &self.prog;
+        let elem_max = p.nodes.iter().filter(|n| n.level != FINAL && n.space.has_col()).map(|n| n.level).max().unwrap_or(0);
+        let mut later = vec![false; p.nodes.len()];
+        for n in p.nodes.iter().filter(|n| n.level != FINAL && n.space.has_col()) {
+            for a in n.expr.args() {
+                if p.node(a).level < n.level {
+                    later[a as usize] = true;
+                }
+            }
+        }
+        for st in &p.stores {
+            if st.view.col && p.node(st.value).level < elem_max {
+                later[st.value as usize] = true;
+            }
+        }
+        let picks: Vec<NodeId> = (0..p.nodes.len() as NodeId)
+            .filter(|&i| {
+                let n = p.node(i);
+                later[i as usize]
+                    && n.space.has_col()
+                    && n.level != FINAL
+                    && matches!(n.expr, Expr::Unary(fusec_ir::UnaryOp::Exp | fusec_ir::UnaryOp::Log | fusec_ir::UnaryOp::Tanh, _))
+            })
+            .collect();
+        for id in picks {
+            let slot = self.slot(Slot::Scratch((self.prog.chunks * self.cols) as usize));
+            self.prog.stashes.push((id, slot));
+        }
     }
 
     /// Lowers value `v` read in context `ctx`.

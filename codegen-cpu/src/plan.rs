@@ -6,8 +6,9 @@
 //! The plan splits the stores between the chunk function (element and row results) and the
 //! finalize function (column and scalar results, written once), finds what each needs (liveness),
 //! and groups the chunk function's column work into passes by level: pass `L` finishes the row
-//! reductions of level-`L` values, accumulates the column reductions of level-`L` values, and —
-//! if it is the last pass — computes and stores every element result.
+//! reductions of level-`L` values, accumulates the column reductions of level-`L` values, writes
+//! the stashed values of level `L` to their row buffers (later passes read them back), and — if
+//! it is the last pass — computes and stores every element result.
 
 use crate::prog::{Expr, NodeId, Prog, Space, FINAL};
 
@@ -48,6 +49,8 @@ pub(crate) struct Pass {
     pub(crate) stores: Vec<usize>,
     /// Row and kernel-wide values read inside the loop (splatted before it).
     pub(crate) splats: Vec<NodeId>,
+    /// Stashed values computed (and written to their row buffer) by this pass.
+    pub(crate) stash_writes: Vec<(NodeId, u32)>,
 }
 
 /// What the two functions compute.
@@ -65,6 +68,8 @@ pub(crate) struct Plan {
     pub(crate) row_colreds: Vec<NodeId>,
     /// Every column reduction (partials to initialize).
     pub(crate) colreds: Vec<NodeId>,
+    /// Live stashed values and their row-buffer slots.
+    pub(crate) stashes: Vec<(NodeId, u32)>,
 }
 
 fn mark(p: &Prog, live: &mut [bool], root: NodeId, stop_at_colred: bool) {
@@ -114,11 +119,13 @@ pub(crate) fn plan(p: &Prog) -> Plan {
         (0..n as NodeId).filter(|&i| main_live[i as usize] && matches!(p.node(i).expr, Expr::RowReduce(..))).collect();
     let col_colreds: Vec<NodeId> = colreds.iter().copied().filter(|&c| p.node(arg(c)).space.has_col()).collect();
     let row_colreds: Vec<NodeId> = colreds.iter().copied().filter(|&c| !p.node(arg(c)).space.has_col()).collect();
+    let stashes: Vec<(NodeId, u32)> = p.stashes.iter().copied().filter(|(t, _)| main_live[*t as usize]).collect();
     let last = rowreds
         .iter()
         .chain(&col_colreds)
         .map(|&r| p.node(arg(r)).level)
         .chain(elem_stores.iter().map(|&s| p.node(p.stores[s].value).level))
+        .chain(stashes.iter().map(|(t, _)| p.node(*t).level))
         .max();
     let mut passes = vec![];
     for level in 0..=last.unwrap_or(0) {
@@ -128,7 +135,8 @@ pub(crate) fn plan(p: &Prog) -> Plan {
         let rr: Vec<NodeId> = rowreds.iter().copied().filter(|&r| p.node(arg(r)).level == level).collect();
         let cr: Vec<NodeId> = col_colreds.iter().copied().filter(|&r| p.node(arg(r)).level == level).collect();
         let st: Vec<usize> = if Some(level) == last { elem_stores.clone() } else { vec![] };
-        if rr.is_empty() && cr.is_empty() && st.is_empty() {
+        let sw: Vec<(NodeId, u32)> = stashes.iter().copied().filter(|(t, _)| p.node(*t).level == level).collect();
+        if rr.is_empty() && cr.is_empty() && st.is_empty() && sw.is_empty() {
             continue;
         }
         // Row values read by the pass's column work are splatted before its loop.
@@ -136,8 +144,13 @@ pub(crate) fn plan(p: &Prog) -> Plan {
         let mut splats = vec![];
         let mut stack: Vec<NodeId> = rr.iter().chain(&cr).map(|&r| arg(r)).collect();
         stack.extend(st.iter().map(|&s| p.stores[s].value));
+        stack.extend(sw.iter().map(|(t, _)| *t));
         while let Some(id) = stack.pop() {
             if std::mem::replace(&mut seen[id as usize], true) {
+                continue;
+            }
+            let read_back = p.node(id).level < level && stashes.iter().any(|(t, _)| *t == id);
+            if read_back {
                 continue;
             }
             if region(p, id) == Region::Col {
@@ -147,8 +160,8 @@ pub(crate) fn plan(p: &Prog) -> Plan {
             }
         }
         splats.sort_unstable();
-        passes.push(Pass { level, rowreds: rr, colreds: cr, stores: st, splats });
+        passes.push(Pass { level, rowreds: rr, colreds: cr, stores: st, splats, stash_writes: sw });
     }
-    Plan { passes, main_live, fin_live, row_stores, fin_stores, row_colreds, colreds }
+    Plan { passes, main_live, fin_live, row_stores, fin_stores, row_colreds, colreds, stashes }
 }
 

@@ -20,6 +20,11 @@
 //! the last pass also makes in-place results safe: every pass reads an operand before any pass
 //! writes over it, and within a pass each column's loads come before its stores.
 //!
+//! The one exception to recomputation: an `exp`, `log` or `tanh` element value needed by a later
+//! pass (softmax and cross-entropy gradients: `exp(x - max)` feeds the row sum, then the output)
+//! is *stashed* in a per-chunk row buffer (`C` floats, so it stays in L2) and read back, because
+//! recomputing it costs far more than a store and a load.
+//!
 //! Column reductions (`dw`, `db`, bias gradients: sums over all rows) have level
 //! [`FINAL`]: each chunk of rows accumulates its own partial sums (rows in order) into scratch
 //! memory allocated once at compile time; the finalize function adds the partials in chunk order
@@ -250,6 +255,9 @@ pub struct Prog {
     pub stores: Vec<Store>,
     /// The argument array's slots, in first-use order.
     pub slots: Vec<Slot>,
+    /// Transcendental element values (`exp`, `log`, `tanh`) that later passes read back from a
+    /// per-chunk row buffer (in the given scratch slot) instead of recomputing them.
+    pub stashes: Vec<(NodeId, u32)>,
 }
 
 /// Scratch floats per chunk for a row-space column reduction (a 64-byte line per chunk).
@@ -306,6 +314,9 @@ impl Prog {
         }
         for st in &self.stores {
             let _ = writeln!(s, "  store {}, %{}", view_text(&st.view), st.value);
+        }
+        for (id, slot) in &self.stashes {
+            let _ = writeln!(s, "  stash %{id} s{slot}");
         }
         s
     }

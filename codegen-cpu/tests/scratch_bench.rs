@@ -4,7 +4,8 @@ use fusec_ir::{Bindings, Graph, Op, interp};
 
 #[test]
 fn bench() {
-    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../models/gpt2-124m.graph");
+    let path = std::env::var("GRAPH").unwrap_or(concat!(env!("CARGO_MANIFEST_DIR"), "/../models/gpt2-124m.graph").to_string());
+    let path = path.as_str();
     let src = std::fs::read_to_string(path).unwrap();
     let fwd = fusec_ir::text::parse(&src, path).unwrap();
     let mut b = Bindings::default();
@@ -39,7 +40,8 @@ fn disasm() {
     let mut flags = settings::builder();
     flags.set("opt_level", "speed").unwrap();
     let isa = cranelift_native::builder().unwrap().finish(settings::Flags::new(flags)).unwrap();
-    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../models/gpt2-124m.graph");
+    let path = std::env::var("GRAPH").unwrap_or(concat!(env!("CARGO_MANIFEST_DIR"), "/../models/gpt2-124m.graph").to_string());
+    let path = path.as_str();
     let src = std::fs::read_to_string(path).unwrap();
     let fwd = fusec_ir::text::parse(&src, path).unwrap();
     let mut b = Bindings::default();

@@ -26,8 +26,28 @@ pub trait Executor {
     /// Sets every gradient accumulator to zero.
     fn zero_grads(&mut self) -> Result<(), String>;
     /// Runs a program. Outputs named like a held tensor are written back to it; the scalar
-    /// outputs (`loss`, `grad_norm`) are returned by name.
-    fn run(&mut self, program: Program) -> Result<HashMap<String, f64>, String>;
+    /// outputs (`loss`, `grad_norm`) are returned.
+    fn run(&mut self, program: Program) -> Result<StepOutputs, String>;
+}
+
+/// The scalar outputs of a program run (a fixed struct: reading them allocates nothing).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct StepOutputs {
+    /// The `loss` output.
+    pub loss: Option<f64>,
+    /// The `grad_norm` output (with gradient clipping).
+    pub grad_norm: Option<f64>,
+}
+
+impl StepOutputs {
+    /// Records the scalar output `name` (others are ignored).
+    pub fn set(&mut self, name: &str, v: f64) {
+        match name {
+            "loss" => self.loss = Some(v),
+            "grad_norm" => self.grad_norm = Some(v),
+            _ => {}
+        }
+    }
 }
 
 /// Runs the three programs through the reference interpreter.
@@ -76,7 +96,7 @@ impl Executor for RefExecutor {
         Ok(())
     }
 
-    fn run(&mut self, program: Program) -> Result<HashMap<String, f64>, String> {
+    fn run(&mut self, program: Program) -> Result<StepOutputs, String> {
         let g = self
             .graphs
             .get(&program)
@@ -91,10 +111,10 @@ impl Executor for RefExecutor {
         }
         let outs =
             interp::run(g, &self.bindings, &feeds, self.precision).map_err(|e| e.to_string())?;
-        let mut scalars = HashMap::new();
+        let mut scalars = StepOutputs::default();
         for ((name, _), t) in g.outputs.iter().zip(outs) {
             if t.shape.is_empty() {
-                scalars.insert(name.clone(), t.data[0]);
+                scalars.set(name, t.data[0]);
             }
             if self.tensors.contains_key(name) {
                 self.tensors.insert(name.clone(), t);

@@ -3,6 +3,7 @@
 
 pub mod checkpoint;
 pub mod corpus;
+pub mod cpu;
 pub mod data;
 pub mod executor;
 pub mod file_error;

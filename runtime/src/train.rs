@@ -101,8 +101,7 @@ pub fn eval_loss(
         set_batch(ex, loader, i, b, t)?;
         sum += ex
             .run(Program::Eval)?
-            .get("loss")
-            .copied()
+            .loss
             .ok_or("Eval has no `loss` output")?;
     }
     Ok(sum / n as f64)
@@ -155,8 +154,8 @@ pub fn train(
                 Program::Grad
             };
             let out = ex.run(program)?;
-            let l = *out
-                .get("loss")
+            let l = out
+                .loss
                 .ok_or("the training graph has no `loss` output")?;
             if !l.is_finite() {
                 return Err(format!(
@@ -164,7 +163,7 @@ pub fn train(
                 ));
             }
             loss += l / k as f64;
-            grad_norm = out.get("grad_norm").copied();
+            grad_norm = out.grad_norm;
         }
         ex.zero_grads()?;
         let rec = StepLog {

@@ -74,3 +74,13 @@ pub fn read_f32s(path: &std::path::Path) -> Vec<f32> {
         .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
         .collect()
 }
+
+/// A CPU executor for B x T with the fully fused programs, and its build report.
+pub fn cpu_executor(fwd: &Graph, b: usize, t: usize, threads: usize) -> (fusec_runtime::cpu::CpuExecutor, fusec_runtime::cpu::CpuBuild) {
+    let mut bind = Bindings::default();
+    bind.set("B", b as u64).set("T", t as u64);
+    let opts = PipelineOptions::default();
+    let c = |m| compile(fwd, "schedule", m, &opts, &bind).unwrap().graph;
+    let graphs = [(Program::Eval, c(Mode::Forward)), (Program::Grad, c(Mode::Grad)), (Program::Step, c(Mode::Step))].into();
+    fusec_runtime::cpu::CpuExecutor::new(&graphs, &bind, threads, false).unwrap()
+}

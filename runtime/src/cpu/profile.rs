@@ -1,0 +1,58 @@
+//! Per-launch timing aggregated by kernel name: the `--profile` table and JSON.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use super::launch::Launch;
+use crate::executor::Program;
+
+/// Timing of one kernel name over a run.
+#[derive(Clone, Debug, Default)]
+pub struct Stat {
+    /// Launches.
+    pub calls: u64,
+    /// Total time.
+    pub total: Duration,
+    /// Fastest launch.
+    pub min: Duration,
+    /// Slowest launch.
+    pub max: Duration,
+    /// Static bytes moved over all launches.
+    pub bytes: u64,
+    /// Static FLOPs over all launches.
+    pub flops: u64,
+}
+
+/// Timings of every kernel name, in first-launch order.
+#[derive(Clone, Debug, Default)]
+pub struct Profile {
+    order: Vec<String>,
+    stats: HashMap<String, Stat>,
+}
+
+impl Profile {
+    /// Adds one launch's time.
+    pub fn record(&mut self, _program: Program, _index: usize, l: &Launch, dt: Duration) {
+        if !self.stats.contains_key(&l.name) {
+            self.order.push(l.name.clone());
+            self.stats.insert(l.name.clone(), Stat { min: dt, ..Stat::default() });
+        }
+        let s = self.stats.get_mut(&l.name).expect("inserted above");
+        s.calls += 1;
+        s.total += dt;
+        s.min = s.min.min(dt);
+        s.max = s.max.max(dt);
+        s.bytes += l.bytes;
+        s.flops += l.flops;
+    }
+
+    /// The stats in first-launch order.
+    pub fn rows(&self) -> Vec<(&str, &Stat)> {
+        self.order.iter().map(|n| (n.as_str(), &self.stats[n])).collect()
+    }
+
+    /// Total time of every launch.
+    pub fn total(&self) -> Duration {
+        self.stats.values().map(|s| s.total).sum()
+    }
+}
