@@ -71,15 +71,8 @@ pub fn dump(a: DumpArgs) -> CliResult {
     let g = load_graph(&a.file)?;
     let parse_time = t0.elapsed();
     let opts = PipelineOptions {
-        adamw: AdamWConfig {
-            clip: a.grad_clip,
-            ..AdamWConfig::default()
-        },
-        precision: if a.precision == PrecisionArg::Bf16 {
-            Precision::Bf16
-        } else {
-            Precision::F32
-        },
+        adamw: AdamWConfig { clip: a.grad_clip, ..AdamWConfig::default() },
+        precision: if a.precision == PrecisionArg::Bf16 { Precision::Bf16 } else { Precision::F32 },
         no_fusion: false,
         memplan: MemplanOptions { reuse: !a.no_reuse },
     };

@@ -86,8 +86,7 @@ fn base_config(a: &ExportArgs) -> Result<Gpt2Config, String> {
         });
     }
     if let Some(path) = &a.like {
-        let c =
-            fusec_runtime::checkpoint::Checkpoint::read_header(path).map_err(|e| e.to_string())?;
+        let c = fusec_runtime::checkpoint::Checkpoint::read_header(path).map_err(|e| e.to_string())?;
         return Ok(Gpt2Config {
             layers: c.layers,
             heads: c.heads,
@@ -97,22 +96,10 @@ fn base_config(a: &ExportArgs) -> Result<Gpt2Config, String> {
             max_seq: c.max_seq,
         });
     }
-    let required = [
-        ("--layers", a.layers),
-        ("--heads", a.heads),
-        ("--channels", a.channels),
-        ("--vocab", a.vocab),
-        ("--max-seq", a.max_seq),
-    ];
+    let required =
+        [("--layers", a.layers), ("--heads", a.heads), ("--channels", a.channels), ("--vocab", a.vocab), ("--max-seq", a.max_seq)];
     if let Some((flag, _)) = required.iter().find(|(_, v)| v.is_none()) {
         return Err(format!("without --preset or --like, {flag} is required"));
     }
-    Ok(Gpt2Config {
-        layers: 0,
-        heads: 0,
-        channels: 0,
-        vocab: 0,
-        padded_vocab: 0,
-        max_seq: 0,
-    })
+    Ok(Gpt2Config { layers: 0, heads: 0, channels: 0, vocab: 0, padded_vocab: 0, max_seq: 0 })
 }

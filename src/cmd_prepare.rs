@@ -20,22 +20,14 @@ pub struct PrepareArgs {
     #[arg(short, long, value_name = "PREFIX")]
     output: PathBuf,
     /// Fraction of the tokens, taken from the end, that go to the validation file (0 <= F < 1).
-    #[arg(
-        long,
-        default_value_t = 0.1,
-        value_name = "F",
-        allow_negative_numbers = true
-    )]
+    #[arg(long, default_value_t = 0.1, value_name = "F", allow_negative_numbers = true)]
     val_fraction: f64,
 }
 
 /// Runs `fusec prepare`.
 pub fn prepare(a: PrepareArgs) -> CliResult {
     if !(0.0..1.0).contains(&a.val_fraction) {
-        return Err(format!(
-            "--val-fraction {} is out of range: it must be at least 0 and less than 1",
-            a.val_fraction
-        ));
+        return Err(format!("--val-fraction {} is out of range: it must be at least 0 and less than 1", a.val_fraction));
     }
     let train_path = with_suffix(&a.output, "_train.bin");
     let val_path = with_suffix(&a.output, "_val.bin");
@@ -63,11 +55,7 @@ pub fn prepare(a: PrepareArgs) -> CliResult {
     write_tokens(&train_path, train).map_err(|e| e.to_string())?;
     write_tokens(&val_path, val).map_err(|e| e.to_string())?;
 
-    println!(
-        "tokenized {} bytes into {} tokens (GPT-2 BPE, with a leading <|endoftext|>) in {ms:.0} ms",
-        text.len(),
-        tokens.len()
-    );
+    println!("tokenized {} bytes into {} tokens (GPT-2 BPE, with a leading <|endoftext|>) in {ms:.0} ms", text.len(), tokens.len());
     println!("train: {n_train} tokens -> {}", train_path.display());
     println!("val:   {n_val} tokens -> {}", val_path.display());
     Ok(())
@@ -96,10 +84,7 @@ fn check_output_dir(prefix: &Path) -> CliResult {
         _ => Path::new("."),
     };
     if !dir.is_dir() {
-        return Err(format!(
-            "{}: the output directory does not exist (create it first)",
-            dir.display()
-        ));
+        return Err(format!("{}: the output directory does not exist (create it first)", dir.display()));
     }
     Ok(())
 }
@@ -108,16 +93,8 @@ fn check_output_dir(prefix: &Path) -> CliResult {
 fn read_text(path: &Path) -> Result<String, String> {
     let bytes = std::fs::read(path).map_err(|e| format!("{}: cannot read: {e}", path.display()))?;
     if bytes.is_empty() {
-        return Err(format!(
-            "{}: the file is empty: nothing to tokenize",
-            path.display()
-        ));
+        return Err(format!("{}: the file is empty: nothing to tokenize", path.display()));
     }
-    String::from_utf8(bytes).map_err(|e| {
-        format!(
-            "{}: not UTF-8 text (invalid byte sequence at byte offset {})",
-            path.display(),
-            e.utf8_error().valid_up_to()
-        )
-    })
+    String::from_utf8(bytes)
+        .map_err(|e| format!("{}: not UTF-8 text (invalid byte sequence at byte offset {})", path.display(), e.utf8_error().valid_up_to()))
 }

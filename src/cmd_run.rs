@@ -102,29 +102,18 @@ pub fn run(a: RunArgs) -> CliResult {
         return Err("--batch, --seq and --grad-accum must be at least 1".into());
     }
     if a.seq > model.max_seq {
-        return Err(format!(
-            "--seq {} exceeds the model's maximum sequence length {}",
-            a.seq, model.max_seq
-        ));
+        return Err(format!("--seq {} exceeds the model's maximum sequence length {}", a.seq, model.max_seq));
     }
     let loader = |p: &PathBuf| -> Result<DataLoader, String> {
-        let l = DataLoader::new(read_tokens(p).map_err(|e| e.to_string())?, a.batch, a.seq)
-            .map_err(|e| format!("{}: {e}", p.display()))?;
-        l.check_vocab(model.vocab)
-            .map_err(|e| format!("{}: {e}", p.display()))?;
+        let l = DataLoader::new(read_tokens(p).map_err(|e| e.to_string())?, a.batch, a.seq).map_err(|e| format!("{}: {e}", p.display()))?;
+        l.check_vocab(model.vocab).map_err(|e| format!("{}: {e}", p.display()))?;
         Ok(l)
     };
     let (train_data, val_data) = match &a.data {
         Some(p) => (loader(p)?, a.val.as_ref().map(loader).transpose()?),
         None => {
             println!("no --data: training on the embedded corpus (a generated Markov chain over {} tokens)", model.vocab);
-            let corpus = |seed| {
-                DataLoader::new(
-                    markov_tokens(model.vocab, 200_000, 42, seed),
-                    a.batch,
-                    a.seq,
-                )
-            };
+            let corpus = |seed| DataLoader::new(markov_tokens(model.vocab, 200_000, 42, seed), a.batch, a.seq);
             (corpus(1)?, Some(corpus(2)?))
         }
     };
@@ -132,11 +121,7 @@ pub fn run(a: RunArgs) -> CliResult {
     // The reference target runs the unfused programs: it is the oracle the fused ones are
     // checked against.
     let opts = PipelineOptions {
-        adamw: AdamWConfig {
-            weight_decay: a.weight_decay,
-            clip: a.grad_clip.is_some(),
-            ..AdamWConfig::default()
-        },
+        adamw: AdamWConfig { weight_decay: a.weight_decay, clip: a.grad_clip.is_some(), ..AdamWConfig::default() },
         no_fusion: true,
         ..PipelineOptions::default()
     };
@@ -144,12 +129,7 @@ pub fn run(a: RunArgs) -> CliResult {
     bind.set("B", a.batch as u64).set("T", a.seq as u64);
     let grad = compile(&g, "optimizer", Mode::Grad, &opts, &bind)?.graph;
     let step = compile(&g, "optimizer", Mode::Step, &opts, &bind)?.graph;
-    let graphs: HashMap<Program, Graph> = [
-        (Program::Eval, g.clone()),
-        (Program::Grad, grad),
-        (Program::Step, step.clone()),
-    ]
-    .into();
+    let graphs: HashMap<Program, Graph> = [(Program::Eval, g.clone()), (Program::Grad, grad), (Program::Step, step.clone())].into();
     let mut ex = RefExecutor::new(graphs, bind, Precision::F32);
     init_state(&mut ex, &step, &params)?;
 
@@ -157,10 +137,7 @@ pub fn run(a: RunArgs) -> CliResult {
         let loss = eval_loss(&mut ex, &train_data, 1, a.batch, a.seq)?;
         println!("step 0: loss {loss:.6}");
         if let Some(v) = &val_data {
-            println!(
-                "val loss {:.6}",
-                eval_loss(&mut ex, v, a.val_batches, a.batch, a.seq)?
-            );
+            println!("val loss {:.6}", eval_loss(&mut ex, v, a.val_batches, a.batch, a.seq)?);
         }
         return Ok(());
     }
@@ -178,34 +155,17 @@ pub fn run(a: RunArgs) -> CliResult {
     };
     let tokens_per_step = (a.batch * a.seq * a.grad_accum) as f64;
     let logs = train(&mut ex, &cfg, &train_data, val_data.as_ref(), |r| {
-        let val = r
-            .val_loss
-            .map(|v| format!("  val {v:.6}"))
-            .unwrap_or_default();
-        println!(
-            "step {:>4}/{}: loss {:.6}{val}  {:.1} ms  {:.0} tok/s",
-            r.step,
-            a.steps,
-            r.loss,
-            r.ms,
-            tokens_per_step / r.ms * 1e3
-        );
+        let val = r.val_loss.map(|v| format!("  val {v:.6}")).unwrap_or_default();
+        println!("step {:>4}/{}: loss {:.6}{val}  {:.1} ms  {:.0} tok/s", r.step, a.steps, r.loss, r.ms, tokens_per_step / r.ms * 1e3);
     })?;
     let (first, last) = (logs.first().map(|l| l.loss), logs.last().map(|l| l.loss));
-    println!(
-        "loss {:.6} -> {:.6} over {} steps",
-        first.unwrap_or(f64::NAN),
-        last.unwrap_or(f64::NAN),
-        logs.len()
-    );
+    println!("loss {:.6} -> {:.6} over {} steps", first.unwrap_or(f64::NAN), last.unwrap_or(f64::NAN), logs.len());
     if let Some(path) = &a.save {
         let mut now = HashMap::new();
         for (name, _) in g.params() {
             now.insert(name.to_string(), ex.get(name)?);
         }
-        checkpoint_from_params(&llmc, &now)?
-            .write(path)
-            .map_err(|e| e.to_string())?;
+        checkpoint_from_params(&llmc, &now)?.write(path).map_err(|e| e.to_string())?;
         println!("saved {}", path.display());
     }
     Ok(())

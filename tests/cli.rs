@@ -5,10 +5,7 @@ use std::path::PathBuf;
 use std::process::{Command, Output};
 
 fn fusec(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_fusec"))
-        .args(args)
-        .output()
-        .unwrap()
+    Command::new(env!("CARGO_BIN_EXE_fusec")).args(args).output().unwrap()
 }
 
 fn tmp(name: &str) -> PathBuf {
@@ -23,13 +20,7 @@ fn text(b: &[u8]) -> String {
 
 #[test]
 fn every_command_has_help() {
-    for args in [
-        vec!["--help"],
-        vec!["dump", "--help"],
-        vec!["export", "--help"],
-        vec!["run", "--help"],
-        vec!["prepare", "--help"],
-    ] {
+    for args in [vec!["--help"], vec!["dump", "--help"], vec!["export", "--help"], vec!["run", "--help"], vec!["prepare", "--help"]] {
         let o = fusec(&args);
         assert!(o.status.success(), "{args:?}");
         assert!(text(&o.stdout).contains("Usage"), "{args:?}");
@@ -39,11 +30,7 @@ fn every_command_has_help() {
 #[test]
 fn malformed_graph_gets_file_line_col_and_exit_2() {
     let p = tmp("bad.graph");
-    std::fs::write(
-        &p,
-        "graph g(B) {\n  %0 = param \"w\" : f32[4]\n  %1 = frobnicate %0 : f32[4]\n}\n",
-    )
-    .unwrap();
+    std::fs::write(&p, "graph g(B) {\n  %0 = param \"w\" : f32[4]\n  %1 = frobnicate %0 : f32[4]\n}\n").unwrap();
     let o = fusec(&["dump", p.to_str().unwrap()]);
     assert_eq!(o.status.code(), Some(2));
     let err = text(&o.stderr);
@@ -55,16 +42,7 @@ fn malformed_graph_gets_file_line_col_and_exit_2() {
 #[test]
 fn export_then_dump_is_canonical() {
     let p = tmp("tiny.graph");
-    assert!(fusec(&[
-        "export",
-        "gpt2",
-        "--preset",
-        "tiny",
-        "-o",
-        p.to_str().unwrap()
-    ])
-    .status
-    .success());
+    assert!(fusec(&["export", "gpt2", "--preset", "tiny", "-o", p.to_str().unwrap()]).status.success());
     let o = fusec(&["dump", p.to_str().unwrap(), "--pass", "parse"]);
     assert!(o.status.success());
     assert_eq!(text(&o.stdout), std::fs::read_to_string(&p).unwrap());
@@ -75,20 +53,7 @@ fn export_then_dump_is_canonical() {
 
 #[test]
 fn export_rejects_bad_sizes() {
-    let o = fusec(&[
-        "export",
-        "gpt2",
-        "--layers",
-        "2",
-        "--heads",
-        "3",
-        "--channels",
-        "32",
-        "--vocab",
-        "100",
-        "--max-seq",
-        "16",
-    ]);
+    let o = fusec(&["export", "gpt2", "--layers", "2", "--heads", "3", "--channels", "32", "--vocab", "100", "--max-seq", "16"]);
     assert_eq!(o.status.code(), Some(2));
     assert!(text(&o.stderr).contains("divisible"), "{}", text(&o.stderr));
 }
@@ -99,24 +64,8 @@ fn train_on_the_interpreter_and_save_a_checkpoint() {
     let data = tmp("train.bin");
     let ckpt = tmp("out.bin");
     let log = tmp("log.jsonl");
-    let args = [
-        "export",
-        "gpt2",
-        "--layers",
-        "1",
-        "--heads",
-        "2",
-        "--channels",
-        "16",
-        "--vocab",
-        "50",
-        "--max-seq",
-        "16",
-        "-o",
-    ];
-    assert!(fusec(&[&args[..], &[graph.to_str().unwrap()]].concat())
-        .status
-        .success());
+    let args = ["export", "gpt2", "--layers", "1", "--heads", "2", "--channels", "16", "--vocab", "50", "--max-seq", "16", "-o"];
+    assert!(fusec(&[&args[..], &[graph.to_str().unwrap()]].concat()).status.success());
     let toks: Vec<u16> = (0..500u32).map(|i| ((i * 7 + i / 3) % 50) as u16).collect();
     fusec_runtime::tokens::write_tokens(&data, &toks).unwrap();
     let o = fusec(&[
@@ -140,11 +89,7 @@ fn train_on_the_interpreter_and_save_a_checkpoint() {
         log.to_str().unwrap(),
     ]);
     assert!(o.status.success(), "{}", text(&o.stderr));
-    assert!(
-        text(&o.stdout).contains("step    2/3"),
-        "{}",
-        text(&o.stdout)
-    );
+    assert!(text(&o.stdout).contains("step    2/3"), "{}", text(&o.stdout));
     assert_eq!(std::fs::read_to_string(&log).unwrap().lines().count(), 3);
     // The saved checkpoint loads back as --init and evaluates.
     let o = fusec(&[
@@ -168,38 +113,14 @@ fn train_on_the_interpreter_and_save_a_checkpoint() {
 #[test]
 fn bad_checkpoint_and_token_files_are_named() {
     let graph = tmp("g2.graph");
-    assert!(fusec(&[
-        "export",
-        "gpt2",
-        "--preset",
-        "tiny",
-        "-o",
-        graph.to_str().unwrap()
-    ])
-    .status
-    .success());
+    assert!(fusec(&["export", "gpt2", "--preset", "tiny", "-o", graph.to_str().unwrap()]).status.success());
     let bad = tmp("garbage.bin");
     std::fs::write(&bad, vec![7u8; 2048]).unwrap();
-    let o = fusec(&[
-        "run",
-        graph.to_str().unwrap(),
-        "--init",
-        bad.to_str().unwrap(),
-        "--data",
-        bad.to_str().unwrap(),
-    ]);
+    let o = fusec(&["run", graph.to_str().unwrap(), "--init", bad.to_str().unwrap(), "--data", bad.to_str().unwrap()]);
     assert_eq!(o.status.code(), Some(2));
     let err = text(&o.stderr);
-    assert!(
-        err.contains("garbage.bin") && err.contains("magic"),
-        "{err}"
-    );
-    let o = fusec(&[
-        "run",
-        graph.to_str().unwrap(),
-        "--data",
-        bad.to_str().unwrap(),
-    ]);
+    assert!(err.contains("garbage.bin") && err.contains("magic"), "{err}");
+    let o = fusec(&["run", graph.to_str().unwrap(), "--data", bad.to_str().unwrap()]);
     assert_eq!(o.status.code(), Some(2));
     assert!(text(&o.stderr).contains("magic"), "{}", text(&o.stderr));
 }
@@ -210,34 +131,9 @@ fn checkpoint_that_does_not_fit_the_graph_is_refused() {
     let other = tmp("g4.graph");
     let ckpt = tmp("other.bin");
     let data = tmp("t3.bin");
-    assert!(fusec(&[
-        "export",
-        "gpt2",
-        "--preset",
-        "tiny",
-        "-o",
-        graph.to_str().unwrap()
-    ])
-    .status
-    .success());
-    let args = [
-        "export",
-        "gpt2",
-        "--layers",
-        "1",
-        "--heads",
-        "2",
-        "--channels",
-        "16",
-        "--vocab",
-        "50",
-        "--max-seq",
-        "16",
-        "-o",
-    ];
-    assert!(fusec(&[&args[..], &[other.to_str().unwrap()]].concat())
-        .status
-        .success());
+    assert!(fusec(&["export", "gpt2", "--preset", "tiny", "-o", graph.to_str().unwrap()]).status.success());
+    let args = ["export", "gpt2", "--layers", "1", "--heads", "2", "--channels", "16", "--vocab", "50", "--max-seq", "16", "-o"];
+    assert!(fusec(&[&args[..], &[other.to_str().unwrap()]].concat()).status.success());
     fusec_runtime::tokens::write_tokens(&data, &[1u16; 300]).unwrap();
     let o = fusec(&[
         "run",
@@ -254,18 +150,7 @@ fn checkpoint_that_does_not_fit_the_graph_is_refused() {
         ckpt.to_str().unwrap(),
     ]);
     assert!(o.status.success(), "{}", text(&o.stderr));
-    let o = fusec(&[
-        "run",
-        graph.to_str().unwrap(),
-        "--init",
-        ckpt.to_str().unwrap(),
-        "--data",
-        data.to_str().unwrap(),
-    ]);
+    let o = fusec(&["run", graph.to_str().unwrap(), "--init", ckpt.to_str().unwrap(), "--data", data.to_str().unwrap()]);
     assert_eq!(o.status.code(), Some(2));
-    assert!(
-        text(&o.stderr).contains("does not fit"),
-        "{}",
-        text(&o.stderr)
-    );
+    assert!(text(&o.stderr).contains("does not fit"), "{}", text(&o.stderr));
 }

@@ -8,10 +8,7 @@ use fusec_runtime::tokenizer::Gpt2Tokenizer;
 use fusec_runtime::tokens::read_tokens;
 
 fn fusec(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_fusec"))
-        .args(args)
-        .output()
-        .unwrap()
+    Command::new(env!("CARGO_BIN_EXE_fusec")).args(args).output().unwrap()
 }
 
 /// A fresh directory for one test.
@@ -63,10 +60,7 @@ fn prepare_small_text_round_trips() {
     assert_eq!(all, expected);
     assert_eq!(tok.decode(&all[1..]), SAMPLE);
     assert!(stdout.contains(&format!("{n} tokens")), "{stdout}");
-    assert!(
-        stdout.contains("out_train.bin") && stdout.contains("out_val.bin"),
-        "{stdout}"
-    );
+    assert!(stdout.contains("out_train.bin") && stdout.contains("out_val.bin"), "{stdout}");
 }
 
 #[test]
@@ -98,18 +92,12 @@ fn prepare_errors() {
 
     let missing = dir.join("missing.txt");
     let err = prepare_fails(&["prepare", s(&missing), "-o", s(&out)]);
-    assert!(
-        err.contains("missing.txt") && err.contains("cannot read"),
-        "{err}"
-    );
+    assert!(err.contains("missing.txt") && err.contains("cannot read"), "{err}");
 
     let binary = dir.join("latin1.txt");
     std::fs::write(&binary, b"caf\xe9 au lait").unwrap();
     let err = prepare_fails(&["prepare", s(&binary), "-o", s(&out)]);
-    assert!(
-        err.contains("latin1.txt") && err.contains("not UTF-8") && err.contains("offset 3"),
-        "{err}"
-    );
+    assert!(err.contains("latin1.txt") && err.contains("not UTF-8") && err.contains("offset 3"), "{err}");
 
     let empty = dir.join("empty.txt");
     std::fs::write(&empty, b"").unwrap();
@@ -123,10 +111,7 @@ fn prepare_errors() {
 
     let nodir = dir.join("no_such_dir").join("out");
     let err = prepare_fails(&["prepare", s(&good), "-o", s(&nodir)]);
-    assert!(
-        err.contains("no_such_dir") && err.contains("does not exist"),
-        "{err}"
-    );
+    assert!(err.contains("no_such_dir") && err.contains("does not exist"), "{err}");
     assert!(!dir.join("no_such_dir").exists());
 
     // Two tokens (EOT + "hi"): 0.9 of them leaves none to train on.
@@ -136,10 +121,7 @@ fn prepare_errors() {
 
 #[test]
 fn prepare_tinyshakespeare() {
-    let path = Path::new(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../shared/data/tinyshakespeare.txt"
-    ));
+    let path = Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../shared/data/tinyshakespeare.txt"));
     if !path.exists() {
         println!("skipped: {} not found", path.display());
         return;
@@ -153,11 +135,7 @@ fn prepare_tinyshakespeare() {
     let train = read_tokens(&dir.join("tiny_shakespeare_train.bin")).unwrap();
     let val = read_tokens(&dir.join("tiny_shakespeare_val.bin")).unwrap();
     let n = train.len() + val.len();
-    println!(
-        "tinyshakespeare: {n} tokens ({} train, {} val) in {secs:.2} s",
-        train.len(),
-        val.len()
-    );
+    println!("tinyshakespeare: {n} tokens ({} train, {} val) in {secs:.2} s", train.len(), val.len());
     print!("{}", text(&o.stdout));
     assert!((300_000..400_000).contains(&n), "{n} tokens");
     assert_eq!(train[0], Gpt2Tokenizer::EOT);

@@ -32,7 +32,7 @@ use cranelift_codegen::isa::{CallConv, TargetFrontendConfig};
 use cranelift_frontend::{FunctionBuilder, FunctionBuilderContext};
 use fusec_ir::ReduceOp;
 
-use crate::math::{ConstTable, Fx};
+use crate::math::Fx;
 use crate::ops;
 use crate::plan::{plan, region, Pass, Plan, Region};
 use crate::prog::{Expr, NodeId, Prog, RowTerm, Space, Store, Ty, View, FINAL, UNI_PARTIAL_STRIDE};
@@ -45,9 +45,6 @@ pub struct Built {
     pub main: Function,
     /// The finalize function, if the program has column-space or scalar results.
     pub finalize: Option<Function>,
-    /// The constant table both functions read (the entry after the slots in the argument
-    /// array points at it), as splat lanes: entry `i` is `[consts[i]; 4]`.
-    pub consts: Vec<u32>,
 }
 
 /// The column being computed.
@@ -88,14 +85,12 @@ pub(crate) struct Gen<'p, 'f> {
     pub stash_base: HashMap<NodeId, Value>,
     /// The level of the pass being generated.
     pub level: u32,
-    /// Vector constants.
-    pub ctab: ConstTable,
 }
 
 impl<'f> Gen<'_, 'f> {
     /// An `Fx` at the current width.
     pub fn fx(&mut self) -> Fx<'_, 'f> {
-        Fx { b: &mut self.b, vec: self.vec, ctab: &mut self.ctab }
+        Fx { b: &mut self.b, vec: self.vec }
     }
 
     /// The register type of a node at the current width.
@@ -123,12 +118,6 @@ impl<'f> Gen<'_, 'f> {
                 }
                 _ => ops::compute(self, id)?,
             };
-            self.cur.insert(id, v);
-            return Ok(v);
-        }
-        if self.vec && matches!(self.p.node(id).expr, Expr::ConstF(_) | Expr::ConstI(_)) {
-            // Constants come from the table inside loops (see `ConstTable`).
-            let v = ops::compute(self, id)?;
             self.cur.insert(id, v);
             return Ok(v);
         }
@@ -394,13 +383,10 @@ impl<'f> Gen<'_, 'f> {
     }
 
     fn load_slots(&mut self, args: Value) {
-        for i in 0..=self.p.slots.len() {
+        for i in 0..self.p.slots.len() {
             let v = self.b.ins().load(types::I64, MemFlagsData::trusted().with_readonly(), args, (i * 8) as i32);
             self.slots.push(v);
         }
-        // The constant table follows the slots.
-        self.ctab.base = self.slots.pop();
-        if std::env::var("FUSEC_NO_CTAB").is_ok() { self.ctab.base = None; }
     }
 }
 
@@ -430,30 +416,18 @@ fn new_gen<'p, 'f>(p: &'p Prog, b: FunctionBuilder<'f>, fin: bool) -> Gen<'p, 'f
         fin,
         stash_base: HashMap::new(),
         level: 0,
-        ctab: ConstTable::default(),
     }
 }
 
 /// Builds the Cranelift functions of a program (named `<name>_chunk` and `<name>_final`).
 pub fn build(p: &Prog, cc: CallConv, tfc: TargetFrontendConfig, fctx: &mut FunctionBuilderContext) -> R<Built> {
     let plan = plan(p);
-    let (main, consts) = build_main(p, &plan, cc, tfc, fctx)?;
-    let (finalize, consts) = if plan.fin_stores.is_empty() {
-        (None, consts)
-    } else {
-        let (f, c) = build_final(p, &plan, cc, tfc, fctx, consts)?;
-        (Some(f), c)
-    };
-    Ok(Built { main, finalize, consts })
+    let main = build_main(p, &plan, cc, tfc, fctx)?;
+    let finalize = if plan.fin_stores.is_empty() { None } else { Some(build_final(p, &plan, cc, tfc, fctx)?) };
+    Ok(Built { main, finalize })
 }
 
-fn build_main(
-    p: &Prog,
-    plan: &Plan,
-    cc: CallConv,
-    tfc: TargetFrontendConfig,
-    fctx: &mut FunctionBuilderContext,
-) -> R<(Function, Vec<u32>)> {
+fn build_main(p: &Prog, plan: &Plan, cc: CallConv, tfc: TargetFrontendConfig, fctx: &mut FunctionBuilderContext) -> R<Function> {
     let mut func = Function::with_name_signature(UserFuncName::testcase(format!("{}_chunk", p.name)), signature(cc, 4));
     let mut g = new_gen(p, FunctionBuilder::new(&mut func, fctx), false);
     let entry = g.b.create_block();
@@ -535,22 +509,13 @@ fn build_main(
     g.b.switch_to_block(exit);
     g.b.ins().return_(&[]);
     g.b.seal_all_blocks();
-    let consts = std::mem::take(&mut g.ctab.bits);
     g.b.finalize(tfc);
-    Ok((func, consts))
+    Ok(func)
 }
 
-fn build_final(
-    p: &Prog,
-    plan: &Plan,
-    cc: CallConv,
-    tfc: TargetFrontendConfig,
-    fctx: &mut FunctionBuilderContext,
-    consts: Vec<u32>,
-) -> R<(Function, Vec<u32>)> {
+fn build_final(p: &Prog, plan: &Plan, cc: CallConv, tfc: TargetFrontendConfig, fctx: &mut FunctionBuilderContext) -> R<Function> {
     let mut func = Function::with_name_signature(UserFuncName::testcase(format!("{}_final", p.name)), signature(cc, 1));
     let mut g = new_gen(p, FunctionBuilder::new(&mut func, fctx), true);
-    g.ctab.bits = consts;
     let entry = g.b.create_block();
     g.b.append_block_params_for_function_params(entry);
     g.b.switch_to_block(entry);
@@ -592,7 +557,6 @@ fn build_final(
     }
     g.b.ins().return_(&[]);
     g.b.seal_all_blocks();
-    let consts = std::mem::take(&mut g.ctab.bits);
     g.b.finalize(tfc);
-    Ok((func, consts))
+    Ok(func)
 }

@@ -36,18 +36,11 @@ pub(crate) type ChunkFn = unsafe extern "C" fn(*const *mut u8, i64, i64, i64);
 /// `fn(args)`.
 pub(crate) type FinalFn = unsafe extern "C" fn(*const *mut u8);
 
-/// One 16-byte constant-table entry (aligned for vector loads).
-#[repr(C, align(16))]
-#[derive(Clone, Copy)]
-pub(crate) struct Lanes(pub [u32; 4]);
-
 /// The machine code of one row program.
 pub(crate) struct Code {
     module: Option<JITModule>,
     pub chunk: ChunkFn,
     pub finalize: Option<FinalFn>,
-    /// The constant table (passed after the slots in the argument array).
-    pub consts: Vec<Lanes>,
 }
 
 // SAFETY: after `finalize_definitions` the module is never touched again except to free it on
@@ -188,7 +181,6 @@ impl KernelCompiler {
         let mut module = JITModule::new(JITBuilder::with_isa(self.isa.clone(), default_libcall_names()));
         let mut text = String::new();
         let mut ids = Vec::new();
-        let consts: Vec<Lanes> = built.consts.iter().map(|&b| Lanes([b; 4])).collect();
         for (i, f) in std::iter::once(built.main).chain(built.finalize).enumerate() {
             let _ = write!(text, "{}", f.display());
             let name = if i == 0 { "chunk" } else { "final" };
@@ -209,7 +201,7 @@ impl KernelCompiler {
         // SAFETY: the functions were built with exactly these signatures.
         let chunk: ChunkFn = unsafe { std::mem::transmute(module.get_finalized_function(ids[0])) };
         let finalize: Option<FinalFn> = ids.get(1).map(|&id| unsafe { std::mem::transmute(module.get_finalized_function(id)) });
-        let code = Arc::new(Code { module: Some(module), chunk, finalize, consts });
+        let code = Arc::new(Code { module: Some(module), chunk, finalize });
         self.codes.insert(key, (code.clone(), text.clone()));
         Ok((code, text, key))
     }

@@ -26,26 +26,12 @@ use cranelift_codegen::ir::{types, ConstantData, InstBuilder, MemFlagsData, Type
 use cranelift_codegen::ir::Endianness;
 use cranelift_frontend::FunctionBuilder;
 
-/// The vector constants of a function, read from a table of 16-byte entries (its address is
-/// the argument array's last entry) rather than materialized: loads that are not hoisted out of
-/// loops fold into the arithmetic as memory operands, where hoisted constants would occupy (and
-/// spill) vector registers in long loop bodies such as `exp`.
-#[derive(Default)]
-pub(crate) struct ConstTable {
-    /// The table's address (loaded at function entry).
-    pub base: Option<Value>,
-    /// The bits of each entry (splat over four lanes).
-    pub bits: Vec<u32>,
-}
-
 /// Emits float code at one width: four lanes (`f32x4`, `i32x4`) or one (`f32`, `i32`).
 pub(crate) struct Fx<'a, 'f> {
     /// The builder, positioned where the code goes.
     pub b: &'a mut FunctionBuilder<'f>,
     /// Four lanes (else scalar).
     pub vec: bool,
-    /// Where vector constants come from.
-    pub ctab: &'a mut ConstTable,
 }
 
 /// Flags for a bit reinterpretation between vector types (lane order must be explicit).
@@ -73,7 +59,9 @@ impl Fx<'_, '_> {
     /// A float constant (a constant-pool vector at four lanes).
     pub fn f(&mut self, x: f32) -> Value {
         if self.vec {
-            self.splat_const(x.to_bits(), types::F32X4)
+            let bytes: Vec<u8> = (0..4).flat_map(|_| x.to_le_bytes()).collect();
+            let c = self.b.func.dfg.constants.insert(ConstantData::from(bytes));
+            self.b.ins().vconst(types::F32X4, c)
         } else {
             self.b.ins().f32const(x)
         }
@@ -81,29 +69,11 @@ impl Fx<'_, '_> {
     /// An integer constant.
     pub fn i(&mut self, x: i32) -> Value {
         if self.vec {
-            self.splat_const(x as u32, types::I32X4)
+            let bytes: Vec<u8> = (0..4).flat_map(|_| x.to_le_bytes()).collect();
+            let c = self.b.func.dfg.constants.insert(ConstantData::from(bytes));
+            self.b.ins().vconst(types::I32X4, c)
         } else {
             self.b.ins().iconst(types::I32, x as i64)
-        }
-    }
-    /// Four lanes of `bits`: a load from the constant table, or a `vconst` without one.
-    fn splat_const(&mut self, bits: u32, ty: Type) -> Value {
-        match self.ctab.base {
-            Some(base) => {
-                let i = match self.ctab.bits.iter().position(|&b| b == bits) {
-                    Some(i) => i,
-                    None => {
-                        self.ctab.bits.push(bits);
-                        self.ctab.bits.len() - 1
-                    }
-                };
-                self.b.ins().load(ty, MemFlagsData::trusted(), base, (i * 16) as i32)
-            }
-            None => {
-                let bytes: Vec<u8> = (0..4).flat_map(|_| bits.to_le_bytes()).collect();
-                let c = self.b.func.dfg.constants.insert(ConstantData::from(bytes));
-                self.b.ins().vconst(ty, c)
-            }
         }
     }
     /// Float bits as integers.

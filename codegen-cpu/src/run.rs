@@ -100,7 +100,6 @@ impl CompiledKernel {
                 SlotRef::Result(j) => results[j],
                 SlotRef::Scratch(i) => scratch[i].as_mut_ptr() as *mut u8,
             }));
-            args.push(seg.code.consts.as_ptr() as *mut u8);
             let ap = SendPtr(args.as_ptr());
             let (chunk_fn, rows, chunks) = (seg.code.chunk, seg.rows, seg.chunks);
             let body = move |k: u64| {

@@ -33,13 +33,7 @@ fn gelu64(x: f64) -> f64 {
 }
 
 /// The expected `(y, pre_gelu)` in f64 from the f32 inputs, with `y0` the accumulator.
-fn reference(
-    s: &GemmSpec,
-    a: &[f32],
-    b: &[f32],
-    bias: Option<&[f32]>,
-    y0: &[f32],
-) -> (Vec<f64>, Vec<f64>) {
+fn reference(s: &GemmSpec, a: &[f32], b: &[f32], bias: Option<&[f32]>, y0: &[f32]) -> (Vec<f64>, Vec<f64>) {
     let (m, n, k) = (s.m, s.n, s.k);
     let mut y = vec![0.0; s.y_len()];
     let mut pre = vec![0.0; s.y_len()];
@@ -49,16 +43,8 @@ fn reference(
             for j in 0..n {
                 let mut t = 0.0f64;
                 for p in 0..k {
-                    let av = if s.trans_a {
-                        a[z * m * k + p * m + i]
-                    } else {
-                        a[z * m * k + i * k + p]
-                    };
-                    let bv = if s.trans_b {
-                        b[bz + j * k + p]
-                    } else {
-                        b[bz + p * n + j]
-                    };
+                    let av = if s.trans_a { a[z * m * k + p * m + i] } else { a[z * m * k + i * k + p] };
+                    let bv = if s.trans_b { b[bz + j * k + p] } else { b[bz + p * n + j] };
                     t += av as f64 * bv as f64;
                 }
                 if let Some(bias) = bias {
@@ -79,10 +65,7 @@ fn assert_close(what: &str, got: &[f32], want: &[f64], atol: f64, rtol: f64) {
     assert_eq!(got.len(), want.len(), "{what}: length");
     for (i, (g, w)) in got.iter().zip(want).enumerate() {
         let err = (*g as f64 - w).abs();
-        assert!(
-            err <= atol + rtol * w.abs(),
-            "{what}: element {i}: got {g}, want {w} (err {err:e})"
-        );
+        assert!(err <= atol + rtol * w.abs(), "{what}: element {i}: got {g}, want {w} (err {err:e})");
     }
 }
 
@@ -97,26 +80,11 @@ fn inputs(s: &GemmSpec, seed: u64) -> (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>) {
 }
 
 /// Runs `s` with `threads`, returns `(y, pre_gelu)`.
-fn run(
-    s: &GemmSpec,
-    a: &[f32],
-    b: &[f32],
-    bias: &[f32],
-    y0: &[f32],
-    threads: usize,
-) -> (Vec<f32>, Vec<f32>) {
+fn run(s: &GemmSpec, a: &[f32], b: &[f32], bias: &[f32], y0: &[f32], threads: usize) -> (Vec<f32>, Vec<f32>) {
     let mut y = y0.to_vec();
     let mut pre = vec![f32::NAN; if s.gelu { s.y_len() } else { 0 }];
     let bias = s.bias.then_some(bias);
-    gemm_f32(
-        s,
-        a,
-        b,
-        bias,
-        &mut y,
-        s.gelu.then_some(&mut pre[..]),
-        threads,
-    );
+    gemm_f32(s, a, b, bias, &mut y, s.gelu.then_some(&mut pre[..]), threads);
     (y, pre)
 }
 
@@ -131,29 +99,13 @@ fn check(s: GemmSpec, seed: u64) {
         assert_close(&format!("pre_gelu, {what}"), &pre1, &want_pre, 1e-5, 1e-5);
         // `y` is exactly the f32 GELU of the stored pre-activation (plus the accumulator).
         for (i, (yv, p)) in y1.iter().zip(&pre1).enumerate() {
-            let want = if s.accumulate {
-                y0[i] + gelu(*p)
-            } else {
-                gelu(*p)
-            };
-            assert_eq!(
-                yv.to_bits(),
-                want.to_bits(),
-                "y != gelu(pre) at {i}, {what}"
-            );
+            let want = if s.accumulate { y0[i] + gelu(*p) } else { gelu(*p) };
+            assert_eq!(yv.to_bits(), want.to_bits(), "y != gelu(pre) at {i}, {what}");
         }
     }
     let (y2, pre2) = run(&s, &a, &b, &bias, &y0, 2);
-    assert!(
-        y1.iter().zip(&y2).all(|(p, q)| p.to_bits() == q.to_bits()),
-        "y differs between 1 and 2 threads, {what}"
-    );
-    assert!(
-        pre1.iter()
-            .zip(&pre2)
-            .all(|(p, q)| p.to_bits() == q.to_bits()),
-        "pre_gelu differs between 1 and 2 threads, {what}"
-    );
+    assert!(y1.iter().zip(&y2).all(|(p, q)| p.to_bits() == q.to_bits()), "y differs between 1 and 2 threads, {what}");
+    assert!(pre1.iter().zip(&pre2).all(|(p, q)| p.to_bits() == q.to_bits()), "pre_gelu differs between 1 and 2 threads, {what}");
 }
 
 /// Every flag combination at one size.
@@ -165,21 +117,7 @@ fn all_combos(m: usize, n: usize, k: usize) {
                 for flags in 0..8 {
                     let (bias, gelu, accumulate) = (flags & 1 != 0, flags & 2 != 0, flags & 4 != 0);
                     seed = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
-                    check(
-                        GemmSpec {
-                            batch,
-                            m,
-                            n,
-                            k,
-                            trans_a,
-                            trans_b,
-                            b_shared,
-                            bias,
-                            gelu,
-                            accumulate,
-                        },
-                        seed,
-                    );
+                    check(GemmSpec { batch, m, n, k, trans_a, trans_b, b_shared, bias, gelu, accumulate }, seed);
                 }
             }
         }
@@ -199,13 +137,7 @@ fn tile_boundary_sizes_all_combos() {
 
 #[test]
 fn many_tiles() {
-    for (m, n, k) in [
-        (300, 1100, 70),
-        (193, 1025, 3),
-        (1, 700, 40),
-        (250, 1, 33),
-        (64, 48, 1),
-    ] {
+    for (m, n, k) in [(300, 1100, 70), (193, 1025, 3), (1, 700, 40), (250, 1, 33), (64, 48, 1)] {
         for trans in [(false, false), (true, false), (false, true), (true, true)] {
             let s = GemmSpec {
                 batch: 2,
@@ -220,38 +152,17 @@ fn many_tiles() {
                 accumulate: true,
             };
             check(s, (m * n * k) as u64);
-            check(
-                GemmSpec {
-                    bias: false,
-                    gelu: false,
-                    ..s
-                },
-                (m + n + k) as u64,
-            );
+            check(GemmSpec { bias: false, gelu: false, ..s }, (m + n + k) as u64);
         }
     }
 }
 
 #[test]
 fn accumulate_really_adds() {
-    let s = GemmSpec {
-        accumulate: true,
-        ..GemmSpec::new(130, 520, 31)
-    };
+    let s = GemmSpec { accumulate: true, ..GemmSpec::new(130, 520, 31) };
     let (a, b, _, _) = inputs(&s, 7);
     let mut once = vec![0.0f32; s.y_len()];
-    gemm_f32(
-        &GemmSpec {
-            accumulate: false,
-            ..s
-        },
-        &a,
-        &b,
-        None,
-        &mut once,
-        None,
-        2,
-    );
+    gemm_f32(&GemmSpec { accumulate: false, ..s }, &a, &b, None, &mut once, None, 2);
     let mut y = vec![0.0f32; s.y_len()];
     gemm_f32(&s, &a, &b, None, &mut y, None, 2);
     assert_eq!(y, once, "accumulating into zeros is the plain product");
@@ -263,11 +174,7 @@ fn accumulate_really_adds() {
 
 #[test]
 fn empty_contraction_gives_bias_epilogue_or_keeps_accumulator() {
-    let s = GemmSpec {
-        bias: true,
-        gelu: true,
-        ..GemmSpec::new(5, 7, 0)
-    };
+    let s = GemmSpec { bias: true, gelu: true, ..GemmSpec::new(5, 7, 0) };
     let bias: Vec<f32> = (0..7).map(|j| j as f32 - 3.0).collect();
     let (mut y, mut pre) = (vec![f32::NAN; 35], vec![f32::NAN; 35]);
     gemm_f32(&s, &[], &[], Some(&bias), &mut y, Some(&mut pre), 2);
@@ -275,22 +182,11 @@ fn empty_contraction_gives_bias_epilogue_or_keeps_accumulator() {
         assert_eq!(*p, bias[o % 7]);
         assert_eq!(*yv, gelu(bias[o % 7]));
     }
-    let s = GemmSpec {
-        accumulate: true,
-        ..GemmSpec::new(3, 4, 0)
-    };
+    let s = GemmSpec { accumulate: true, ..GemmSpec::new(3, 4, 0) };
     let mut y = vec![1.5f32; 12];
     gemm_f32(&s, &[], &[], None, &mut y, None, 2);
     assert!(y.iter().all(|v| *v == 1.5));
-    gemm_f32(
-        &GemmSpec::new(0, 4, 3),
-        &[],
-        &[0.0; 12],
-        None,
-        &mut [],
-        None,
-        2,
-    );
+    gemm_f32(&GemmSpec::new(0, 4, 3), &[], &[0.0; 12], None, &mut [], None, 2);
 }
 
 #[test]
@@ -310,10 +206,7 @@ fn threads_beyond_and_below_the_pool_agree() {
     let (a, b, bias, y0) = inputs(&s, 11);
     let (y1, p1) = run(&s, &a, &b, &bias, &y0, 1);
     let (y8, p8) = run(&s, &a, &b, &bias, &y0, 8);
-    let pool = rayon::ThreadPoolBuilder::new()
-        .num_threads(4)
-        .build()
-        .unwrap();
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(4).build().unwrap();
     let (y3, p3) = pool.install(|| run(&s, &a, &b, &bias, &y0, 3));
     assert_eq!((&y1, &p1), (&y8, &p8));
     assert_eq!((&y1, &p1), (&y3, &p3));
@@ -341,10 +234,7 @@ fn wrong_length_panics() {
 #[test]
 #[should_panic(expected = "pre_gelu")]
 fn missing_pre_gelu_panics() {
-    let s = GemmSpec {
-        gelu: true,
-        ..GemmSpec::new(2, 3, 4)
-    };
+    let s = GemmSpec { gelu: true, ..GemmSpec::new(2, 3, 4) };
     gemm_f32(&s, &[0.0; 8], &[0.0; 12], None, &mut [0.0; 6], None, 1);
 }
 
@@ -355,58 +245,20 @@ fn bf(v: &[f32]) -> Vec<bf16> {
 
 #[test]
 fn bf16_operands_both_outputs() {
-    for (trans_a, trans_b, accumulate) in [
-        (false, true, false),
-        (true, false, true),
-        (false, false, true),
-        (true, true, false),
-    ] {
-        let s = GemmSpec {
-            batch: 2,
-            m: 70,
-            n: 530,
-            k: 64,
-            trans_a,
-            trans_b,
-            b_shared: true,
-            bias: true,
-            gelu: true,
-            accumulate,
-        };
+    for (trans_a, trans_b, accumulate) in [(false, true, false), (true, false, true), (false, false, true), (true, true, false)] {
+        let s = GemmSpec { batch: 2, m: 70, n: 530, k: 64, trans_a, trans_b, b_shared: true, bias: true, gelu: true, accumulate };
         let (a, b, bias, y0) = inputs(&s, 99);
         let (a16, b16, bias16, y016) = (bf(&a), bf(&b), bf(&bias), bf(&y0));
         let wide = |v: &[bf16]| v.iter().map(|x| x.to_f32()).collect::<Vec<f32>>();
-        let (want_y, want_pre) = reference(
-            &s,
-            &wide(&a16),
-            &wide(&b16),
-            Some(&wide(&bias16)),
-            &wide(&y016),
-        );
+        let (want_y, want_pre) = reference(&s, &wide(&a16), &wide(&b16), Some(&wide(&bias16)), &wide(&y016));
         for threads in [1, 2] {
             let mut pre = vec![bf16::NAN; s.y_len()];
             let mut y = wide(&y016);
-            gemm_bf16(
-                &s,
-                &a16,
-                &b16,
-                Some(&bias16),
-                Bf16Out::F32(&mut y),
-                Some(&mut pre),
-                threads,
-            );
+            gemm_bf16(&s, &a16, &b16, Some(&bias16), Bf16Out::F32(&mut y), Some(&mut pre), threads);
             assert_close("bf16 -> f32 y", &y, &want_y, 1e-2, 1e-2);
             assert_close("bf16 pre_gelu", &wide(&pre), &want_pre, 1e-2, 1e-2);
             let mut y = y016.clone();
-            gemm_bf16(
-                &s,
-                &a16,
-                &b16,
-                Some(&bias16),
-                Bf16Out::Bf16(&mut y),
-                Some(&mut pre),
-                threads,
-            );
+            gemm_bf16(&s, &a16, &b16, Some(&bias16), Bf16Out::Bf16(&mut y), Some(&mut pre), threads);
             assert_close("bf16 -> bf16 y", &wide(&y), &want_y, 1e-2, 1e-2);
         }
     }

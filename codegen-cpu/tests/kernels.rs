@@ -71,11 +71,7 @@ fn execute(ck: &CompiledKernel, k: &Kernel, b: &Bindings, ins: &[Tensor], thread
     let ops: Vec<*const u8> = in_bytes.iter().map(|v| v.as_ptr()).collect();
     let res: Vec<*mut u8> = out_bytes.iter_mut().map(|v| v.as_mut_ptr()).collect();
     unsafe { ck.run(&ops, &res, threads) };
-    out_tys
-        .iter()
-        .zip(&out_bytes)
-        .map(|(t, bytes)| from_bytes(t.dtype, interp::concrete_shape(t, b).unwrap(), bytes))
-        .collect()
+    out_tys.iter().zip(&out_bytes).map(|(t, bytes)| from_bytes(t.dtype, interp::concrete_shape(t, b).unwrap(), bytes)).collect()
 }
 
 /// Random operands: normal floats (|x| for the inputs listed in `positive`), i32 in `0..int_hi`.

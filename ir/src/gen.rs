@@ -29,13 +29,7 @@ pub struct GenOpts {
 
 impl Default for GenOpts {
     fn default() -> GenOpts {
-        GenOpts {
-            max_ops: 16,
-            max_dim: 6,
-            symbolic: true,
-            extreme_consts: true,
-            odd_names: true,
-        }
+        GenOpts { max_ops: 16, max_dim: 6, symbolic: true, extreme_consts: true, odd_names: true }
     }
 }
 
@@ -58,13 +52,7 @@ pub fn random_graph_with(rng: &mut Rng, opts: &GenOpts) -> Graph {
         }
         shuffle(rng, &mut syms);
     }
-    let mut gen = Gen {
-        rng,
-        o: opts.clone(),
-        g: Graph::new(&name, &syms),
-        serial: 0,
-        body: false,
-    };
+    let mut gen = Gen { rng, o: opts.clone(), g: Graph::new(&name, &syms), serial: 0, body: false };
     let n_ops = 1 + gen.rng.below(opts.max_ops.max(1) as u64);
     for _ in 0..n_ops {
         gen.step();
@@ -96,11 +84,7 @@ impl Gen<'_> {
         for _ in 0..n {
             let n = self.g.values.len() as u64;
             // Prefer late values: the last one half of the time.
-            let v = if self.rng.chance(0.5) {
-                n - 1
-            } else {
-                self.rng.below(n)
-            };
+            let v = if self.rng.chance(0.5) { n - 1 } else { self.rng.below(n) };
             let oname = self.name(prefix);
             self.g.output(&oname, ValueId(v as u32));
         }
@@ -148,18 +132,7 @@ impl Gen<'_> {
     /// characters that need escapes.
     fn name(&mut self, prefix: &str) -> String {
         self.serial += 1;
-        let odd = [
-            "h0.ln1w",
-            "tok\"en",
-            "back\\slash",
-            "tab\there",
-            "new\nline",
-            "ünï ☃",
-            "#hash",
-            "{%[*]}",
-            "",
-            "a b",
-        ];
+        let odd = ["h0.ln1w", "tok\"en", "back\\slash", "tab\there", "new\nline", "ünï ☃", "#hash", "{%[*]}", "", "a b"];
         if self.o.odd_names && self.rng.chance(0.5) {
             format!("{}_{}", self.pick(&odd), self.serial)
         } else {
@@ -197,35 +170,18 @@ impl Gen<'_> {
     fn source(&mut self, ty: Type) -> ValueId {
         let kinds = if ty.shape.rank() >= 1 { 4 } else { 3 };
         let op = match self.rng.below(kinds) {
-            0 if !self.body => Op::Param {
-                name: self.name("p"),
-                ty,
-            },
-            0 => Op::Input {
-                name: self.name("x"),
-                ty,
-            },
-            1 => Op::Input {
-                name: self.name("x"),
-                ty,
-            },
-            2 => Op::Const {
-                value: self.const_value(ty.dtype),
-                ty,
-            },
-            _ => Op::Iota {
-                axis: self.rng.below(ty.shape.rank() as u64) as usize,
-                ty,
-            },
+            0 if !self.body => Op::Param { name: self.name("p"), ty },
+            0 => Op::Input { name: self.name("x"), ty },
+            1 => Op::Input { name: self.name("x"), ty },
+            2 => Op::Const { value: self.const_value(ty.dtype), ty },
+            _ => Op::Iota { axis: self.rng.below(ty.shape.rank() as u64) as usize, ty },
         };
         self.g.add1(op, &[])
     }
 
     /// A random existing value whose type satisfies `pred`.
     fn find(&mut self, pred: impl Fn(&Type) -> bool) -> Option<ValueId> {
-        let c: Vec<usize> = (0..self.g.values.len())
-            .filter(|&i| pred(&self.g.values[i].ty))
-            .collect();
+        let c: Vec<usize> = (0..self.g.values.len()).filter(|&i| pred(&self.g.values[i].ty)).collect();
         (!c.is_empty()).then(|| ValueId(c[self.rng.below(c.len() as u64) as usize] as u32))
     }
 
@@ -240,11 +196,7 @@ impl Gen<'_> {
     }
 
     /// An existing value satisfying `pred` (75%), else a source of the type `make` builds.
-    fn operand(
-        &mut self,
-        pred: impl Fn(&Type) -> bool,
-        make: impl FnOnce(&mut Self) -> Type,
-    ) -> ValueId {
+    fn operand(&mut self, pred: impl Fn(&Type) -> bool, make: impl FnOnce(&mut Self) -> Type) -> ValueId {
         if self.rng.chance(0.75) {
             if let Some(v) = self.find(&pred) {
                 return v;
@@ -297,15 +249,9 @@ impl Gen<'_> {
     fn indices(&mut self, shape: Shape, n: &Dim) -> ValueId {
         let ty = Type::new(DType::I32, shape);
         let op = match n.as_lit() {
-            Some(n) if self.rng.chance(0.7) => Op::Const {
-                value: self.rng.below(n.max(1)) as f64,
-                ty,
-            },
+            Some(n) if self.rng.chance(0.7) => Op::Const { value: self.rng.below(n.max(1)) as f64, ty },
             _ if self.rng.chance(0.5) => Op::Const { value: 0.0, ty },
-            _ => Op::Input {
-                name: self.name("idx"),
-                ty,
-            },
+            _ => Op::Input { name: self.name("idx"), ty },
         };
         self.g.add1(op, &[])
     }
@@ -332,10 +278,7 @@ impl Gen<'_> {
                     let i = self.rng.below(n as u64) as usize;
                     let c = d[i].coef;
                     if let Some(f) = (2..c).find(|&f| c.is_multiple_of(f)) {
-                        let rest = Dim {
-                            coef: c / f,
-                            syms: d[i].syms.clone(),
-                        };
+                        let rest = Dim { coef: c / f, syms: d[i].syms.clone() };
                         d[i] = Dim::lit(f);
                         d.insert(i + 1, rest);
                     }
@@ -346,22 +289,10 @@ impl Gen<'_> {
                     let x = d[i].clone();
                     if x.coef != 1 && !x.syms.is_empty() {
                         d[i] = Dim::lit(x.coef);
-                        d.insert(
-                            i + 1,
-                            Dim {
-                                coef: 1,
-                                syms: x.syms,
-                            },
-                        );
+                        d.insert(i + 1, Dim { coef: 1, syms: x.syms });
                     } else if x.syms.len() >= 2 {
                         d[i] = Dim::sym(&x.syms[0]);
-                        d.insert(
-                            i + 1,
-                            Dim {
-                                coef: 1,
-                                syms: x.syms[1..].iter().cloned().collect(),
-                            },
-                        );
+                        d.insert(i + 1, Dim { coef: 1, syms: x.syms[1..].iter().cloned().collect() });
                     }
                 }
                 _ => {}
@@ -427,11 +358,7 @@ impl Gen<'_> {
                 if axes.is_empty() {
                     axes.push(self.rng.below(r as u64) as usize);
                 }
-                let op = if self.rng.chance(0.5) {
-                    ReduceOp::Sum
-                } else {
-                    ReduceOp::Max
-                };
+                let op = if self.rng.chance(0.5) { ReduceOp::Sum } else { ReduceOp::Max };
                 self.g.add1(Op::Reduce { op, axes }, &[x]);
             }
             12 => self.matmul(),
@@ -458,27 +385,13 @@ impl Gen<'_> {
             }
             15 | 19 => {
                 let x = self.float_value(1);
-                self.g.add1(
-                    if self.rng.chance(0.5) {
-                        Op::Gelu
-                    } else {
-                        Op::Softmax
-                    },
-                    &[x],
-                );
+                self.g.add1(if self.rng.chance(0.5) { Op::Gelu } else { Op::Softmax }, &[x]);
             }
             16 | 20 => {
                 let softmax = self.rng.chance(0.5);
                 let x = self.float_value(softmax as usize);
                 let dy = self.value_of(&self.ty(x));
-                self.g.add1(
-                    if softmax {
-                        Op::SoftmaxGrad
-                    } else {
-                        Op::GeluGrad
-                    },
-                    &[x, dy],
-                );
+                self.g.add1(if softmax { Op::SoftmaxGrad } else { Op::GeluGrad }, &[x, dy]);
             }
             17 | 18 => self.layernorm(),
             21 | 22 => self.cross_entropy(),
@@ -498,11 +411,7 @@ impl Gen<'_> {
         let x = self.any_value(0);
         let t = self.ty(x);
         let r = t.shape.rank();
-        let big = if r < 4 {
-            r + self.rng.below(3) as usize
-        } else {
-            r
-        };
+        let big = if r < 4 { r + self.rng.below(3) as usize } else { r };
         let mut pos: Vec<usize> = (0..big).collect();
         shuffle(self.rng, &mut pos);
         let mut dims: Vec<usize> = pos[..r].to_vec();
@@ -514,13 +423,7 @@ impl Gen<'_> {
                 shape[d] = a;
             }
         }
-        self.g.add1(
-            Op::Broadcast {
-                dims,
-                shape: Shape::from(shape),
-            },
-            &[x],
-        );
+        self.g.add1(Op::Broadcast { dims, shape: Shape::from(shape) }, &[x]);
     }
 
     fn slice_or_concat(&mut self) {
@@ -535,9 +438,7 @@ impl Gen<'_> {
             },
         );
         let t = self.ty(x);
-        let lits: Vec<usize> = (0..t.shape.rank())
-            .filter(|&i| t.shape.0[i].as_lit().is_some())
-            .collect();
+        let lits: Vec<usize> = (0..t.shape.rank()).filter(|&i| t.shape.0[i].as_lit().is_some()).collect();
         let axis = self.pick(&lits);
         let n = t.shape.0[axis].coef;
         if self.rng.chance(0.5) {
@@ -558,24 +459,14 @@ impl Gen<'_> {
 
     fn matmul(&mut self) {
         let (ta, tb, a, b) = self.matmul_operands();
-        self.g.add1(
-            Op::MatMul {
-                trans_a: ta,
-                trans_b: tb,
-            },
-            &[a, b],
-        );
+        self.g.add1(Op::MatMul { trans_a: ta, trans_b: tb }, &[a, b]);
     }
 
     /// Random transpose flags and operands that a matmul with them accepts (batched or with a
     /// shared rank-2 `b`).
     fn matmul_operands(&mut self) -> (bool, bool, ValueId, ValueId) {
         let (ta, tb) = (self.rng.chance(0.5), self.rng.chance(0.5));
-        let existing = if self.rng.chance(0.5) {
-            self.find(|t| t.dtype.is_float() && (2..=4).contains(&t.shape.rank()))
-        } else {
-            None
-        };
+        let existing = if self.rng.chance(0.5) { self.find(|t| t.dtype.is_float() && (2..=4).contains(&t.shape.rank())) } else { None };
         let (a, dtype, batch, m, k) = match existing {
             Some(a) => {
                 let s = self.ty(a).shape;
@@ -586,13 +477,7 @@ impl Gen<'_> {
             }
             None => {
                 let r = self.rank(0, 2);
-                (
-                    None,
-                    self.fdtype(),
-                    self.shape(r).0.to_vec(),
-                    self.dim(),
-                    self.dim(),
-                )
+                (None, self.fdtype(), self.shape(r).0.to_vec(), self.dim(), self.dim())
             }
         };
         let n = self.dim();
@@ -616,21 +501,12 @@ impl Gen<'_> {
     }
 
     fn layernorm(&mut self) {
-        let prior = self
-            .g
-            .nodes
-            .iter()
-            .rev()
-            .find(|n| matches!(n.op, Op::LayerNorm { .. }))
-            .cloned();
+        let prior = self.g.nodes.iter().rev().find(|n| matches!(n.op, Op::LayerNorm { .. })).cloned();
         if self.rng.chance(0.5) {
             if let Some(ln) = prior {
                 let x = ln.inputs[0];
                 let dy = self.value_of(&self.ty(x));
-                self.g.add(
-                    Op::LayerNormGrad,
-                    &[dy, x, ln.inputs[1], ln.results[1], ln.results[2]],
-                );
+                self.g.add(Op::LayerNormGrad, &[dy, x, ln.inputs[1], ln.results[1], ln.results[2]]);
                 return;
             }
         }
@@ -663,25 +539,16 @@ impl Gen<'_> {
             self.g.add1(Op::CrossEntropy { vocab }, &[l, targets]);
         } else {
             let dloss = self.value_of(&Type::new(t.dtype, rows));
-            self.g
-                .add1(Op::CrossEntropyGrad { vocab }, &[l, targets, dloss]);
+            self.g.add1(Op::CrossEntropyGrad { vocab }, &[l, targets, dloss]);
         }
     }
 
     fn attention(&mut self) {
         let scale = self.pick(&[0.125, 0.5, 1.0, -0.25, 0.0, 1e-3, 0.35355339059327373]);
-        let prior = self
-            .g
-            .nodes
-            .iter()
-            .rev()
-            .find(|n| matches!(n.op, Op::Attention { .. }))
-            .cloned();
+        let prior = self.g.nodes.iter().rev().find(|n| matches!(n.op, Op::Attention { .. })).cloned();
         if self.rng.chance(0.5) {
             if let Some(at) = prior {
-                let Op::Attention { heads, .. } = at.op else {
-                    unreachable!()
-                };
+                let Op::Attention { heads, .. } = at.op else { unreachable!() };
                 let dout = self.value_of(&self.ty(at.results[0]));
                 let ins = [at.inputs[0], at.results[0], at.results[1], dout];
                 self.g.add(Op::AttentionGrad { heads, scale }, &ins);
@@ -698,13 +565,8 @@ impl Gen<'_> {
         let r = self.g.add(Op::Attention { heads, scale }, &[qkv]);
         if self.rng.chance(0.4) {
             let (out, lse) = (self.ty(r[0]), self.ty(r[1]));
-            let (out, lse, dout) = (
-                self.value_of(&out),
-                self.value_of(&lse),
-                self.value_of(&out),
-            );
-            self.g
-                .add(Op::AttentionGrad { heads, scale }, &[qkv, out, lse, dout]);
+            let (out, lse, dout) = (self.value_of(&out), self.value_of(&lse), self.value_of(&out));
+            self.g.add(Op::AttentionGrad { heads, scale }, &[qkv, out, lse, dout]);
         }
     }
 

@@ -57,56 +57,32 @@ pub struct Graph {
 impl Graph {
     /// An empty graph with the given name and symbolic dims.
     pub fn new(name: &str, syms: &[&str]) -> Graph {
-        Graph {
-            name: name.to_string(),
-            syms: syms.iter().map(|s| s.to_string()).collect(),
-            ..Graph::default()
-        }
+        Graph { name: name.to_string(), syms: syms.iter().map(|s| s.to_string()).collect(), ..Graph::default() }
     }
 
     /// Appends a node after checking its operand types; returns its results.
-    pub fn try_add(
-        &mut self,
-        op: Op,
-        inputs: &[ValueId],
-    ) -> Result<SmallVec<[ValueId; 3]>, String> {
+    pub fn try_add(&mut self, op: Op, inputs: &[ValueId]) -> Result<SmallVec<[ValueId; 3]>, String> {
         for v in inputs {
             if v.0 as usize >= self.values.len() {
                 return Err(format!("operand {v:?} does not exist"));
             }
         }
-        let tys: Vec<&Type> = inputs
-            .iter()
-            .map(|v| &self.values[v.0 as usize].ty)
-            .collect();
+        let tys: Vec<&Type> = inputs.iter().map(|v| &self.values[v.0 as usize].ty).collect();
         let out = result_types(&op, &tys)?;
         Ok(self.push_unchecked(op, inputs, out.into_iter().collect()))
     }
 
     /// Appends a node with the given result types without checking them (the parser uses this
     /// to keep the declared types; the verifier checks them later).
-    pub fn push_unchecked(
-        &mut self,
-        op: Op,
-        inputs: &[ValueId],
-        tys: Vec<Type>,
-    ) -> SmallVec<[ValueId; 3]> {
+    pub fn push_unchecked(&mut self, op: Op, inputs: &[ValueId], tys: Vec<Type>) -> SmallVec<[ValueId; 3]> {
         let node = NodeId(self.nodes.len() as u32);
         let mut results = SmallVec::new();
         for (i, ty) in tys.into_iter().enumerate() {
             let id = ValueId(self.values.len() as u32);
-            self.values.push(ValueInfo {
-                ty,
-                node,
-                index: i as u16,
-            });
+            self.values.push(ValueInfo { ty, node, index: i as u16 });
             results.push(id);
         }
-        self.nodes.push(Node {
-            op,
-            inputs: inputs.iter().copied().collect(),
-            results: results.clone(),
-        });
+        self.nodes.push(Node { op, inputs: inputs.iter().copied().collect(), results: results.clone() });
         results
     }
 
@@ -114,8 +90,7 @@ impl Graph {
     /// (a builder bug, never user input).
     pub fn add(&mut self, op: Op, inputs: &[ValueId]) -> SmallVec<[ValueId; 3]> {
         let m = op.mnemonic();
-        self.try_add(op, inputs)
-            .unwrap_or_else(|e| panic!("builder produced an ill-typed `{m}`: {e}"))
+        self.try_add(op, inputs).unwrap_or_else(|e| panic!("builder produced an ill-typed `{m}`: {e}"))
     }
 
     /// Like [`Graph::add`] for single-result ops.
@@ -140,10 +115,7 @@ impl Graph {
 
     /// The value of the named output, if any.
     pub fn output_named(&self, name: &str) -> Option<ValueId> {
-        self.outputs
-            .iter()
-            .find(|(n, _)| n == name)
-            .map(|(_, v)| *v)
+        self.outputs.iter().find(|(n, _)| n == name).map(|(_, v)| *v)
     }
 
     /// Parameters in order: (name, value).

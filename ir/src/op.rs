@@ -163,12 +163,7 @@ pub enum Op {
     /// `(p, g, m, v: f32[S], lr, bc1, bc2: f32[]) -> (p', m', v')` with `m' = b1 m + (1-b1) g`,
     /// `v' = b2 v + (1-b2) g^2`, `p' = p - lr ((m'/bc1) / (sqrt(v'/bc2) + eps) + wd p)`,
     /// where `bc1 = 1 - b1^t` and `bc2 = 1 - b2^t` are runtime scalars.
-    AdamW {
-        beta1: f64,
-        beta2: f64,
-        eps: f64,
-        weight_decay: f64,
-    },
+    AdamW { beta1: f64, beta2: f64, eps: f64, weight_decay: f64 },
 
     // ---- fused ---------------------------------------------------------------------------
     /// A matmul with its epilogue folded in (`fuse-epilogue`, `fuse-grad-accum`):
@@ -251,12 +246,8 @@ impl Op {
             Permute { .. } => "permute",
             Slice { .. } => "slice",
             Concat { .. } => "concat",
-            Reduce {
-                op: ReduceOp::Sum, ..
-            } => "reduce_sum",
-            Reduce {
-                op: ReduceOp::Max, ..
-            } => "reduce_max",
+            Reduce { op: ReduceOp::Sum, .. } => "reduce_sum",
+            Reduce { op: ReduceOp::Max, .. } => "reduce_max",
             MatMul { .. } => "matmul",
             Gather => "gather",
             ScatterAdd { .. } => "scatter_add",
@@ -279,52 +270,19 @@ impl Op {
     /// Whether the op is elementwise (each output element depends only on the same element of
     /// each input): the ops `fuse-elementwise` chains.
     pub fn is_elementwise(&self) -> bool {
-        matches!(
-            self,
-            Op::Unary(_)
-                | Op::Binary(_)
-                | Op::Compare(_)
-                | Op::Select
-                | Op::Cast { .. }
-                | Op::Gelu
-                | Op::GeluGrad
-        )
+        matches!(self, Op::Unary(_) | Op::Binary(_) | Op::Compare(_) | Op::Select | Op::Cast { .. } | Op::Gelu | Op::GeluGrad)
     }
 
     /// Whether the op has no inputs.
     pub fn is_source(&self) -> bool {
-        matches!(
-            self,
-            Op::Param { .. } | Op::Input { .. } | Op::Const { .. } | Op::Iota { .. }
-        )
+        matches!(self, Op::Param { .. } | Op::Input { .. } | Op::Const { .. } | Op::Iota { .. })
     }
 
     /// Every unary op, for generators and parsers.
-    pub const UNARY: [UnaryOp; 7] = [
-        UnaryOp::Neg,
-        UnaryOp::Exp,
-        UnaryOp::Log,
-        UnaryOp::Sqrt,
-        UnaryOp::Rsqrt,
-        UnaryOp::Tanh,
-        UnaryOp::Recip,
-    ];
+    pub const UNARY: [UnaryOp; 7] =
+        [UnaryOp::Neg, UnaryOp::Exp, UnaryOp::Log, UnaryOp::Sqrt, UnaryOp::Rsqrt, UnaryOp::Tanh, UnaryOp::Recip];
     /// Every binary op.
-    pub const BINARY: [BinaryOp; 6] = [
-        BinaryOp::Add,
-        BinaryOp::Sub,
-        BinaryOp::Mul,
-        BinaryOp::Div,
-        BinaryOp::Max,
-        BinaryOp::Min,
-    ];
+    pub const BINARY: [BinaryOp; 6] = [BinaryOp::Add, BinaryOp::Sub, BinaryOp::Mul, BinaryOp::Div, BinaryOp::Max, BinaryOp::Min];
     /// Every comparison.
-    pub const COMPARE: [CmpOp; 6] = [
-        CmpOp::Lt,
-        CmpOp::Le,
-        CmpOp::Gt,
-        CmpOp::Ge,
-        CmpOp::Eq,
-        CmpOp::Ne,
-    ];
+    pub const COMPARE: [CmpOp; 6] = [CmpOp::Lt, CmpOp::Le, CmpOp::Gt, CmpOp::Ge, CmpOp::Eq, CmpOp::Ne];
 }

@@ -22,29 +22,19 @@ pub struct Dim {
 impl Dim {
     /// A constant dimension.
     pub fn lit(n: u64) -> Dim {
-        Dim {
-            coef: n,
-            syms: SmallVec::new(),
-        }
+        Dim { coef: n, syms: SmallVec::new() }
     }
 
     /// A single symbol.
     pub fn sym(name: &str) -> Dim {
-        Dim {
-            coef: 1,
-            syms: SmallVec::from_vec(vec![name.to_string()]),
-        }
+        Dim { coef: 1, syms: SmallVec::from_vec(vec![name.to_string()]) }
     }
 
     /// The product of two dims.
     pub fn mul(&self, other: &Dim) -> Dim {
-        let mut syms: SmallVec<[String; 2]> =
-            self.syms.iter().chain(other.syms.iter()).cloned().collect();
+        let mut syms: SmallVec<[String; 2]> = self.syms.iter().chain(other.syms.iter()).cloned().collect();
         syms.sort();
-        Dim {
-            coef: self.coef.saturating_mul(other.coef),
-            syms,
-        }
+        Dim { coef: self.coef.saturating_mul(other.coef), syms }
     }
 
     /// The constant value, if the dim has no symbols.
@@ -56,9 +46,7 @@ impl Dim {
     pub fn eval(&self, b: &Bindings) -> Result<u64, String> {
         let mut v = self.coef;
         for s in &self.syms {
-            let x = b
-                .get(s)
-                .ok_or_else(|| format!("symbolic dim `{s}` is not bound"))?;
+            let x = b.get(s).ok_or_else(|| format!("symbolic dim `{s}` is not bound"))?;
             v = v.saturating_mul(x);
         }
         Ok(v)
@@ -128,10 +116,7 @@ impl Shape {
     }
     /// Concrete sizes under a binding.
     pub fn eval(&self, b: &Bindings) -> Result<Vec<usize>, String> {
-        self.0
-            .iter()
-            .map(|d| d.eval(b).map(|v| v as usize))
-            .collect()
+        self.0.iter().map(|d| d.eval(b).map(|v| v as usize)).collect()
     }
     /// This shape with bound symbols replaced by their values.
     pub fn bind(&self, b: &Bindings) -> Shape {
@@ -178,17 +163,11 @@ impl Type {
     }
     /// A rank-0 type.
     pub fn scalar(dtype: DType) -> Type {
-        Type {
-            dtype,
-            shape: Shape::scalar(),
-        }
+        Type { dtype, shape: Shape::scalar() }
     }
     /// Same shape, other dtype.
     pub fn with_dtype(&self, dtype: DType) -> Type {
-        Type {
-            dtype,
-            shape: self.shape.clone(),
-        }
+        Type { dtype, shape: self.shape.clone() }
     }
     /// Bytes taken under a binding.
     pub fn bytes(&self, b: &Bindings) -> Result<usize, String> {

@@ -76,21 +76,12 @@ pub fn verify(g: &Graph) -> Result<(), VerifyError> {
 fn verify_graph(g: &Graph, in_body: bool) -> Result<(), VerifyError> {
     let names = ValueNames::new(g);
     let syms: HashSet<&str> = g.syms.iter().map(|s| s.as_str()).collect();
-    let graph_err = |msg: String| VerifyError {
-        node: None,
-        op: None,
-        msg,
-    };
+    let graph_err = |msg: String| VerifyError { node: None, op: None, msg };
 
     let mut seen_sym = HashSet::new();
     for s in &g.syms {
-        if s.is_empty()
-            || !s.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
-            || s.starts_with(|c: char| c.is_ascii_digit())
-        {
-            return Err(graph_err(format!(
-                "symbolic dim name `{s}` is not an identifier"
-            )));
+        if s.is_empty() || !s.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') || s.starts_with(|c: char| c.is_ascii_digit()) {
+            return Err(graph_err(format!("symbolic dim name `{s}` is not an identifier")));
         }
         if !seen_sym.insert(s.as_str()) {
             return Err(graph_err(format!("symbolic dim `{s}` is declared twice")));
@@ -104,26 +95,16 @@ fn verify_graph(g: &Graph, in_body: bool) -> Result<(), VerifyError> {
 
     for (i, node) in g.nodes.iter().enumerate() {
         let op_name = node.op.mnemonic();
-        let err = |msg: String| VerifyError {
-            node: Some(i),
-            op: Some(op_name),
-            msg,
-        };
+        let err = |msg: String| VerifyError { node: Some(i), op: Some(op_name), msg };
 
         // Operands: existing values defined by earlier nodes.
         for (k, v) in node.inputs.iter().enumerate() {
             let idx = v.0 as usize;
             if idx >= g.values.len() {
-                return Err(err(format!(
-                    "operand {k} refers to a value that does not exist (id {})",
-                    v.0
-                )));
+                return Err(err(format!("operand {k} refers to a value that does not exist (id {})", v.0)));
             }
             if !defined[idx] {
-                return Err(err(format!(
-                    "operand {k} ({}) is used before it is defined",
-                    names.name(*v)
-                )));
+                return Err(err(format!("operand {k} ({}) is used before it is defined", names.name(*v))));
             }
         }
 
@@ -131,17 +112,8 @@ fn verify_graph(g: &Graph, in_body: bool) -> Result<(), VerifyError> {
         check_attrs(&node.op, &syms).map_err(&err)?;
         if in_body {
             match &node.op {
-                Op::Param { .. } => {
-                    return Err(err(
-                        "a kernel body cannot hold a `param` (parameters are operands)".to_string(),
-                    ))
-                }
-                Op::Kernel(k) => {
-                    return Err(err(format!(
-                        "kernel `{}` is nested in a kernel body (kernels do not nest)",
-                        k.name
-                    )))
-                }
+                Op::Param { .. } => return Err(err("a kernel body cannot hold a `param` (parameters are operands)".to_string())),
+                Op::Kernel(k) => return Err(err(format!("kernel `{}` is nested in a kernel body (kernels do not nest)", k.name))),
                 _ => {}
             }
         }
@@ -154,16 +126,10 @@ fn verify_graph(g: &Graph, in_body: bool) -> Result<(), VerifyError> {
         for (j, r) in node.results.iter().enumerate() {
             let idx = r.0 as usize;
             let Some(info) = g.values.get(idx) else {
-                return Err(err(format!(
-                    "result {j} refers to a value that does not exist (id {})",
-                    r.0
-                )));
+                return Err(err(format!("result {j} refers to a value that does not exist (id {})", r.0)));
             };
             if defined[idx] {
-                return Err(err(format!(
-                    "result {j} ({}) is defined more than once",
-                    names.name(*r)
-                )));
+                return Err(err(format!("result {j} ({}) is defined more than once", names.name(*r))));
             }
             if info.node.0 as usize != i || info.index as usize != j {
                 return Err(err(format!(
@@ -173,17 +139,12 @@ fn verify_graph(g: &Graph, in_body: bool) -> Result<(), VerifyError> {
                     info.index
                 )));
             }
-            check_type(&info.ty, &syms)
-                .map_err(|m| err(format!("result {j} ({}): {m}", names.name(*r))))?;
+            check_type(&info.ty, &syms).map_err(|m| err(format!("result {j} ({}): {m}", names.name(*r))))?;
             defined[idx] = true;
         }
 
         // Types: the declared result types are exactly what the type rules give.
-        let tys: Vec<&Type> = node
-            .inputs
-            .iter()
-            .map(|v| &g.values[v.0 as usize].ty)
-            .collect();
+        let tys: Vec<&Type> = node.inputs.iter().map(|v| &g.values[v.0 as usize].ty).collect();
         if let Op::Concat { axis } = node.op {
             if !concat_len_fits(&tys, axis) {
                 return Err(err("concatenated length overflows".to_string()));
@@ -191,19 +152,12 @@ fn verify_graph(g: &Graph, in_body: bool) -> Result<(), VerifyError> {
         }
         let expected = result_types(&node.op, &tys).map_err(&err)?;
         if expected.len() != node.results.len() {
-            return Err(err(format!(
-                "`{op_name}` produces {} result(s), node has {}",
-                expected.len(),
-                node.results.len()
-            )));
+            return Err(err(format!("`{op_name}` produces {} result(s), node has {}", expected.len(), node.results.len())));
         }
         for (j, (r, want)) in node.results.iter().zip(&expected).enumerate() {
             let have = &g.values[r.0 as usize].ty;
             if have != want {
-                return Err(err(format!(
-                    "result {j} ({}) is declared {have}, expected {want}",
-                    names.name(*r)
-                )));
+                return Err(err(format!("result {j} ({}) is declared {have}, expected {want}", names.name(*r))));
             }
         }
 
@@ -214,11 +168,7 @@ fn verify_graph(g: &Graph, in_body: bool) -> Result<(), VerifyError> {
                 if name.is_empty() {
                     return Err(err("empty name".to_string()));
                 }
-                let (own, other) = if is_param {
-                    (&mut param_names, &input_names)
-                } else {
-                    (&mut input_names, &param_names)
-                };
+                let (own, other) = if is_param { (&mut param_names, &input_names) } else { (&mut input_names, &param_names) };
                 if let Some(prev) = own.insert(name.as_str(), i) {
                     return Err(err(format!("name `{name}` is already used by node {prev}")));
                 }
@@ -231,27 +181,19 @@ fn verify_graph(g: &Graph, in_body: bool) -> Result<(), VerifyError> {
     }
 
     if let Some(idx) = defined.iter().position(|d| !d) {
-        return Err(graph_err(format!(
-            "value id {idx} is not produced by any node"
-        )));
+        return Err(graph_err(format!("value id {idx} is not produced by any node")));
     }
 
     let mut out_names = HashSet::new();
     for (name, v) in &g.outputs {
         if name.is_empty() {
-            return Err(graph_err(format!(
-                "output {} has an empty name",
-                names.name(*v)
-            )));
+            return Err(graph_err(format!("output {} has an empty name", names.name(*v))));
         }
         if !out_names.insert(name.as_str()) {
             return Err(graph_err(format!("output name `{name}` is used twice")));
         }
         if (v.0 as usize) >= g.values.len() {
-            return Err(graph_err(format!(
-                "output `{name}` refers to a value that does not exist (id {})",
-                v.0
-            )));
+            return Err(graph_err(format!("output `{name}` refers to a value that does not exist (id {})", v.0)));
         }
     }
     Ok(())
@@ -273,21 +215,15 @@ fn check_kernel(k: &crate::Kernel, g: &Graph) -> Result<(), String> {
 /// Checks a dim: nonzero and only declared symbols, in normalized (sorted) order.
 fn check_dim(d: &Dim, syms: &HashSet<&str>) -> Result<(), String> {
     if d.coef == 0 {
-        return Err(format!(
-            "dim `{d}` is zero (zero-size tensors are not allowed)"
-        ));
+        return Err(format!("dim `{d}` is zero (zero-size tensors are not allowed)"));
     }
     for s in &d.syms {
         if !syms.contains(s.as_str()) {
-            return Err(format!(
-                "symbolic dim `{s}` is not declared in the graph header"
-            ));
+            return Err(format!("symbolic dim `{s}` is not declared in the graph header"));
         }
     }
     if !d.syms.windows(2).all(|w| w[0] <= w[1]) {
-        return Err(format!(
-            "dim `{d}` is not normalized (symbols must be sorted)"
-        ));
+        return Err(format!("dim `{d}` is not normalized (symbols must be sorted)"));
     }
     Ok(())
 }
@@ -319,24 +255,15 @@ fn check_attrs(op: &Op, syms: &HashSet<&str>) -> Result<(), String> {
         }
         Op::Reshape { shape } | Op::Broadcast { shape, .. } => check_shape(shape, syms),
         Op::ScatterAdd { rows } => check_dim(rows, syms),
-        Op::Slice { start, end, .. } if start >= end => {
-            Err(format!("slice {start}..{end} is empty"))
-        }
+        Op::Slice { start, end, .. } if start >= end => Err(format!("slice {start}..{end} is empty")),
         Op::CrossEntropy { vocab } | Op::CrossEntropyGrad { vocab } if *vocab > i32::MAX as u64 => {
             Err(format!("vocab {vocab} does not fit in i32"))
         }
-        Op::LayerNorm { eps } if !(eps.is_finite() && *eps > 0.0) => {
-            Err(format!("layernorm eps must be positive, found {eps}"))
-        }
-        Op::AdamW {
-            eps, weight_decay, ..
-        } if !eps.is_finite() || !weight_decay.is_finite() => {
+        Op::LayerNorm { eps } if !(eps.is_finite() && *eps > 0.0) => Err(format!("layernorm eps must be positive, found {eps}")),
+        Op::AdamW { eps, weight_decay, .. } if !eps.is_finite() || !weight_decay.is_finite() => {
             Err("adamw eps and weight_decay must be finite".to_string())
         }
-        Op::Gemm(gm) if !gm.out.is_float() => Err(format!(
-            "gemm result dtype must be a float type, found {}",
-            gm.out
-        )),
+        Op::Gemm(gm) if !gm.out.is_float() => Err(format!("gemm result dtype must be a float type, found {}", gm.out)),
         _ => Ok(()),
     }
 }

@@ -1,11 +1,7 @@
 //! Per-op tests of the reference interpreter against independent hand computations (explicit
 //! loops and formulas written here), finite differences for every gradient op, and error cases.
 // Hand computations read best as index loops over the formulas.
-#![allow(
-    clippy::needless_range_loop,
-    clippy::type_complexity,
-    clippy::excessive_precision
-)]
+#![allow(clippy::needless_range_loop, clippy::type_complexity, clippy::excessive_precision)]
 
 use std::collections::HashMap;
 
@@ -22,25 +18,11 @@ fn graph_of(op: Op, ins: &[&Tensor]) -> Graph {
         .iter()
         .enumerate()
         .map(|(i, t)| {
-            let ty = Type::new(
-                t.dtype,
-                Shape::lits(&t.shape.iter().map(|&d| d as u64).collect::<Vec<_>>()),
-            );
-            g.add1(
-                Op::Input {
-                    name: format!("x{i}"),
-                    ty,
-                },
-                &[],
-            )
+            let ty = Type::new(t.dtype, Shape::lits(&t.shape.iter().map(|&d| d as u64).collect::<Vec<_>>()));
+            g.add1(Op::Input { name: format!("x{i}"), ty }, &[])
         })
         .collect();
-    for (j, r) in g
-        .try_add(op, &ids)
-        .expect("well-typed test op")
-        .into_iter()
-        .enumerate()
-    {
+    for (j, r) in g.try_add(op, &ids).expect("well-typed test op").into_iter().enumerate() {
         g.output(&format!("out{j}"), r);
     }
     g
@@ -48,11 +30,7 @@ fn graph_of(op: Op, ins: &[&Tensor]) -> Graph {
 
 fn try_eval(op: Op, ins: &[&Tensor], prec: Precision) -> Result<Vec<Tensor>, InterpError> {
     let g = graph_of(op, ins);
-    let feeds: HashMap<String, Tensor> = ins
-        .iter()
-        .enumerate()
-        .map(|(i, t)| (format!("x{i}"), (*t).clone()))
-        .collect();
+    let feeds: HashMap<String, Tensor> = ins.iter().enumerate().map(|(i, t)| (format!("x{i}"), (*t).clone())).collect();
     run(&g, &Bindings::default(), &feeds, prec)
 }
 
@@ -76,10 +54,7 @@ fn ints(shape: &[usize], v: &[i32]) -> Tensor {
 fn assert_close(got: &[f64], want: &[f64], tol: f64) {
     assert_eq!(got.len(), want.len(), "lengths differ");
     for (i, (g, w)) in got.iter().zip(want).enumerate() {
-        assert!(
-            (g - w).abs() <= tol * (1.0 + w.abs()),
-            "element {i}: got {g}, want {w}"
-        );
+        assert!((g - w).abs() <= tol * (1.0 + w.abs()), "element {i}: got {g}, want {w}");
     }
 }
 
@@ -107,48 +82,12 @@ fn fd(f: &dyn Fn(&[Tensor]) -> f64, ins: &[Tensor], which: usize) -> Vec<f64> {
 fn sources_const_iota_param() {
     let mut g = Graph::new("s", &["B"]);
     let bt = |d| Type::new(d, Shape(vec![Dim::sym("B"), Dim::lit(3)].into()));
-    let p = g.add1(
-        Op::Param {
-            name: "w".into(),
-            ty: bt(DType::F32),
-        },
-        &[],
-    );
-    let c = g.add1(
-        Op::Const {
-            value: 0.1,
-            ty: bt(DType::F32),
-        },
-        &[],
-    );
-    let cb = g.add1(
-        Op::Const {
-            value: 1.00390625,
-            ty: Type::scalar(DType::BF16),
-        },
-        &[],
-    );
-    let ci = g.add1(
-        Op::Const {
-            value: -7.0,
-            ty: Type::scalar(DType::I32),
-        },
-        &[],
-    );
-    let i0 = g.add1(
-        Op::Iota {
-            axis: 0,
-            ty: bt(DType::I32),
-        },
-        &[],
-    );
-    let i1 = g.add1(
-        Op::Iota {
-            axis: 1,
-            ty: bt(DType::F32),
-        },
-        &[],
-    );
+    let p = g.add1(Op::Param { name: "w".into(), ty: bt(DType::F32) }, &[]);
+    let c = g.add1(Op::Const { value: 0.1, ty: bt(DType::F32) }, &[]);
+    let cb = g.add1(Op::Const { value: 1.00390625, ty: Type::scalar(DType::BF16) }, &[]);
+    let ci = g.add1(Op::Const { value: -7.0, ty: Type::scalar(DType::I32) }, &[]);
+    let i0 = g.add1(Op::Iota { axis: 0, ty: bt(DType::I32) }, &[]);
+    let i1 = g.add1(Op::Iota { axis: 1, ty: bt(DType::F32) }, &[]);
     for (k, v) in [p, c, cb, ci, i0, i1].into_iter().enumerate() {
         g.output(&format!("o{k}"), v);
     }
@@ -175,11 +114,7 @@ fn sources_const_iota_param() {
 #[test]
 fn unary_ops_match_formulas() {
     let mut rng = Rng::new(1);
-    let x = Tensor::new(
-        DType::F32,
-        vec![3, 4],
-        (0..12).map(|_| rng.range(0.1, 3.0) as f32 as f64).collect(),
-    );
+    let x = Tensor::new(DType::F32, vec![3, 4], (0..12).map(|_| rng.range(0.1, 3.0) as f32 as f64).collect());
     let cases: [(UnaryOp, fn(f64) -> f64); 7] = [
         (UnaryOp::Neg, |v| -v),
         (UnaryOp::Exp, |v| v.exp()),
@@ -218,25 +153,13 @@ fn binary_float_and_int() {
     let n = Tensor::from_f32(vec![2], &[f32::NAN, 1.0]);
     let m = Tensor::from_f32(vec![2], &[1.0, f32::NAN]);
     for op in [BinaryOp::Max, BinaryOp::Min] {
-        assert!(eval1(Op::Binary(op), &[&n, &m])
-            .data
-            .iter()
-            .all(|v| v.is_nan()));
+        assert!(eval1(Op::Binary(op), &[&n, &m]).data.iter().all(|v| v.is_nan()));
     }
     // i32: truncating division, wrapping arithmetic, division by zero is an error.
     let (x, y) = (ints(&[3], &[7, -7, i32::MAX]), ints(&[3], &[2, 2, 1]));
-    assert_eq!(
-        eval1(Op::Binary(BinaryOp::Div), &[&x, &y]).data,
-        vec![3.0, -3.0, i32::MAX as f64]
-    );
-    assert_eq!(
-        eval1(Op::Binary(BinaryOp::Add), &[&x, &y]).data,
-        vec![9.0, -5.0, i32::MIN as f64]
-    );
-    assert_eq!(
-        eval1(Op::Binary(BinaryOp::Mul), &[&x, &y]).data,
-        vec![14.0, -14.0, i32::MAX as f64]
-    );
+    assert_eq!(eval1(Op::Binary(BinaryOp::Div), &[&x, &y]).data, vec![3.0, -3.0, i32::MAX as f64]);
+    assert_eq!(eval1(Op::Binary(BinaryOp::Add), &[&x, &y]).data, vec![9.0, -5.0, i32::MIN as f64]);
+    assert_eq!(eval1(Op::Binary(BinaryOp::Mul), &[&x, &y]).data, vec![14.0, -14.0, i32::MAX as f64]);
     let z = ints(&[3], &[1, 0, 1]);
     assert!(try_eval(Op::Binary(BinaryOp::Div), &[&x, &z], F32).is_err());
 }
@@ -258,35 +181,18 @@ fn compare_select_cast() {
         assert_eq!((r.dtype, r.data), (DType::I32, want.to_vec()), "{c:?}");
     }
     let cond = ints(&[4], &[1, 0, 5, 0]);
-    assert_eq!(
-        eval1(Op::Select, &[&cond, &a, &b]).data[..3],
-        [1.0, 2.0, 3.0]
-    );
+    assert_eq!(eval1(Op::Select, &[&cond, &a, &b]).data[..3], [1.0, 2.0, 3.0]);
     assert_eq!(eval1(Op::Select, &[&cond, &a, &b]).data[3], 1.0);
     // float -> i32 truncates toward zero; out of range and NaN are errors.
     let f = Tensor::from_f32(vec![4], &[-2.7, 2.7, -0.5, 1e9]);
-    assert_eq!(
-        eval1(Op::Cast { to: DType::I32 }, &[&f]).data,
-        vec![-2.0, 2.0, 0.0, 1e9]
-    );
+    assert_eq!(eval1(Op::Cast { to: DType::I32 }, &[&f]).data, vec![-2.0, 2.0, 0.0, 1e9]);
     for bad in [3e9f32, f32::NAN, f32::INFINITY] {
-        assert!(try_eval(
-            Op::Cast { to: DType::I32 },
-            &[&Tensor::from_f32(vec![1], &[bad])],
-            F32
-        )
-        .is_err());
+        assert!(try_eval(Op::Cast { to: DType::I32 }, &[&Tensor::from_f32(vec![1], &[bad])], F32).is_err());
     }
     // i32 -> f32 and same-dtype casts.
     let i = ints(&[2], &[16777217, -3]);
-    assert_eq!(
-        eval(Op::Cast { to: DType::F32 }, &[&i], F32)[0].data,
-        vec![16777216.0, -3.0]
-    );
-    assert_eq!(
-        eval(Op::Cast { to: DType::I32 }, &[&i], F32)[0].data,
-        vec![16777217.0, -3.0]
-    );
+    assert_eq!(eval(Op::Cast { to: DType::F32 }, &[&i], F32)[0].data, vec![16777216.0, -3.0]);
+    assert_eq!(eval(Op::Cast { to: DType::I32 }, &[&i], F32)[0].data, vec![16777217.0, -3.0]);
 }
 
 #[test]
@@ -299,29 +205,15 @@ fn cast_rounds_to_nearest_even() {
     assert_eq!(bf.data, vec![1.0, 1.015625, 1.0078125, -1.0]);
     // f16 has 10 fraction bits: 1 + 2^-11 ties to 1; 65520 overflows to infinity.
     let h = Tensor::from_f32(vec![3], &[1.0 + 1.0 / 2048.0, 65519.0, 65520.0]);
-    assert_eq!(
-        eval(Op::Cast { to: DType::F16 }, &[&h], F32)[0].data,
-        vec![1.0, 65504.0, f64::INFINITY]
-    );
+    assert_eq!(eval(Op::Cast { to: DType::F16 }, &[&h], F32)[0].data, vec![1.0, 65504.0, f64::INFINITY]);
     // F64 mode does not round.
-    assert_eq!(
-        eval(Op::Cast { to: DType::BF16 }, &[&x], F64)[0].data,
-        x.data
-    );
+    assert_eq!(eval(Op::Cast { to: DType::BF16 }, &[&x], F64)[0].data, x.data);
     // Agreement with the `half` crate on random f32 values over a wide exponent range.
     let mut rng = Rng::new(3);
     for _ in 0..20000 {
         let v = (rng.normal() * 2f64.powi(rng.below(80) as i32 - 40)) as f32;
-        assert_eq!(
-            round_to(DType::BF16, v as f64),
-            half::bf16::from_f32(v).to_f64(),
-            "bf16 {v:e}"
-        );
-        assert_eq!(
-            round_to(DType::F16, v as f64),
-            half::f16::from_f32(v).to_f64(),
-            "f16 {v:e}"
-        );
+        assert_eq!(round_to(DType::BF16, v as f64), half::bf16::from_f32(v).to_f64(), "bf16 {v:e}");
+        assert_eq!(round_to(DType::F16, v as f64), half::f16::from_f32(v).to_f64(), "f16 {v:e}");
     }
 }
 
@@ -330,18 +222,10 @@ fn gelu_matches_formula_and_grad_matches_fd() {
     let mut rng = Rng::new(4);
     let (x, dy) = (rnd(&mut rng, &[3, 7]), rnd(&mut rng, &[3, 7]));
     let k = (2.0 / std::f64::consts::PI).sqrt();
-    let want: Vec<f64> = x
-        .data
-        .iter()
-        .map(|&v| 0.5 * v * (1.0 + (k * (v + 0.044715 * v.powi(3))).tanh()))
-        .collect();
+    let want: Vec<f64> = x.data.iter().map(|&v| 0.5 * v * (1.0 + (k * (v + 0.044715 * v.powi(3))).tanh())).collect();
     assert_close(&eval1(Op::Gelu, &[&x]).data, &want, 1e-15);
     let f = |t: &[Tensor]| dot(&eval1(Op::Gelu, &[&t[0]]).data, &dy.data);
-    assert_close(
-        &eval1(Op::GeluGrad, &[&x, &dy]).data,
-        &fd(&f, std::slice::from_ref(&x), 0),
-        1e-6,
-    );
+    assert_close(&eval1(Op::GeluGrad, &[&x, &dy]).data, &fd(&f, std::slice::from_ref(&x), 0), 1e-6);
 }
 
 // ---- layout ----------------------------------------------------------------------------------
@@ -350,46 +234,21 @@ fn gelu_matches_formula_and_grad_matches_fd() {
 fn reshape_broadcast_permute() {
     let mut rng = Rng::new(5);
     let x = rnd(&mut rng, &[2, 1, 3]);
-    let r = eval1(
-        Op::Reshape {
-            shape: Shape::lits(&[3, 2]),
-        },
-        &[&x],
-    );
+    let r = eval1(Op::Reshape { shape: Shape::lits(&[3, 2]) }, &[&x]);
     assert_eq!((r.shape.clone(), r.data), (vec![3, 2], x.data.clone()));
     // [2, 1, 3] -> [2, 4, 5, 3]: operand axes go to result axes 0, 2, 3; axis 1 (size 1) repeats.
-    let b = eval1(
-        Op::Broadcast {
-            dims: vec![0, 2, 3],
-            shape: Shape::lits(&[2, 4, 5, 3]),
-        },
-        &[&x],
-    );
-    for (i, j, k, l) in (0..2).flat_map(|i| {
-        (0..4).flat_map(move |j| (0..5).flat_map(move |k| (0..3).map(move |l| (i, j, k, l))))
-    }) {
+    let b = eval1(Op::Broadcast { dims: vec![0, 2, 3], shape: Shape::lits(&[2, 4, 5, 3]) }, &[&x]);
+    for (i, j, k, l) in (0..2).flat_map(|i| (0..4).flat_map(move |j| (0..5).flat_map(move |k| (0..3).map(move |l| (i, j, k, l))))) {
         assert_eq!(b.data[((i * 4 + j) * 5 + k) * 3 + l], x.data[i * 3 + l]);
     }
     let y = rnd(&mut rng, &[2, 3, 4]);
-    let p = eval1(
-        Op::Permute {
-            perm: vec![2, 0, 1],
-        },
-        &[&y],
-    );
+    let p = eval1(Op::Permute { perm: vec![2, 0, 1] }, &[&y]);
     assert_eq!(p.shape, vec![4, 2, 3]);
-    for (a, b_, c) in (0..4).flat_map(|a| (0..2).flat_map(move |b| (0..3).map(move |c| (a, b, c))))
-    {
+    for (a, b_, c) in (0..4).flat_map(|a| (0..2).flat_map(move |b| (0..3).map(move |c| (a, b, c)))) {
         // result [a, b, c] = operand [b, c, a]
         assert_eq!(p.data[(a * 2 + b_) * 3 + c], y.data[(b_ * 3 + c) * 4 + a]);
     }
-    let s = eval1(
-        Op::Broadcast {
-            dims: vec![],
-            shape: Shape::lits(&[2, 2]),
-        },
-        &[&Tensor::scalar(DType::F32, 1.5)],
-    );
+    let s = eval1(Op::Broadcast { dims: vec![], shape: Shape::lits(&[2, 2]) }, &[&Tensor::scalar(DType::F32, 1.5)]);
     assert_eq!(s.data, vec![1.5; 4]);
 }
 
@@ -397,23 +256,12 @@ fn reshape_broadcast_permute() {
 fn slice_and_concat() {
     let mut rng = Rng::new(6);
     let x = rnd(&mut rng, &[3, 5, 2]);
-    let s = eval1(
-        Op::Slice {
-            axis: 1,
-            start: 1,
-            end: 4,
-        },
-        &[&x],
-    );
+    let s = eval1(Op::Slice { axis: 1, start: 1, end: 4 }, &[&x]);
     assert_eq!(s.shape, vec![3, 3, 2]);
     for (i, j, k) in (0..3).flat_map(|i| (0..3).flat_map(move |j| (0..2).map(move |k| (i, j, k)))) {
         assert_eq!(s.data[(i * 3 + j) * 2 + k], x.data[(i * 5 + j + 1) * 2 + k]);
     }
-    let (a, b, c) = (
-        rnd(&mut rng, &[2, 1, 3]),
-        rnd(&mut rng, &[2, 2, 3]),
-        rnd(&mut rng, &[2, 3, 3]),
-    );
+    let (a, b, c) = (rnd(&mut rng, &[2, 1, 3]), rnd(&mut rng, &[2, 2, 3]), rnd(&mut rng, &[2, 3, 3]));
     let r = eval1(Op::Concat { axis: 1 }, &[&a, &b, &c]);
     assert_eq!(r.shape, vec![2, 6, 3]);
     for i in 0..2 {
@@ -444,18 +292,10 @@ fn gather_and_scatter_add_are_adjoint() {
     let y = rnd(&mut rng, &[2, 3, 3]);
     let sc = eval1(Op::ScatterAdd { rows: Dim::lit(5) }, &[&y, &idx]);
     assert_eq!(sc.shape, vec![5, 3]);
-    assert_close(
-        &[dot(&g.data, &y.data)],
-        &[dot(&table.data, &sc.data)],
-        1e-14,
-    );
+    assert_close(&[dot(&g.data, &y.data)], &[dot(&table.data, &sc.data)], 1e-14);
     // Row 4 gets three contributions, row 3 none.
     for c in 0..3 {
-        assert_close(
-            &[sc.data[4 * 3 + c]],
-            &[y.data[c] + y.data[2 * 3 + c] + y.data[5 * 3 + c]],
-            1e-15,
-        );
+        assert_close(&[sc.data[4 * 3 + c]], &[y.data[c] + y.data[2 * 3 + c] + y.data[5 * 3 + c]], 1e-15);
         assert_eq!(sc.data[3 * 3 + c], 0.0);
     }
 }
@@ -466,60 +306,21 @@ fn gather_and_scatter_add_are_adjoint() {
 fn reduce_sum_and_max() {
     let mut rng = Rng::new(8);
     let x = rnd(&mut rng, &[3, 4, 5]);
-    let s = eval1(
-        Op::Reduce {
-            op: ReduceOp::Sum,
-            axes: vec![0, 2],
-        },
-        &[&x],
-    );
-    let m = eval1(
-        Op::Reduce {
-            op: ReduceOp::Max,
-            axes: vec![0, 2],
-        },
-        &[&x],
-    );
+    let s = eval1(Op::Reduce { op: ReduceOp::Sum, axes: vec![0, 2] }, &[&x]);
+    let m = eval1(Op::Reduce { op: ReduceOp::Max, axes: vec![0, 2] }, &[&x]);
     assert_eq!(s.shape, vec![4]);
     for j in 0..4 {
-        let vals: Vec<f64> = (0..3)
-            .flat_map(|i| (0..5).map(move |k| (i, k)))
-            .map(|(i, k)| x.data[(i * 4 + j) * 5 + k])
-            .collect();
+        let vals: Vec<f64> = (0..3).flat_map(|i| (0..5).map(move |k| (i, k))).map(|(i, k)| x.data[(i * 4 + j) * 5 + k]).collect();
         assert_close(&[s.data[j]], &[vals.iter().sum()], 1e-14);
         assert_eq!(m.data[j], vals.iter().cloned().fold(f64::MIN, f64::max));
     }
-    let all = eval1(
-        Op::Reduce {
-            op: ReduceOp::Sum,
-            axes: vec![0, 1, 2],
-        },
-        &[&x],
-    );
+    let all = eval1(Op::Reduce { op: ReduceOp::Sum, axes: vec![0, 1, 2] }, &[&x]);
     assert_eq!(all.shape, Vec::<usize>::new());
     assert_close(&all.data, &[x.data.iter().sum()], 1e-14);
     let n = Tensor::from_f32(vec![3], &[1.0, f32::NAN, 2.0]);
-    assert!(eval1(
-        Op::Reduce {
-            op: ReduceOp::Max,
-            axes: vec![0]
-        },
-        &[&n]
-    )
-    .data[0]
-        .is_nan());
+    assert!(eval1(Op::Reduce { op: ReduceOp::Max, axes: vec![0] }, &[&n]).data[0].is_nan());
     let i = ints(&[2, 2], &[1, -5, 3, 4]);
-    assert_eq!(
-        eval1(
-            Op::Reduce {
-                op: ReduceOp::Sum,
-                axes: vec![1]
-            },
-            &[&i]
-        )
-        .data,
-        vec![-4.0, 7.0]
-    );
+    assert_eq!(eval1(Op::Reduce { op: ReduceOp::Sum, axes: vec![1] }, &[&i]).data, vec![-4.0, 7.0]);
 }
 
 #[test]
@@ -528,23 +329,13 @@ fn matmul_all_transposes_batched_and_shared() {
     let (batch, m, k, n) = (2 * 3, 4, 5, 3);
     for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
         for shared in [false, true] {
-            let a_shape = if ta {
-                vec![2, 3, k, m]
-            } else {
-                vec![2, 3, m, k]
-            };
+            let a_shape = if ta { vec![2, 3, k, m] } else { vec![2, 3, m, k] };
             let mut b_shape = if tb { vec![n, k] } else { vec![k, n] };
             if !shared {
                 b_shape.splice(0..0, [2, 3]);
             }
             let (a, b) = (rnd(&mut rng, &a_shape), rnd(&mut rng, &b_shape));
-            let r = eval1(
-                Op::MatMul {
-                    trans_a: ta,
-                    trans_b: tb,
-                },
-                &[&a, &b],
-            );
+            let r = eval1(Op::MatMul { trans_a: ta, trans_b: tb }, &[&a, &b]);
             assert_eq!(r.shape, vec![2, 3, m, n]);
             for z in 0..batch {
                 let bz = if shared { 0 } else { z };
@@ -552,16 +343,8 @@ fn matmul_all_transposes_batched_and_shared() {
                     for j in 0..n {
                         let mut s = 0.0;
                         for p in 0..k {
-                            let av = if ta {
-                                a.data[z * k * m + p * m + i]
-                            } else {
-                                a.data[z * m * k + i * k + p]
-                            };
-                            let bv = if tb {
-                                b.data[bz * n * k + j * k + p]
-                            } else {
-                                b.data[bz * k * n + p * n + j]
-                            };
+                            let av = if ta { a.data[z * k * m + p * m + i] } else { a.data[z * m * k + i * k + p] };
+                            let bv = if tb { b.data[bz * n * k + j * k + p] } else { b.data[bz * k * n + p * n + j] };
                             s += av * bv;
                         }
                         assert_close(&[r.data[(z * m + i) * n + j]], &[s], 1e-14);
@@ -577,39 +360,23 @@ fn matmul_all_transposes_batched_and_shared() {
 #[test]
 fn layernorm_forward_and_grad() {
     let mut rng = Rng::new(10);
-    let (x, w, b) = (
-        rnd(&mut rng, &[2, 3, 6]),
-        rnd(&mut rng, &[6]),
-        rnd(&mut rng, &[6]),
-    );
+    let (x, w, b) = (rnd(&mut rng, &[2, 3, 6]), rnd(&mut rng, &[6]), rnd(&mut rng, &[6]));
     let eps = 1e-5;
     let o = eval(Op::LayerNorm { eps }, &[&x, &w, &b], F64);
     for r in 0..6 {
         let row = &x.data[r * 6..r * 6 + 6];
         let mean = row.iter().sum::<f64>() / 6.0;
         let var = row.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / 6.0;
-        assert_close(
-            &[o[1].data[r], o[2].data[r]],
-            &[mean, 1.0 / (var + eps).sqrt()],
-            1e-14,
-        );
+        assert_close(&[o[1].data[r], o[2].data[r]], &[mean, 1.0 / (var + eps).sqrt()], 1e-14);
         for c in 0..6 {
             let want = (row[c] - mean) / (var + eps).sqrt() * w.data[c] + b.data[c];
             assert_close(&[o[0].data[r * 6 + c]], &[want], 1e-14);
         }
     }
-    assert_eq!(
-        (o[1].shape.clone(), o[2].shape.clone()),
-        (vec![2, 3], vec![2, 3])
-    );
+    assert_eq!((o[1].shape.clone(), o[2].shape.clone()), (vec![2, 3], vec![2, 3]));
     let dy = rnd(&mut rng, &[2, 3, 6]);
     let g = eval(Op::LayerNormGrad, &[&dy, &x, &w, &o[1], &o[2]], F64);
-    let f = |t: &[Tensor]| {
-        dot(
-            &eval1(Op::LayerNorm { eps }, &[&t[0], &t[1], &t[2]]).data,
-            &dy.data,
-        )
-    };
+    let f = |t: &[Tensor]| dot(&eval1(Op::LayerNorm { eps }, &[&t[0], &t[1], &t[2]]).data, &dy.data);
     let ins = [x.clone(), w.clone(), b.clone()];
     for k in 0..3 {
         assert_close(&g[k].data, &fd(&f, &ins, k), 1e-6);
@@ -629,11 +396,7 @@ fn softmax_forward_and_grad() {
     }
     let dy = rnd(&mut rng, &[2, 2, 5]);
     let f = |t: &[Tensor]| dot(&eval1(Op::Softmax, &[&t[0]]).data, &dy.data);
-    assert_close(
-        &eval1(Op::SoftmaxGrad, &[&y, &dy]).data,
-        &fd(&f, std::slice::from_ref(&x), 0),
-        1e-6,
-    );
+    assert_close(&eval1(Op::SoftmaxGrad, &[&y, &dy]).data, &fd(&f, std::slice::from_ref(&x), 0), 1e-6);
     // Large inputs do not overflow (max subtraction).
     let big = Tensor::from_f32(vec![2], &[1000.0, 1000.0]);
     assert_eq!(eval1(Op::Softmax, &[&big]).data, vec![0.5, 0.5]);
@@ -645,12 +408,7 @@ fn cross_entropy_forward_and_grad() {
     let (vocab, vp) = (5usize, 8usize);
     let logits = rnd(&mut rng, &[2, 3, vp]);
     let targets = ints(&[2, 3], &[0, 4, 2, 1, 3, 4]);
-    let loss = eval1(
-        Op::CrossEntropy {
-            vocab: vocab as u64,
-        },
-        &[&logits, &targets],
-    );
+    let loss = eval1(Op::CrossEntropy { vocab: vocab as u64 }, &[&logits, &targets]);
     assert_eq!(loss.shape, vec![2, 3]);
     for r in 0..6 {
         let row = &logits.data[r * vp..r * vp + vocab];
@@ -659,43 +417,17 @@ fn cross_entropy_forward_and_grad() {
         assert_close(&[loss.data[r]], &[want], 1e-14);
     }
     let dloss = rnd(&mut rng, &[2, 3]);
-    let d = eval1(
-        Op::CrossEntropyGrad {
-            vocab: vocab as u64,
-        },
-        &[&logits, &targets, &dloss],
-    );
-    let f = |t: &[Tensor]| {
-        dot(
-            &eval1(
-                Op::CrossEntropy {
-                    vocab: vocab as u64,
-                },
-                &[&t[0], &targets],
-            )
-            .data,
-            &dloss.data,
-        )
-    };
+    let d = eval1(Op::CrossEntropyGrad { vocab: vocab as u64 }, &[&logits, &targets, &dloss]);
+    let f = |t: &[Tensor]| dot(&eval1(Op::CrossEntropy { vocab: vocab as u64 }, &[&t[0], &targets]).data, &dloss.data);
     assert_close(&d.data, &fd(&f, std::slice::from_ref(&logits), 0), 1e-6);
     for r in 0..6 {
-        assert!(
-            d.data[r * vp + vocab..(r + 1) * vp]
-                .iter()
-                .all(|&v| v == 0.0),
-            "padding columns are zero"
-        );
+        assert!(d.data[r * vp + vocab..(r + 1) * vp].iter().all(|&v| v == 0.0), "padding columns are zero");
     }
     // A target in the padding (>= vocab) or negative is an error, not a panic.
     for bad in [5, -1] {
         let t = ints(&[2, 3], &[0, 1, bad, 1, 1, 1]);
         assert!(try_eval(Op::CrossEntropy { vocab: 5 }, &[&logits, &t], F32).is_err());
-        assert!(try_eval(
-            Op::CrossEntropyGrad { vocab: 5 },
-            &[&logits, &t, &dloss],
-            F32
-        )
-        .is_err());
+        assert!(try_eval(Op::CrossEntropyGrad { vocab: 5 }, &[&logits, &t, &dloss], F32).is_err());
     }
 }
 
@@ -705,9 +437,7 @@ fn attention_ref(qkv: &Tensor, heads: usize, scale: f64) -> (Vec<f64>, Vec<f64>)
     let (s_n, t, c3) = (qkv.shape[0], qkv.shape[1], qkv.shape[2]);
     let c = c3 / 3;
     let d = c / heads;
-    let at = |s: usize, i: usize, part: usize, h: usize, k: usize| {
-        qkv.data[(s * t + i) * c3 + part * c + h * d + k]
-    };
+    let at = |s: usize, i: usize, part: usize, h: usize, k: usize| qkv.data[(s * t + i) * c3 + part * c + h * d + k];
     let (mut out, mut lse) = (vec![0.0; s_n * t * c], vec![]);
     for s in 0..s_n {
         for h in 0..heads {
@@ -715,10 +445,7 @@ fn attention_ref(qkv: &Tensor, heads: usize, scale: f64) -> (Vec<f64>, Vec<f64>)
                 let sc: Vec<f64> = (0..t)
                     .map(|j| {
                         if j <= i {
-                            scale
-                                * (0..d)
-                                    .map(|k| at(s, i, 0, h, k) * at(s, j, 1, h, k))
-                                    .sum::<f64>()
+                            scale * (0..d).map(|k| at(s, i, 0, h, k) * at(s, j, 1, h, k)).sum::<f64>()
                         } else {
                             f64::NEG_INFINITY
                         }
@@ -727,8 +454,7 @@ fn attention_ref(qkv: &Tensor, heads: usize, scale: f64) -> (Vec<f64>, Vec<f64>)
                 let z: f64 = sc.iter().map(|x| x.exp()).sum();
                 lse.push(z.ln());
                 for k in 0..d {
-                    out[(s * t + i) * c + h * d + k] =
-                        (0..t).map(|j| sc[j].exp() / z * at(s, j, 2, h, k)).sum();
+                    out[(s * t + i) * c + h * d + k] = (0..t).map(|j| sc[j].exp() / z * at(s, j, 2, h, k)).sum();
                 }
             }
         }
@@ -741,10 +467,7 @@ fn attention_forward_and_grad() {
     let mut rng = Rng::new(13);
     let (heads, scale) = (2, 1.0 / 3f64.sqrt());
     let qkv = rnd(&mut rng, &[2, 5, 3 * heads * 3]);
-    let op = Op::Attention {
-        heads: heads as u64,
-        scale,
-    };
+    let op = Op::Attention { heads: heads as u64, scale };
     let o = eval(op.clone(), &[&qkv], F64);
     let (out, lse) = attention_ref(&qkv, heads, scale);
     assert_close(&o[0].data, &out, 1e-13);
@@ -752,13 +475,7 @@ fn attention_forward_and_grad() {
     assert_eq!(o[0].shape, vec![2, 5, 6]);
     assert_eq!(o[1].shape, vec![2, 2, 5]);
     let dout = rnd(&mut rng, &[2, 5, 6]);
-    let g = eval1(
-        Op::AttentionGrad {
-            heads: heads as u64,
-            scale,
-        },
-        &[&qkv, &o[0], &o[1], &dout],
-    );
+    let g = eval1(Op::AttentionGrad { heads: heads as u64, scale }, &[&qkv, &o[0], &o[1], &dout]);
     let f = |t: &[Tensor]| dot(&eval(op.clone(), &[&t[0]], F64)[0].data, &dout.data);
     assert_close(&g.data, &fd(&f, std::slice::from_ref(&qkv), 0), 1e-6);
 }
@@ -766,35 +483,18 @@ fn attention_forward_and_grad() {
 #[test]
 fn adamw_matches_formula() {
     let mut rng = Rng::new(14);
-    let (p, g, m) = (
-        rnd(&mut rng, &[3, 4]),
-        rnd(&mut rng, &[3, 4]),
-        rnd(&mut rng, &[3, 4]),
-    );
-    let v = Tensor::new(
-        DType::F32,
-        vec![3, 4],
-        (0..12).map(|_| rng.range(0.0, 1.0) as f32 as f64).collect(),
-    );
+    let (p, g, m) = (rnd(&mut rng, &[3, 4]), rnd(&mut rng, &[3, 4]), rnd(&mut rng, &[3, 4]));
+    let v = Tensor::new(DType::F32, vec![3, 4], (0..12).map(|_| rng.range(0.0, 1.0) as f32 as f64).collect());
     let (b1, b2, eps, wd, t) = (0.9, 0.999, 1e-8, 0.01, 3);
     let (lr, bc1, bc2) = (1e-3, 1.0 - 0.9f64.powi(t), 1.0 - 0.999f64.powi(t));
     let s = |x: f64| Tensor::scalar(DType::F32, x);
-    let op = Op::AdamW {
-        beta1: b1,
-        beta2: b2,
-        eps,
-        weight_decay: wd,
-    };
+    let op = Op::AdamW { beta1: b1, beta2: b2, eps, weight_decay: wd };
     let o = eval(op.clone(), &[&p, &g, &m, &v, &s(lr), &s(bc1), &s(bc2)], F64);
     for i in 0..12 {
         let m2 = b1 * m.data[i] + (1.0 - b1) * g.data[i];
         let v2 = b2 * v.data[i] + (1.0 - b2) * g.data[i] * g.data[i];
         let p2 = p.data[i] - lr * ((m2 / bc1) / ((v2 / bc2).sqrt() + eps) + wd * p.data[i]);
-        assert_close(
-            &[o[0].data[i], o[1].data[i], o[2].data[i]],
-            &[p2, m2, v2],
-            1e-14,
-        );
+        assert_close(&[o[0].data[i], o[1].data[i], o[2].data[i]], &[p2, m2, v2], 1e-14);
     }
     // F32: every result is an f32 value close to the f64 one.
     let o32 = eval(op, &[&p, &g, &m, &v, &s(lr), &s(bc1), &s(bc2)], F32);
@@ -811,22 +511,10 @@ fn symbolic_shapes_and_run_vs_run_all() {
     // y = sum over axis 1 of exp(x) * x, x: f32[B, 4]; the intermediate values are freed by run.
     let mut g = Graph::new("s", &["B"]);
     let ty = Type::new(DType::F32, Shape(vec![Dim::sym("B"), Dim::lit(4)].into()));
-    let x = g.add1(
-        Op::Input {
-            name: "x".into(),
-            ty,
-        },
-        &[],
-    );
+    let x = g.add1(Op::Input { name: "x".into(), ty }, &[]);
     let e = g.add1(Op::Unary(UnaryOp::Exp), &[x]);
     let m = g.add1(Op::Binary(BinaryOp::Mul), &[e, x]);
-    let y = g.add1(
-        Op::Reduce {
-            op: ReduceOp::Sum,
-            axes: vec![1],
-        },
-        &[m],
-    );
+    let y = g.add1(Op::Reduce { op: ReduceOp::Sum, axes: vec![1] }, &[m]);
     g.output("y", y);
     g.output("e", e);
     let mut b = Bindings::default();
@@ -848,10 +536,7 @@ fn symbolic_shapes_and_run_vs_run_all() {
     let mut zero = Bindings::default();
     zero.set("B", 0);
     let empty = HashMap::from([("x".to_string(), Tensor::zeros(DType::F32, vec![0, 4]))]);
-    assert!(run(&g, &zero, &empty, F64)
-        .unwrap_err()
-        .msg
-        .contains("zero"));
+    assert!(run(&g, &zero, &empty, F64).unwrap_err().msg.contains("zero"));
 }
 
 #[test]
@@ -861,10 +546,7 @@ fn feed_and_index_errors() {
     let idx = ints(&[3], &[0, 1, 2]);
     let g = graph_of(Op::Gather, &[&table, &idx]);
     let b = Bindings::default();
-    let ok = HashMap::from([
-        ("x0".to_string(), table.clone()),
-        ("x1".to_string(), idx.clone()),
-    ]);
+    let ok = HashMap::from([("x0".to_string(), table.clone()), ("x1".to_string(), idx.clone())]);
     assert!(run(&g, &b, &ok, F32).is_ok());
 
     let missing = HashMap::from([("x0".to_string(), table.clone())]);
@@ -874,16 +556,10 @@ fn feed_and_index_errors() {
     let mut wrong = ok.clone();
     wrong.insert("x0".into(), rnd(&mut rng, &[4, 3]));
     assert!(run(&g, &b, &wrong, F32).unwrap_err().msg.contains("x0"));
-    wrong.insert(
-        "x0".into(),
-        Tensor::new(DType::BF16, vec![4, 2], table.data.clone()),
-    );
+    wrong.insert("x0".into(), Tensor::new(DType::BF16, vec![4, 2], table.data.clone()));
     assert!(run(&g, &b, &wrong, F32).unwrap_err().msg.contains("x0"));
     let mut frac = ok.clone();
-    frac.insert(
-        "x1".into(),
-        Tensor::new(DType::I32, vec![3], vec![0.0, 0.5, 1.0]),
-    );
+    frac.insert("x1".into(), Tensor::new(DType::I32, vec![3], vec![0.0, 0.5, 1.0]));
     assert!(run(&g, &b, &frac, F32).is_err());
 
     for bad in [4, -1] {

@@ -14,10 +14,7 @@ use fusec_ir::text::{parse, print};
 const INPUTS: usize = 120_000;
 
 fn env_or(name: &str, default: u64) -> u64 {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
+    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
 }
 
 /// Fragments worth inserting: punctuation, numbers at the edges of their ranges, keywords.
@@ -140,10 +137,7 @@ fn mutate(rng: &mut Rng, b: &mut Vec<u8>) {
             // Duplicate, delete or swap whole lines.
             let text = String::from_utf8_lossy(b).into_owned();
             let mut lines: Vec<&str> = text.split('\n').collect();
-            let (i, j) = (
-                rng.below(lines.len() as u64) as usize,
-                rng.below(lines.len() as u64) as usize,
-            );
+            let (i, j) = (rng.below(lines.len() as u64) as usize, rng.below(lines.len() as u64) as usize);
             match rng.below(3) {
                 0 => lines.insert(j, lines[i]),
                 1 => {
@@ -158,17 +152,7 @@ fn mutate(rng: &mut Rng, b: &mut Vec<u8>) {
             let from = at(rng).min(n - 1);
             if let Some(i) = (from..n).find(|&i| b[i].is_ascii_digit()) {
                 let j = (i..n).find(|&j| !b[j].is_ascii_digit()).unwrap_or(n);
-                let nums = [
-                    "0",
-                    "1",
-                    "2",
-                    "3",
-                    "5",
-                    "4294967296",
-                    "65535",
-                    "18446744073709551615",
-                    "12345678901234567890123",
-                ];
+                let nums = ["0", "1", "2", "3", "5", "4294967296", "65535", "18446744073709551615", "12345678901234567890123"];
                 b.splice(i..j, pick(rng, &nums).bytes());
             }
         }
@@ -202,24 +186,14 @@ fn check(src: &str) -> bool {
     match r {
         Ok(g) => {
             let p = print(&g);
-            let again = parse(&p, "fuzz")
-                .unwrap_or_else(|e| panic!("printed text of {src:?} does not parse: {e}\n{p}"));
+            let again = parse(&p, "fuzz").unwrap_or_else(|e| panic!("printed text of {src:?} does not parse: {e}\n{p}"));
             assert_eq!(print(&again), p, "round trip of {src:?}");
             true
         }
         Err(e) => {
             let lines = src.lines().count();
-            assert!(
-                e.line >= 1 && e.col >= 1,
-                "position {}:{} for {src:?}",
-                e.line,
-                e.col
-            );
-            assert!(
-                e.line <= lines + 1,
-                "line {} past the {lines} lines of {src:?}",
-                e.line
-            );
+            assert!(e.line >= 1 && e.col >= 1, "position {}:{} for {src:?}", e.line, e.col);
+            assert!(e.line <= lines + 1, "line {} past the {lines} lines of {src:?}", e.line);
             assert!(!e.msg.is_empty());
             false
         }
@@ -231,21 +205,14 @@ fn parser_survives_mutated_and_random_inputs() {
     let t0 = Instant::now();
     let inputs = env_or("FUSEC_FUZZ_INPUTS", INPUTS as u64) as usize;
     let mut rng = Rng::new(env_or("FUSEC_FUZZ_SEED", 0xF0CC));
-    let opts = GenOpts {
-        max_ops: 8,
-        ..GenOpts::default()
-    };
-    let corpus: Vec<String> = (0..200)
-        .map(|s| print(&random_graph_with(&mut Rng::new(s), &opts)))
-        .collect();
+    let opts = GenOpts { max_ops: 8, ..GenOpts::default() };
+    let corpus: Vec<String> = (0..200).map(|s| print(&random_graph_with(&mut Rng::new(s), &opts))).collect();
     let (mut ok, mut bytes) = (0usize, 0usize);
     for i in 0..inputs {
         let src = if i % 10 == 9 {
             soup(&mut rng)
         } else {
-            let mut b = corpus[rng.below(corpus.len() as u64) as usize]
-                .clone()
-                .into_bytes();
+            let mut b = corpus[rng.below(corpus.len() as u64) as usize].clone().into_bytes();
             for _ in 0..1 + rng.below(4) {
                 mutate(&mut rng, &mut b);
             }
@@ -255,13 +222,7 @@ fn parser_survives_mutated_and_random_inputs() {
         ok += check(&src) as usize;
     }
     let dt = t0.elapsed();
-    eprintln!(
-        "parser fuzz: {inputs} inputs, {} MB, {ok} parsed, in {dt:?}",
-        bytes / 1_000_000
-    );
+    eprintln!("parser fuzz: {inputs} inputs, {} MB, {ok} parsed, in {dt:?}", bytes / 1_000_000);
     // Some mutations (e.g. a flipped bit in a name, a deleted comment-free space) leave valid text.
-    assert!(
-        ok > inputs / 1000,
-        "only {ok} inputs parsed: the mutations are too destructive to test round trips"
-    );
+    assert!(ok > inputs / 1000, "only {ok} inputs parsed: the mutations are too destructive to test round trips");
 }

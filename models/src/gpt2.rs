@@ -15,22 +15,14 @@ const LN_EPS: f64 = 1e-5;
 /// Builds forward + mean loss over `(tokens, targets): i32[B, T]`; output `loss: f32[]`.
 /// The config must pass [`Gpt2Config::validate`].
 pub fn build_gpt2(cfg: &Gpt2Config, name: &str) -> Graph {
-    let mut b = Builder {
-        g: Graph::new(name, &["B", "T"]),
-    };
+    let mut b = Builder { g: Graph::new(name, &["B", "T"]) };
     let (c, l) = (cfg.channels as u64, cfg.layers);
     let p = b.params(cfg);
     let tokens = b.input("tokens", DType::I32, &[sym("B"), sym("T")]);
     let targets = b.input("targets", DType::I32, &[sym("B"), sym("T")]);
 
     let tok_emb = b.g.add1(Op::Gather, &[p.wte, tokens]);
-    let pos = b.g.add1(
-        Op::Iota {
-            axis: 1,
-            ty: Type::new(DType::I32, shape(&[sym("B"), sym("T")])),
-        },
-        &[],
-    );
+    let pos = b.g.add1(Op::Iota { axis: 1, ty: Type::new(DType::I32, shape(&[sym("B"), sym("T")])) }, &[]);
     let pos_emb = b.g.add1(Op::Gather, &[p.wpe, pos]);
     let mut x = b.bin(BinaryOp::Add, tok_emb, pos_emb);
     for i in 0..l {
@@ -46,13 +38,7 @@ pub fn build_gpt2(cfg: &Gpt2Config, name: &str) -> Graph {
         x = b.bin(BinaryOp::Add, x, fcproj);
     }
     let lnf = b.layernorm(x, p.lnfw, p.lnfb, c);
-    let logits = b.g.add1(
-        Op::MatMul {
-            trans_a: false,
-            trans_b: true,
-        },
-        &[lnf, p.wte],
-    );
+    let logits = b.g.add1(Op::MatMul { trans_a: false, trans_b: true }, &[lnf, p.wte]);
     let loss = b.mean_cross_entropy(logits, targets, cfg.vocab as u64);
     b.g.output("loss", loss);
     b.g
@@ -93,11 +79,8 @@ struct Builder {
 impl Builder {
     fn params(&mut self, cfg: &Gpt2Config) -> Params {
         let (c, l) = (cfg.channels as u64, cfg.layers);
-        let per_layer = |b: &mut Builder, name: &str, dims: &[u64]| -> Vec<ValueId> {
-            (0..l)
-                .map(|i| b.param(&format!("{name}.{i}"), dims))
-                .collect()
-        };
+        let per_layer =
+            |b: &mut Builder, name: &str, dims: &[u64]| -> Vec<ValueId> { (0..l).map(|i| b.param(&format!("{name}.{i}"), dims)).collect() };
         let wte = self.param("wte", &[cfg.padded_vocab as u64, c]);
         let wpe = self.param("wpe", &[cfg.max_seq as u64, c]);
         Params {
@@ -122,23 +105,11 @@ impl Builder {
 
     fn param(&mut self, name: &str, dims: &[u64]) -> ValueId {
         let ty = Type::new(DType::F32, Shape::lits(dims));
-        self.g.add1(
-            Op::Param {
-                name: name.to_string(),
-                ty,
-            },
-            &[],
-        )
+        self.g.add1(Op::Param { name: name.to_string(), ty }, &[])
     }
 
     fn input(&mut self, name: &str, dtype: DType, dims: &[Dim]) -> ValueId {
-        self.g.add1(
-            Op::Input {
-                name: name.to_string(),
-                ty: Type::new(dtype, shape(dims)),
-            },
-            &[],
-        )
+        self.g.add1(Op::Input { name: name.to_string(), ty: Type::new(dtype, shape(dims)) }, &[])
     }
 
     fn bin(&mut self, op: BinaryOp, a: ValueId, b: ValueId) -> ValueId {
@@ -159,11 +130,7 @@ impl Builder {
     fn broadcast_to(&mut self, x: ValueId, like: ValueId, leading: bool) -> ValueId {
         let to = self.g.ty(like).shape.clone();
         let n = self.g.ty(x).shape.rank();
-        let dims = if leading {
-            (0..n).collect()
-        } else {
-            (to.rank() - n..to.rank()).collect()
-        };
+        let dims = if leading { (0..n).collect() } else { (to.rank() - n..to.rank()).collect() };
         self.g.add1(Op::Broadcast { dims, shape: to }, &[x])
     }
 
@@ -199,13 +166,7 @@ impl Builder {
 
     /// `x @ w^T + b` with `w: [out, in]` (PyTorch `nn.Linear`).
     fn linear(&mut self, x: ValueId, w: ValueId, b: ValueId) -> ValueId {
-        let y = self.g.add1(
-            Op::MatMul {
-                trans_a: false,
-                trans_b: true,
-            },
-            &[x, w],
-        );
+        let y = self.g.add1(Op::MatMul { trans_a: false, trans_b: true }, &[x, w]);
         let b_b = self.broadcast_to(b, y, false);
         self.bin(BinaryOp::Add, y, b_b)
     }
@@ -213,25 +174,12 @@ impl Builder {
     /// Causal multi-head attention on `qkv: [B, T, 3C]`, returning `[B, T, C]`.
     fn attention(&mut self, qkv: ValueId, cfg: &Gpt2Config) -> ValueId {
         let hs = (cfg.channels / cfg.heads) as f64;
-        self.g.add(
-            Op::Attention {
-                heads: cfg.heads as u64,
-                scale: 1.0 / hs.sqrt(),
-            },
-            &[qkv],
-        )[0]
+        self.g.add(Op::Attention { heads: cfg.heads as u64, scale: 1.0 / hs.sqrt() }, &[qkv])[0]
     }
 
     /// Mean over all positions of `logsumexp(logits[.., :V]) - logits[target]`, from primitives.
     fn mean_cross_entropy(&mut self, logits: ValueId, targets: ValueId, vocab: u64) -> ValueId {
-        let lv = self.g.add1(
-            Op::Slice {
-                axis: 2,
-                start: 0,
-                end: vocab,
-            },
-            &[logits],
-        );
+        let lv = self.g.add1(Op::Slice { axis: 2, start: 0, end: vocab }, &[logits]);
         let mx = self.reduce(ReduceOp::Max, lv, vec![2]);
         let mx_b = self.broadcast_to(mx, lv, true);
         let shifted = self.bin(BinaryOp::Sub, lv, mx_b);
@@ -239,13 +187,7 @@ impl Builder {
         let sum = self.reduce(ReduceOp::Sum, e, vec![2]);
         let lse = self.un(UnaryOp::Log, sum);
         // The target's shifted logit, picked with a one-hot mask built from iota == target.
-        let ids = self.g.add1(
-            Op::Iota {
-                axis: 2,
-                ty: self.g.ty(lv).with_dtype(DType::I32),
-            },
-            &[],
-        );
+        let ids = self.g.add1(Op::Iota { axis: 2, ty: self.g.ty(lv).with_dtype(DType::I32) }, &[]);
         let tgt_b = self.broadcast_to(targets, ids, true);
         let hit = self.g.add1(Op::Compare(CmpOp::Eq), &[ids, tgt_b]);
         let zero = self.splat(0.0, shifted);

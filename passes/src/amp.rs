@@ -30,32 +30,18 @@ pub fn amp(g: &Graph, policy: Precision) -> Result<Graph, String> {
     let mut map: Vec<Option<ValueId>> = vec![None; g.values.len()];
     let mut bf16_of: HashMap<ValueId, ValueId> = HashMap::new();
     for n in &g.nodes {
-        let ins: Vec<ValueId> = n
-            .inputs
-            .iter()
-            .map(|v| map[v.0 as usize].expect("operands precede uses"))
-            .collect();
+        let ins: Vec<ValueId> = n.inputs.iter().map(|v| map[v.0 as usize].expect("operands precede uses")).collect();
         if let Op::MatMul { .. } = n.op {
             if g.ty(n.results[0]).dtype == DType::F32 {
-                let casts: Vec<ValueId> = ins
-                    .iter()
-                    .map(|&v| {
-                        *bf16_of
-                            .entry(v)
-                            .or_insert_with(|| out.add1(Op::Cast { to: DType::BF16 }, &[v]))
-                    })
-                    .collect();
+                let casts: Vec<ValueId> =
+                    ins.iter().map(|&v| *bf16_of.entry(v).or_insert_with(|| out.add1(Op::Cast { to: DType::BF16 }, &[v]))).collect();
                 let y = out.try_add(n.op.clone(), &casts)?[0];
                 map[n.results[0].0 as usize] = Some(out.add1(Op::Cast { to: DType::F32 }, &[y]));
                 continue;
             }
         }
         let tys = n.results.iter().map(|r| g.ty(*r).clone()).collect();
-        for (old, new) in n
-            .results
-            .iter()
-            .zip(out.push_unchecked(n.op.clone(), &ins, tys))
-        {
+        for (old, new) in n.results.iter().zip(out.push_unchecked(n.op.clone(), &ins, tys)) {
             map[old.0 as usize] = Some(new);
         }
     }

@@ -26,14 +26,9 @@ pub fn grad_name(param: &str) -> String {
 
 /// Appends the backward graph; see the module docs for inputs and outputs.
 pub fn autodiff(fwd: &Graph) -> Result<Graph, String> {
-    let loss = fwd
-        .output_named("loss")
-        .ok_or("autodiff needs an output named `loss`")?;
+    let loss = fwd.output_named("loss").ok_or("autodiff needs an output named `loss`")?;
     if *fwd.ty(loss) != Type::scalar(DType::F32) {
-        return Err(format!(
-            "autodiff needs `loss: f32[]`, found {}",
-            fwd.ty(loss)
-        ));
+        return Err(format!("autodiff needs `loss: f32[]`, found {}", fwd.ty(loss)));
     }
     let mut g = fwd.clone();
     g.outputs.retain(|(n, _)| n == "loss");
@@ -44,11 +39,7 @@ pub fn autodiff(fwd: &Graph) -> Result<Graph, String> {
     let mut adj: HashMap<ValueId, ValueId> = HashMap::new();
     adj.insert(loss, seed);
     // Parameter accumulators: created on first contribution (reverse program order).
-    let params: HashMap<ValueId, String> = fwd
-        .params()
-        .into_iter()
-        .map(|(n, v)| (v, n.to_string()))
-        .collect();
+    let params: HashMap<ValueId, String> = fwd.params().into_iter().map(|(n, v)| (v, n.to_string())).collect();
     let mut acc: HashMap<ValueId, ValueId> = HashMap::new();
     if let Some(name) = params.get(&loss) {
         // The loss is a parameter itself: its gradient is the seed.
@@ -106,8 +97,7 @@ fn needs_grad(g: &Graph, loss: ValueId) -> Vec<bool> {
     let n = g.values.len();
     let mut from_param = vec![false; n];
     for node in &g.nodes {
-        let f = matches!(node.op, Op::Param { .. })
-            || node.inputs.iter().any(|v| from_param[v.0 as usize]);
+        let f = matches!(node.op, Op::Param { .. }) || node.inputs.iter().any(|v| from_param[v.0 as usize]);
         for r in &node.results {
             from_param[r.0 as usize] = f && g.values[r.0 as usize].ty.dtype.is_float();
         }
@@ -125,22 +115,12 @@ fn needs_grad(g: &Graph, loss: ValueId) -> Vec<bool> {
 }
 
 /// The adjoint contribution of each input, given the adjoints of the results.
-fn backward_rule(
-    e: &mut Emit,
-    op: &Op,
-    xs: &[ValueId],
-    ys: &[ValueId],
-    dys: &[Option<ValueId>],
-) -> Result<Vec<Option<ValueId>>, String> {
+fn backward_rule(e: &mut Emit, op: &Op, xs: &[ValueId], ys: &[ValueId], dys: &[Option<ValueId>]) -> Result<Vec<Option<ValueId>>, String> {
     use BinaryOp::*;
     let dy = || dys[0].ok_or_else(|| "missing adjoint of the first result".to_string());
     let y = ys[0];
     Ok(match op {
-        Op::Param { .. }
-        | Op::Input { .. }
-        | Op::Const { .. }
-        | Op::Iota { .. }
-        | Op::Compare(_) => vec![None; xs.len()],
+        Op::Param { .. } | Op::Input { .. } | Op::Const { .. } | Op::Iota { .. } | Op::Compare(_) => vec![None; xs.len()],
         Op::Unary(u) => {
             let (x, d) = (xs[0], dy()?);
             let dx = match u {
@@ -187,21 +167,14 @@ fn backward_rule(
                     let cmp = if *b == Max { CmpOp::Ge } else { CmpOp::Le };
                     let take_a = e.op(Op::Compare(cmp), &[a, bb]);
                     let zero = e.splat_like(0.0, d);
-                    vec![
-                        Some(e.op(Op::Select, &[take_a, d, zero])),
-                        Some(e.op(Op::Select, &[take_a, zero, d])),
-                    ]
+                    vec![Some(e.op(Op::Select, &[take_a, d, zero])), Some(e.op(Op::Select, &[take_a, zero, d]))]
                 }
             }
         }
         Op::Select => {
             let (c, d) = (xs[0], dy()?);
             let zero = e.splat_like(0.0, d);
-            vec![
-                None,
-                Some(e.op(Op::Select, &[c, d, zero])),
-                Some(e.op(Op::Select, &[c, zero, d])),
-            ]
+            vec![None, Some(e.op(Op::Select, &[c, d, zero])), Some(e.op(Op::Select, &[c, zero, d]))]
         }
         Op::Cast { .. } => {
             let to = e.g.ty(xs[0]).dtype;
@@ -221,9 +194,7 @@ fn backward_rule(
         }
         Op::Slice { axis, start, end } => {
             let xt = e.g.ty(xs[0]).clone();
-            let n = xt.shape.0[*axis]
-                .as_lit()
-                .ok_or("slice axis must be constant")?;
+            let n = xt.shape.0[*axis].as_lit().ok_or("slice axis must be constant")?;
             let mut parts = vec![];
             for (lo, hi) in [(0, *start), (*end, n)] {
                 if hi > lo {
@@ -234,11 +205,7 @@ fn backward_rule(
             }
             let d = dy()?;
             parts.insert(if *start > 0 { 1 } else { 0 }, d);
-            let dx = if parts.len() == 1 {
-                d
-            } else {
-                e.op(Op::Concat { axis: *axis }, &parts)
-            };
+            let dx = if parts.len() == 1 { d } else { e.op(Op::Concat { axis: *axis }, &parts) };
             vec![Some(dx)]
         }
         Op::Concat { axis } => {
@@ -246,17 +213,8 @@ fn backward_rule(
             let mut off = 0;
             let mut out = vec![];
             for x in xs {
-                let n = e.g.ty(*x).shape.0[*axis]
-                    .as_lit()
-                    .ok_or("concat axis must be constant")?;
-                out.push(Some(e.op(
-                    Op::Slice {
-                        axis: *axis,
-                        start: off,
-                        end: off + n,
-                    },
-                    &[d],
-                )));
+                let n = e.g.ty(*x).shape.0[*axis].as_lit().ok_or("concat axis must be constant")?;
+                out.push(Some(e.op(Op::Slice { axis: *axis, start: off, end: off + n }, &[d])));
                 off += n;
             }
             out
@@ -265,33 +223,18 @@ fn backward_rule(
             let (x, d) = (xs[0], dy()?);
             let xt = e.g.ty(x).clone();
             let kept: Vec<usize> = (0..xt.shape.rank()).filter(|i| !axes.contains(i)).collect();
-            let db = e.op(
-                Op::Broadcast {
-                    dims: kept.clone(),
-                    shape: xt.shape.clone(),
-                },
-                &[d],
-            );
+            let db = e.op(Op::Broadcast { dims: kept.clone(), shape: xt.shape.clone() }, &[d]);
             match r {
                 ReduceOp::Sum => vec![Some(db)],
                 ReduceOp::Max => {
-                    let yb = e.op(
-                        Op::Broadcast {
-                            dims: kept,
-                            shape: xt.shape.clone(),
-                        },
-                        &[y],
-                    );
+                    let yb = e.op(Op::Broadcast { dims: kept, shape: xt.shape.clone() }, &[y]);
                     let hit = e.op(Op::Compare(CmpOp::Eq), &[x, yb]);
                     let zero = e.splat(0.0, &xt);
                     vec![Some(e.op(Op::Select, &[hit, db, zero]))]
                 }
             }
         }
-        Op::MatMul {
-            trans_a: ta,
-            trans_b: tb,
-        } => matmul_rule(e, xs[0], xs[1], *ta, *tb, dy()?)?,
+        Op::MatMul { trans_a: ta, trans_b: tb } => matmul_rule(e, xs[0], xs[1], *ta, *tb, dy()?)?,
         Op::Gather => {
             let rows = e.g.ty(xs[0]).shape.0[0].clone();
             vec![Some(e.op(Op::ScatterAdd { rows }, &[dy()?, xs[1]])), None]
@@ -302,52 +245,26 @@ fn backward_rule(
             if dys[1].is_some() || dys[2].is_some() {
                 return Err("gradients through the saved mean/rstd are not supported".into());
             }
-            let r =
-                e.g.add(Op::LayerNormGrad, &[dy()?, xs[0], xs[1], ys[1], ys[2]]);
+            let r = e.g.add(Op::LayerNormGrad, &[dy()?, xs[0], xs[1], ys[1], ys[2]]);
             vec![Some(r[0]), Some(r[1]), Some(r[2])]
         }
         Op::Softmax => vec![Some(e.op(Op::SoftmaxGrad, &[y, dy()?]))],
-        Op::CrossEntropy { vocab } => vec![
-            Some(e.op(
-                Op::CrossEntropyGrad { vocab: *vocab },
-                &[xs[0], xs[1], dy()?],
-            )),
-            None,
-        ],
+        Op::CrossEntropy { vocab } => vec![Some(e.op(Op::CrossEntropyGrad { vocab: *vocab }, &[xs[0], xs[1], dy()?])), None],
         Op::Attention { heads, scale } => {
             if dys[1].is_some() {
                 return Err("gradients through the saved log-sum-exp are not supported".into());
             }
-            vec![Some(e.op(
-                Op::AttentionGrad {
-                    heads: *heads,
-                    scale: *scale,
-                },
-                &[xs[0], ys[0], ys[1], dy()?],
-            ))]
+            vec![Some(e.op(Op::AttentionGrad { heads: *heads, scale: *scale }, &[xs[0], ys[0], ys[1], dy()?]))]
         }
-        Op::GeluGrad
-        | Op::LayerNormGrad
-        | Op::SoftmaxGrad
-        | Op::CrossEntropyGrad { .. }
-        | Op::AttentionGrad { .. }
-        | Op::AdamW { .. } => {
+        Op::GeluGrad | Op::LayerNormGrad | Op::SoftmaxGrad | Op::CrossEntropyGrad { .. } | Op::AttentionGrad { .. } | Op::AdamW { .. } => {
             return Err("has no backward rule (second-order or optimizer op)".into())
         }
-        Op::Gemm(_) | Op::Kernel(_) => {
-            return Err("fused ops are made after autodiff and have no backward rule".into())
-        }
+        Op::Gemm(_) | Op::Kernel(_) => return Err("fused ops are made after autodiff and have no backward rule".into()),
     })
 }
 
 /// Adjoint of a broadcast: sum over the repeated axes, then restore the operand's shape.
-fn unbroadcast(
-    e: &mut Emit,
-    d: ValueId,
-    x: ValueId,
-    dims: &[usize],
-    shape: &fusec_ir::Shape,
-) -> ValueId {
+fn unbroadcast(e: &mut Emit, d: ValueId, x: ValueId, dims: &[usize], shape: &fusec_ir::Shape) -> ValueId {
     let xt = e.g.ty(x).clone();
     let axes: Vec<usize> = (0..shape.rank())
         .filter(|r| match dims.iter().position(|d| d == r) {
@@ -356,72 +273,35 @@ fn unbroadcast(
         })
         .collect();
     if axes.is_empty() {
-        return e.op(
-            Op::Reshape {
-                shape: xt.shape.clone(),
-            },
-            &[d],
-        );
+        return e.op(Op::Reshape { shape: xt.shape.clone() }, &[d]);
     }
-    let s = e.op(
-        Op::Reduce {
-            op: ReduceOp::Sum,
-            axes,
-        },
-        &[d],
-    );
+    let s = e.op(Op::Reduce { op: ReduceOp::Sum, axes }, &[d]);
     if *e.g.ty(s) == xt {
         s
     } else {
-        e.op(
-            Op::Reshape {
-                shape: xt.shape.clone(),
-            },
-            &[s],
-        )
+        e.op(Op::Reshape { shape: xt.shape.clone() }, &[s])
     }
 }
 
 /// `C = op(A) op(B)`: `dA = dC op(B)^T`, `dB = op(A)^T dC`, written back in A's and B's layouts.
 /// A rank-2 `B` shared across A's batch gets its gradient from the flattened batch.
-fn matmul_rule(
-    e: &mut Emit,
-    a: ValueId,
-    b: ValueId,
-    ta: bool,
-    tb: bool,
-    dc: ValueId,
-) -> Result<Vec<Option<ValueId>>, String> {
+fn matmul_rule(e: &mut Emit, a: ValueId, b: ValueId, ta: bool, tb: bool, dc: ValueId) -> Result<Vec<Option<ValueId>>, String> {
     let mm = |e: &mut Emit, x, y, trans_a, trans_b| e.op(Op::MatMul { trans_a, trans_b }, &[x, y]);
     let (ra, rb) = (e.g.ty(a).shape.rank(), e.g.ty(b).shape.rank());
     let shared_b = rb == 2 && ra > 2;
     if shared_b && ta {
         return Err("transposed batched A with a shared rank-2 B has no backward rule".into());
     }
-    let da = if ta {
-        mm(e, b, dc, tb, true)
-    } else {
-        mm(e, dc, b, false, !tb)
-    };
-    let (a2, dc2) = if shared_b {
-        (flatten_rows(e, a), flatten_rows(e, dc))
-    } else {
-        (a, dc)
-    };
-    let db = if tb {
-        mm(e, dc2, a2, true, ta)
-    } else {
-        mm(e, a2, dc2, !ta, false)
-    };
+    let da = if ta { mm(e, b, dc, tb, true) } else { mm(e, dc, b, false, !tb) };
+    let (a2, dc2) = if shared_b { (flatten_rows(e, a), flatten_rows(e, dc)) } else { (a, dc) };
+    let db = if tb { mm(e, dc2, a2, true, ta) } else { mm(e, a2, dc2, !ta, false) };
     Ok(vec![Some(da), Some(db)])
 }
 
 /// `[d0, .., dn-2, dn-1]` to `[d0*..*dn-2, dn-1]`.
 fn flatten_rows(e: &mut Emit, x: ValueId) -> ValueId {
     let s = &e.g.ty(x).shape;
-    let rows = s.0[..s.rank() - 1]
-        .iter()
-        .fold(Dim::lit(1), |a, d| a.mul(d));
+    let rows = s.0[..s.rank() - 1].iter().fold(Dim::lit(1), |a, d| a.mul(d));
     let shape = vec![rows, s.0[s.rank() - 1].clone()].into();
     e.op(Op::Reshape { shape }, &[x])
 }

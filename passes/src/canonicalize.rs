@@ -38,10 +38,7 @@ pub fn canonicalize(g: &Graph) -> Result<Graph, String> {
         let mut ins = Vec::with_capacity(n.inputs.len());
         for v in &n.inputs {
             ins.push(
-                map.get(v.0 as usize)
-                    .copied()
-                    .flatten()
-                    .ok_or_else(|| format!("canonicalize: operand {v:?} used before definition"))?,
+                map.get(v.0 as usize).copied().flatten().ok_or_else(|| format!("canonicalize: operand {v:?} used before definition"))?,
             );
         }
         let tys: Vec<Type> = n.results.iter().map(|r| g.ty(*r).clone()).collect();
@@ -55,11 +52,7 @@ pub fn canonicalize(g: &Graph) -> Result<Graph, String> {
         }
     }
     for (name, v) in &g.outputs {
-        let nv = map
-            .get(v.0 as usize)
-            .copied()
-            .flatten()
-            .ok_or_else(|| format!("canonicalize: output `{name}` is undefined"))?;
+        let nv = map.get(v.0 as usize).copied().flatten().ok_or_else(|| format!("canonicalize: output `{name}` is undefined"))?;
         out.output(name, nv);
     }
     Ok(remove_dead_nodes(&out))
@@ -85,13 +78,7 @@ fn simplify(
 ) -> Vec<ValueId> {
     loop {
         let step = match fold(out, &op, &ins) {
-            Some(value) => Step::Op(
-                Op::Const {
-                    value,
-                    ty: ty.clone(),
-                },
-                vec![],
-            ),
+            Some(value) => Step::Op(Op::Const { value, ty: ty.clone() }, vec![]),
             None => identity(out, op, ins, ty),
         };
         match step {
@@ -117,10 +104,7 @@ fn emit(
     tys: Vec<Type>,
     cse: &mut HashMap<(String, Vec<ValueId>), Vec<ValueId>>,
 ) -> Vec<ValueId> {
-    let mergeable = !matches!(
-        op,
-        Op::Param { .. } | Op::Input { .. } | Op::Gemm(_) | Op::Kernel(_)
-    );
+    let mergeable = !matches!(op, Op::Param { .. } | Op::Input { .. } | Op::Gemm(_) | Op::Kernel(_));
     if !mergeable {
         return out.push_unchecked(op, &ins, tys).to_vec();
     }
@@ -157,17 +141,10 @@ fn fold_any(out: &Graph, op: &Op, ins: &[ValueId]) -> Option<f64> {
             eval_scalar(op, &vals, &tys)
         }
         // Layout ops of a splat are the same splat (same dtype: no rounding involved).
-        Op::Reshape { .. } | Op::Broadcast { .. } | Op::Permute { .. } | Op::Slice { .. } => {
-            Some(vals[0])
-        }
+        Op::Reshape { .. } | Op::Broadcast { .. } | Op::Permute { .. } | Op::Slice { .. } => Some(vals[0]),
         Op::Concat { .. } if vals.iter().all(|v| v.to_bits() == vals[0].to_bits()) => Some(vals[0]),
-        Op::Reduce {
-            op: ReduceOp::Max, ..
-        } => Some(vals[0]),
-        Op::Reduce {
-            op: ReduceOp::Sum,
-            axes,
-        } => {
+        Op::Reduce { op: ReduceOp::Max, .. } => Some(vals[0]),
+        Op::Reduce { op: ReduceOp::Sum, axes } => {
             let xt = out.ty(ins[0]);
             let mut count = 1u64;
             for &a in axes {
@@ -195,19 +172,7 @@ fn sum_of_splat(dtype: DType, value: f64, count: u64) -> Option<f64> {
 /// Evaluates an elementwise op on scalar constants with the interpreter (f32 semantics).
 fn eval_scalar(op: &Op, vals: &[f64], dtypes: &[DType]) -> Option<f64> {
     let mut g = Graph::new("fold", &[]);
-    let ins: Vec<ValueId> = vals
-        .iter()
-        .zip(dtypes)
-        .map(|(&value, &dt)| {
-            g.add1(
-                Op::Const {
-                    value,
-                    ty: Type::scalar(dt),
-                },
-                &[],
-            )
-        })
-        .collect();
+    let ins: Vec<ValueId> = vals.iter().zip(dtypes).map(|(&value, &dt)| g.add1(Op::Const { value, ty: Type::scalar(dt) }, &[])).collect();
     let r = g.try_add(op.clone(), &ins).ok()?;
     g.output("r", r[0]);
     let t = interp::run(&g, &Bindings::default(), &HashMap::new(), Precision::F32).ok()?;
@@ -239,9 +204,7 @@ fn identity(out: &Graph, op: Op, ins: Vec<ValueId>, ty: &Type) -> Step {
             _ => None,
         },
         (Op::Select, &[_, a, b]) if a == b => Some(a),
-        (Op::Select, &[c, a, b]) => {
-            konst(out, c).map(|k| if round_to(DType::I32, k) != 0.0 { a } else { b })
-        }
+        (Op::Select, &[c, a, b]) => konst(out, c).map(|k| if round_to(DType::I32, k) != 0.0 { a } else { b }),
         (Op::Cast { .. } | Op::Reshape { .. } | Op::Broadcast { .. }, &[a]) => Some(a),
         (Op::Permute { perm }, &[a]) if perm.iter().enumerate().all(|(i, &p)| i == p) => Some(a),
         _ => None,
@@ -259,9 +222,7 @@ fn identity(out: &Graph, op: Op, ins: Vec<ValueId>, ty: &Type) -> Step {
         }
         // permute(permute(x, p), q): result axis i is x's axis p[q[i]].
         (Op::Permute { perm: q }, &[a]) => {
-            if let (Op::Permute { perm: p }, &[x]) =
-                (producer(a), out.producer(a).inputs.as_slice())
-            {
+            if let (Op::Permute { perm: p }, &[x]) = (producer(a), out.producer(a).inputs.as_slice()) {
                 if p.len() == q.len() && q.iter().all(|&i| i < p.len()) {
                     let perm = q.iter().map(|&i| p[i]).collect();
                     return Step::Op(Op::Permute { perm }, vec![x]);

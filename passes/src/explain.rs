@@ -25,19 +25,8 @@ pub struct FusionLog {
 
 impl FusionLog {
     /// Records a refusal.
-    pub fn refuse(
-        &mut self,
-        pass: &'static str,
-        at: impl Into<String>,
-        rule: &'static str,
-        detail: impl Into<String>,
-    ) {
-        self.refusals.push(Refusal {
-            pass,
-            at: at.into(),
-            rule,
-            detail: detail.into(),
-        });
+    pub fn refuse(&mut self, pass: &'static str, at: impl Into<String>, rule: &'static str, detail: impl Into<String>) {
+        self.refusals.push(Refusal { pass, at: at.into(), rule, detail: detail.into() });
     }
 
     /// The refusals of one pass.
@@ -48,10 +37,6 @@ impl FusionLog {
 
 impl fmt::Display for Refusal {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "{}: {} refused by `{}`: {}",
-            self.pass, self.at, self.rule, self.detail
-        )
+        write!(f, "{}: {} refused by `{}`: {}", self.pass, self.at, self.rule, self.detail)
     }
 }

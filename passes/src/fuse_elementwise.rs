@@ -110,15 +110,7 @@ pub fn fuse_elementwise(g: &Graph, log: &mut FusionLog) -> Result<Graph, String>
 /// How many launches running `g` takes: every node except `param`, `input` and `reshape`
 /// (a view). Each kernel, matmul or other op is one launch.
 pub fn launches(g: &Graph) -> usize {
-    g.nodes
-        .iter()
-        .filter(|n| {
-            !matches!(
-                n.op,
-                Op::Param { .. } | Op::Input { .. } | Op::Reshape { .. }
-            )
-        })
-        .count()
+    g.nodes.iter().filter(|n| !matches!(n.op, Op::Param { .. } | Op::Input { .. } | Op::Reshape { .. })).count()
 }
 
 /// Positional names of `g`'s values: value `v` is the `k`-th result in definition order, printed
@@ -158,12 +150,7 @@ fn classify(op: &Op) -> Class {
         _ if op.is_elementwise() => Class::Pointwise,
         Const { .. } | Iota { .. } | Broadcast { .. } | Reshape { .. } => Class::Absorb,
         Reduce { .. } => Class::Reduce,
-        LayerNorm { .. }
-        | LayerNormGrad
-        | Softmax
-        | SoftmaxGrad
-        | CrossEntropy { .. }
-        | CrossEntropyGrad { .. } => Class::Composite,
+        LayerNorm { .. } | LayerNormGrad | Softmax | SoftmaxGrad | CrossEntropy { .. } | CrossEntropyGrad { .. } => Class::Composite,
         AdamW { .. } => Class::AdamW,
         _ => Class::Fixed,
     }
@@ -235,15 +222,7 @@ impl<'g> Ctx<'g> {
                 });
             }
         }
-        Ctx {
-            g,
-            class,
-            live,
-            users,
-            is_output,
-            chain_root,
-            names: positional_names(g),
-        }
+        Ctx { g, class, live, users, is_output, chain_root, names: positional_names(g) }
     }
 
     /// The node producing `v`.
@@ -262,10 +241,7 @@ impl<'g> Ctx<'g> {
                     None => continue,
                 }
             } else {
-                Read {
-                    root: v,
-                    layout: false,
-                }
+                Read { root: v, layout: false }
             };
             if !out.contains(&r) {
                 out.push(r);
@@ -276,11 +252,7 @@ impl<'g> Ctx<'g> {
 
     /// `%k (mnemonic)` for a value: how refusals name a candidate.
     fn at(&self, v: ValueId) -> String {
-        format!(
-            "%{} ({})",
-            self.names[v.0 as usize],
-            self.g.nodes[self.prod(v)].op.mnemonic()
-        )
+        format!("%{} ({})", self.names[v.0 as usize], self.g.nodes[self.prod(v)].op.mnemonic())
     }
 
     /// `%k` for the first result of node `n`.

@@ -27,14 +27,7 @@ pub fn fuse_epilogue(g: &Graph, log: &mut FusionLog) -> Result<Graph, String> {
         };
         let y = n.results[0];
         let at = format!("{} (matmul epilogue)", names[y.0 as usize]);
-        let mut gm = Gemm {
-            trans_a,
-            trans_b,
-            bias: false,
-            gelu: false,
-            out: g.ty(y).dtype,
-            accumulate: false,
-        };
+        let mut gm = Gemm { trans_a, trans_b, bias: false, gelu: false, out: g.ty(y).dtype, accumulate: false };
         let mut inputs = vec![n.inputs[0], n.inputs[1]];
         let (mut root, mut cur, mut exposes) = (mi, y, vec![y]);
         // Bias: the matmul's only user adds a vector broadcast along the last axis.
@@ -45,18 +38,9 @@ pub fn fuse_epilogue(g: &Graph, log: &mut FusionLog) -> Result<Graph, String> {
             (root, cur) = (ai, g.nodes[ai].results[0]);
             exposes = vec![cur];
             // GELU: one user of the biased value is a gelu; the biased value is the aux result.
-            if let Some(gi) = uses.users[cur.0 as usize]
-                .iter()
-                .copied()
-                .find(|&u| matches!(g.nodes[u].op, Op::Gelu))
-            {
+            if let Some(gi) = uses.users[cur.0 as usize].iter().copied().find(|&u| matches!(g.nodes[u].op, Op::Gelu)) {
                 if uses.users[cur.0 as usize].iter().any(|&u| u < gi) {
-                    log.refuse(
-                        PASS,
-                        &at,
-                        "pre-gelu-used-before-gelu",
-                        "the biased value is read before the GELU",
-                    );
+                    log.refuse(PASS, &at, "pre-gelu-used-before-gelu", "the biased value is read before the GELU");
                 } else {
                     gm.gelu = true;
                     deleted[gi] = true;
@@ -65,11 +49,13 @@ pub fn fuse_epilogue(g: &Graph, log: &mut FusionLog) -> Result<Graph, String> {
                     cur = g.nodes[gi].results[0];
                 }
             }
-        } else if uses.users[y.0 as usize]
-            .iter()
-            .any(|&u| adds_a_broadcast(g, u, y))
-        {
-            log.refuse(PASS, &at, "bias-is-row-vector", "the add's other operand is not a vector broadcast along the last axis, or the matmul result has other users");
+        } else if uses.users[y.0 as usize].iter().any(|&u| adds_a_broadcast(g, u, y)) {
+            log.refuse(
+                PASS,
+                &at,
+                "bias-is-row-vector",
+                "the add's other operand is not a vector broadcast along the last axis, or the matmul result has other users",
+            );
         }
         // Cast: the current result's only user is a cast.
         if let [ci] = uses.users[cur.0 as usize][..] {
@@ -86,14 +72,7 @@ pub fn fuse_epilogue(g: &Graph, log: &mut FusionLog) -> Result<Graph, String> {
             continue;
         }
         deleted[mi] = true;
-        replacements.insert(
-            root,
-            Replacement {
-                op: Op::Gemm(gm),
-                inputs,
-                exposes,
-            },
-        );
+        replacements.insert(root, Replacement { op: Op::Gemm(gm), inputs, exposes });
     }
     rebuild(g, replacements, &deleted)
 }
@@ -111,11 +90,7 @@ fn bias_add(g: &Graph, uses: &Uses, mi: usize, y: ValueId) -> Option<(usize, Val
     if add.op != Op::Binary(BinaryOp::Add) {
         return None;
     }
-    let other = if add.inputs[0] == y {
-        add.inputs[1]
-    } else {
-        add.inputs[0]
-    };
+    let other = if add.inputs[0] == y { add.inputs[1] } else { add.inputs[0] };
     if other == y {
         return None;
     }
@@ -123,8 +98,7 @@ fn bias_add(g: &Graph, uses: &Uses, mi: usize, y: ValueId) -> Option<(usize, Val
     match &g.producer(other).op {
         Op::Broadcast { dims, .. } if *dims == [rank - 1] => {
             let bias = g.producer(other).inputs[0];
-            (g.ty(bias).shape.rank() == 1 && g.ty(bias).dtype == g.ty(y).dtype)
-                .then_some((ai, bias))
+            (g.ty(bias).shape.rank() == 1 && g.ty(bias).dtype == g.ty(y).dtype).then_some((ai, bias))
         }
         _ => None,
     }

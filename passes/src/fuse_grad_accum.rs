@@ -24,9 +24,7 @@ pub fn fuse_grad_accum(g: &Graph, log: &mut FusionLog) -> Result<Graph, String> 
     let mut deleted = vec![false; g.nodes.len()];
     for (i, n) in g.nodes.iter().enumerate() {
         match &n.op {
-            Op::Input { name, .. } if name.starts_with("grad.") => {
-                is_acc[n.results[0].0 as usize] = true
-            }
+            Op::Input { name, .. } if name.starts_with("grad.") => is_acc[n.results[0].0 as usize] = true,
             Op::Binary(BinaryOp::Add) => {
                 let Some(k) = n.inputs.iter().position(|v| is_acc[v.0 as usize]) else {
                     continue;
@@ -35,62 +33,31 @@ pub fn fuse_grad_accum(g: &Graph, log: &mut FusionLog) -> Result<Graph, String> 
                 is_acc[n.results[0].0 as usize] = true;
                 let pi = g.values[prod.0 as usize].node.0 as usize;
                 let mut gm = match &g.nodes[pi].op {
-                    Op::MatMul { trans_a, trans_b } => Gemm {
-                        trans_a: *trans_a,
-                        trans_b: *trans_b,
-                        bias: false,
-                        gelu: false,
-                        out: g.ty(prod).dtype,
-                        accumulate: false,
-                    },
+                    Op::MatMul { trans_a, trans_b } => {
+                        Gemm { trans_a: *trans_a, trans_b: *trans_b, bias: false, gelu: false, out: g.ty(prod).dtype, accumulate: false }
+                    }
                     Op::Gemm(gm) if !gm.accumulate => gm.clone(),
                     _ => continue,
                 };
-                let at = format!(
-                    "{} (accumulate into {})",
-                    names[prod.0 as usize], names[acc.0 as usize]
-                );
-                let refuse =
-                    |log: &mut FusionLog, rule, detail: &str| log.refuse(PASS, &at, rule, detail);
+                let at = format!("{} (accumulate into {})", names[prod.0 as usize], names[acc.0 as usize]);
+                let refuse = |log: &mut FusionLog, rule, detail: &str| log.refuse(PASS, &at, rule, detail);
                 if gm.gelu {
                     refuse(log, "no-gelu-epilogue", "a GELU gemm has two results");
                 } else if uses.users[prod.0 as usize] != [i] || uses.is_output[prod.0 as usize] {
-                    refuse(
-                        log,
-                        "product-has-other-users",
-                        "the matmul result is read elsewhere",
-                    );
+                    refuse(log, "product-has-other-users", "the matmul result is read elsewhere");
                 } else if uses.users[acc.0 as usize] != [i] || uses.is_output[acc.0 as usize] {
-                    refuse(
-                        log,
-                        "acc-has-other-users",
-                        "the accumulator is read elsewhere, so it cannot be overwritten in place",
-                    );
+                    refuse(log, "acc-has-other-users", "the accumulator is read elsewhere, so it cannot be overwritten in place");
                 } else if g.ty(acc) != g.ty(prod) {
-                    refuse(
-                        log,
-                        "same-type",
-                        &format!("{} vs {}", g.ty(acc), g.ty(prod)),
-                    );
+                    refuse(log, "same-type", &format!("{} vs {}", g.ty(acc), g.ty(prod)));
                 } else {
                     gm.accumulate = true;
                     let mut inputs = g.nodes[pi].inputs.to_vec();
                     inputs.push(acc);
                     deleted[pi] = true;
-                    replacements.insert(
-                        i,
-                        Replacement {
-                            op: Op::Gemm(gm),
-                            inputs,
-                            exposes: vec![n.results[0]],
-                        },
-                    );
+                    replacements.insert(i, Replacement { op: Op::Gemm(gm), inputs, exposes: vec![n.results[0]] });
                 }
             }
-            Op::Gemm(gm) if gm.accumulate => {
-                is_acc[n.results[0].0 as usize] =
-                    n.inputs.last().is_some_and(|a| is_acc[a.0 as usize])
-            }
+            Op::Gemm(gm) if gm.accumulate => is_acc[n.results[0].0 as usize] = n.inputs.last().is_some_and(|a| is_acc[a.0 as usize]),
             _ => {}
         }
     }

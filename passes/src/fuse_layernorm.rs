@@ -57,22 +57,16 @@ pub fn fuse_layernorm(g: &Graph, log: &mut FusionLog) -> Result<Graph, String> {
         }
         let root = n.results[0];
         let found = match n.op {
-            Op::Binary(BinaryOp::Add) => {
-                match_layernorm(&v, root).map(|m| ("layernorm", m.check(&v)))
-            }
+            Op::Binary(BinaryOp::Add) => match_layernorm(&v, root).map(|m| ("layernorm", m.check(&v))),
             Op::Binary(BinaryOp::Div) => match_softmax(&v, root).map(|m| ("softmax", m.check(&v))),
-            Op::Binary(BinaryOp::Sub) => {
-                match_cross_entropy(&v, root).map(|m| ("cross_entropy", m.check(&v)))
-            }
+            Op::Binary(BinaryOp::Sub) => match_cross_entropy(&v, root).map(|m| ("cross_entropy", m.check(&v))),
             _ => None,
         };
         match found {
             Some((_, Ok(plan))) => {
                 plans.insert(i, plan);
             }
-            Some((what, Err((rule, detail)))) => {
-                log.refuse(PASS, format!("{} ({what})", v.name(root)), rule, detail)
-            }
+            Some((what, Err((rule, detail)))) => log.refuse(PASS, format!("{} ({what})", v.name(root)), rule, detail),
             None => {}
         }
     }
@@ -88,41 +82,21 @@ fn rebuild(g: &Graph, plans: &HashMap<usize, Plan>) -> Result<Graph, String> {
     let mut out = Graph::new(&g.name, &[]);
     out.syms = g.syms.clone();
     let mut map: Vec<Option<ValueId>> = vec![None; g.values.len()];
-    let get = |map: &[Option<ValueId>], v: ValueId| {
-        map[v.0 as usize].ok_or_else(|| format!("{PASS}: operand {v:?} used before definition"))
-    };
+    let get =
+        |map: &[Option<ValueId>], v: ValueId| map[v.0 as usize].ok_or_else(|| format!("{PASS}: operand {v:?} used before definition"));
     for (i, n) in g.nodes.iter().enumerate() {
         if let Some(p) = plans.get(&i) {
-            let ins = p
-                .inputs
-                .iter()
-                .map(|&x| get(&map, x))
-                .collect::<Result<Vec<_>, _>>()?;
-            let res = out
-                .try_add(p.op.clone(), &ins)
-                .map_err(|e| format!("{PASS}: building `{}`: {e}", p.op.mnemonic()))?;
+            let ins = p.inputs.iter().map(|&x| get(&map, x)).collect::<Result<Vec<_>, _>>()?;
+            let res = out.try_add(p.op.clone(), &ins).map_err(|e| format!("{PASS}: building `{}`: {e}", p.op.mnemonic()))?;
             if out.ty(res[0]) != g.ty(p.root) {
-                return Err(format!(
-                    "{PASS}: `{}` would change the type {} to {}",
-                    p.op.mnemonic(),
-                    g.ty(p.root),
-                    out.ty(res[0])
-                ));
+                return Err(format!("{PASS}: `{}` would change the type {} to {}", p.op.mnemonic(), g.ty(p.root), out.ty(res[0])));
             }
             map[p.root.0 as usize] = Some(res[0]);
             continue;
         }
-        let ins = n
-            .inputs
-            .iter()
-            .map(|&x| get(&map, x))
-            .collect::<Result<Vec<_>, _>>()?;
+        let ins = n.inputs.iter().map(|&x| get(&map, x)).collect::<Result<Vec<_>, _>>()?;
         let tys = n.results.iter().map(|r| g.ty(*r).clone()).collect();
-        for (old, new) in n
-            .results
-            .iter()
-            .zip(out.push_unchecked(n.op.clone(), &ins, tys))
-        {
+        for (old, new) in n.results.iter().zip(out.push_unchecked(n.op.clone(), &ins, tys)) {
             map[old.0 as usize] = Some(new);
         }
     }
@@ -164,10 +138,7 @@ fn broadcast_dims(v: &View, bcs: &[(ValueId, &str, Vec<usize>)]) -> Result<(), R
     for (b, what, want) in bcs {
         let dims = v.bcast(*b).map(|(_, d)| d).unwrap_or(&[]);
         rule(dims == want.as_slice(), "broadcast-shapes", || {
-            format!(
-                "the {what} is broadcast ({}) along dims {dims:?}, expected {want:?}",
-                v.name(*b)
-            )
+            format!("the {what} is broadcast ({}) along dims {dims:?}, expected {want:?}", v.name(*b))
         })?;
     }
     Ok(())
@@ -176,13 +147,7 @@ fn broadcast_dims(v: &View, bcs: &[(ValueId, &str, Vec<usize>)]) -> Result<(), R
 /// Checks that the intermediates are used only inside the pattern rooted at `root`.
 fn no_outside_uses(v: &View, inner: &[ValueId], root: ValueId) -> Result<(), Refused> {
     match v.outside_use(inner, root) {
-        Some(u) => Err((
-            "no-outside-uses",
-            format!(
-                "the intermediate {} is also used outside the pattern",
-                v.name(u)
-            ),
-        )),
+        Some(u) => Err(("no-outside-uses", format!("the intermediate {} is also used outside the pattern", v.name(u)))),
         None => Ok(()),
     }
 }
@@ -216,17 +181,11 @@ struct Ln {
 
 /// `m = reduce_sum(src, ..) * k` in either operand order, for a `src` accepted by `want`:
 /// `(sum, k, src)`.
-fn scaled_sum(
-    v: &View,
-    m: ValueId,
-    want: impl Fn(ValueId) -> bool,
-) -> Option<(ValueId, ValueId, ValueId)> {
-    orders(v.bin(m, BinaryOp::Mul)?)
-        .into_iter()
-        .find_map(|(s, k)| {
-            let (src, _) = v.reduce(s, ReduceOp::Sum)?;
-            want(src).then_some((s, k, src))
-        })
+fn scaled_sum(v: &View, m: ValueId, want: impl Fn(ValueId) -> bool) -> Option<(ValueId, ValueId, ValueId)> {
+    orders(v.bin(m, BinaryOp::Mul)?).into_iter().find_map(|(s, k)| {
+        let (src, _) = v.reduce(s, ReduceOp::Sum)?;
+        want(src).then_some((s, k, src))
+    })
 }
 
 fn match_layernorm(v: &View, y: ValueId) -> Option<Ln> {
@@ -281,13 +240,10 @@ fn match_stats(v: &View, xc: ValueId, rstd_b: ValueId) -> Option<[ValueId; 12]> 
     let (x, mean_b) = v.bin(xc, BinaryOp::Sub)?;
     let (mean, _) = v.bcast(mean_b)?;
     let (s1, k1, _) = scaled_sum(v, mean, |src| src == x)?;
-    orders(v.bin(var_eps, BinaryOp::Add)?)
-        .into_iter()
-        .find_map(|(var, eps)| {
-            let (s2, k2, sq) =
-                scaled_sum(v, var, |src| v.bin(src, BinaryOp::Mul) == Some((xc, xc)))?;
-            Some([x, eps, k1, k2, s1, mean, mean_b, sq, s2, var, var_eps, rstd])
-        })
+    orders(v.bin(var_eps, BinaryOp::Add)?).into_iter().find_map(|(var, eps)| {
+        let (s2, k2, sq) = scaled_sum(v, var, |src| v.bin(src, BinaryOp::Mul) == Some((xc, xc)))?;
+        Some([x, eps, k1, k2, s1, mean, mean_b, sq, s2, var, var_eps, rstd])
+    })
 }
 
 impl Ln {
@@ -295,19 +251,10 @@ impl Ln {
         let g = v.g;
         let xt = g.ty(self.x);
         for (what, t) in [("input", self.x), ("weight", self.w), ("bias", self.b)] {
-            rule(g.ty(t).dtype == DType::F32, "dtype-f32", || {
-                format!("the {what} {} is {}", v.name(t), g.ty(t))
-            })?;
+            rule(g.ty(t).dtype == DType::F32, "dtype-f32", || format!("the {what} {} is {}", v.name(t), g.ty(t)))?;
         }
         let r = xt.shape.rank();
-        reduces_last(
-            v,
-            r,
-            &[
-                (self.s1, "mean", ReduceOp::Sum),
-                (self.s2, "variance", ReduceOp::Sum),
-            ],
-        )?;
+        reduces_last(v, r, &[(self.s1, "mean", ReduceOp::Sum), (self.s2, "variance", ReduceOp::Sum)])?;
         broadcast_dims(
             v,
             &[
@@ -320,51 +267,22 @@ impl Ln {
         let c = &xt.shape.0[r - 1];
         for (what, t) in [("weight", self.w), ("bias", self.b)] {
             rule(g.ty(t).shape.0[..] == [c.clone()], "affine-rank", || {
-                format!(
-                    "the {what} {} is {}, expected [{c}]",
-                    v.name(t),
-                    g.ty(t).shape
-                )
+                format!("the {what} {} is {}, expected [{c}]", v.name(t), g.ty(t).shape)
             })?;
         }
-        let n = c.as_lit().ok_or_else(|| {
-            (
-                "mean-scale-matches-width",
-                format!("the normalized width {c} is not a constant"),
-            )
-        })?;
+        let n = c.as_lit().ok_or_else(|| ("mean-scale-matches-width", format!("the normalized width {c} is not a constant")))?;
         let want = round_to(DType::F32, 1.0 / n as f64);
         for (what, k) in [("mean", self.k1), ("variance", self.k2)] {
             let got = splat_rounded(g, k);
-            rule(
-                got == Some(want),
-                "mean-scale-matches-width",
-                || match got {
-                    Some(got) => format!(
-                        "the {what} scale {} is {got}, not 1/{n} = {want}",
-                        v.name(k)
-                    ),
-                    None => format!("the {what} scale {} is not a constant", v.name(k)),
-                },
-            )?;
+            rule(got == Some(want), "mean-scale-matches-width", || match got {
+                Some(got) => format!("the {what} scale {} is {got}, not 1/{n} = {want}", v.name(k)),
+                None => format!("the {what} scale {} is not a constant", v.name(k)),
+            })?;
         }
         let eps = match splat(g, self.eps) {
             Some((e, dt)) if e.is_finite() && e > 0.0 && round_to(dt, e) > 0.0 => e,
-            Some((e, _)) => {
-                return Err((
-                    "eps-constant",
-                    format!(
-                        "eps {} is {e}, not a positive finite constant",
-                        v.name(self.eps)
-                    ),
-                ))
-            }
-            None => {
-                return Err((
-                    "eps-constant",
-                    format!("eps {} is not a constant", v.name(self.eps)),
-                ))
-            }
+            Some((e, _)) => return Err(("eps-constant", format!("eps {} is {e}, not a positive finite constant", v.name(self.eps)))),
+            None => return Err(("eps-constant", format!("eps {} is not a constant", v.name(self.eps)))),
         };
         // The broadcasts of the weight and bias are free views: they may be shared.
         let inner = [
@@ -382,11 +300,7 @@ impl Ln {
             self.scaled,
         ];
         no_outside_uses(v, &inner, self.y)?;
-        Ok(Plan {
-            op: Op::LayerNorm { eps },
-            inputs: vec![self.x, self.w, self.b],
-            root: self.y,
-        })
+        Ok(Plan { op: Op::LayerNorm { eps }, inputs: vec![self.x, self.w, self.b], root: self.y })
     }
 }
 
@@ -412,50 +326,18 @@ fn match_softmax(v: &View, y: ValueId) -> Option<Sm> {
     let (x, mx_b) = v.bin(d, BinaryOp::Sub)?;
     let (mx, _) = v.bcast(mx_b)?;
     let (x2, _) = v.reduce(mx, ReduceOp::Max)?;
-    (e2 == e && x2 == x).then_some(Sm {
-        x,
-        mx,
-        mx_b,
-        d,
-        e,
-        s,
-        s_b,
-        y,
-    })
+    (e2 == e && x2 == x).then_some(Sm { x, mx, mx_b, d, e, s, s_b, y })
 }
 
 impl Sm {
     fn check(&self, v: &View) -> Result<Plan, Refused> {
         let xt = v.g.ty(self.x);
-        rule(xt.dtype.is_float(), "dtype-float", || {
-            format!("the input {} is {xt}", v.name(self.x))
-        })?;
+        rule(xt.dtype.is_float(), "dtype-float", || format!("the input {} is {xt}", v.name(self.x)))?;
         let r = xt.shape.rank();
-        reduces_last(
-            v,
-            r,
-            &[
-                (self.mx, "maximum", ReduceOp::Max),
-                (self.s, "sum", ReduceOp::Sum),
-            ],
-        )?;
-        broadcast_dims(
-            v,
-            &[
-                (self.mx_b, "maximum", leading(r - 1)),
-                (self.s_b, "sum", leading(r - 1)),
-            ],
-        )?;
-        no_outside_uses(
-            v,
-            &[self.mx, self.mx_b, self.d, self.e, self.s, self.s_b],
-            self.y,
-        )?;
-        Ok(Plan {
-            op: Op::Softmax,
-            inputs: vec![self.x],
-            root: self.y,
-        })
+        reduces_last(v, r, &[(self.mx, "maximum", ReduceOp::Max), (self.s, "sum", ReduceOp::Sum)])?;
+        broadcast_dims(v, &[(self.mx_b, "maximum", leading(r - 1)), (self.s_b, "sum", leading(r - 1))])?;
+        no_outside_uses(v, &[self.mx, self.mx_b, self.d, self.e, self.s, self.s_b], self.y)?;
+        Ok(Plan { op: Op::Softmax, inputs: vec![self.x], root: self.y })
     }
 }
 
@@ -501,140 +383,62 @@ fn match_cross_entropy(v: &View, loss: ValueId) -> Option<Ce> {
     if cmp.op != Op::Compare(CmpOp::Eq) || cmp.inputs.len() != 2 {
         return None;
     }
-    let (ids, targets_b, targets) = orders((cmp.inputs[0], cmp.inputs[1]))
-        .into_iter()
-        .find_map(|(ids, tb)| {
-            let is_iota = matches!(v.node(ids).op, Op::Iota { .. });
-            let (t, _) = v.bcast(tb)?;
-            is_iota.then_some((ids, tb, t))
-        })?;
+    let (ids, targets_b, targets) = orders((cmp.inputs[0], cmp.inputs[1])).into_iter().find_map(|(ids, tb)| {
+        let is_iota = matches!(v.node(ids).op, Op::Iota { .. });
+        let (t, _) = v.bcast(tb)?;
+        is_iota.then_some((ids, tb, t))
+    })?;
     let sl = v.node(lv);
     let (logits, sliced) = match sl.op {
         Op::Slice { .. } if sl.inputs.len() == 1 => (sl.inputs[0], true),
         _ => (lv, false),
     };
-    Some(Ce {
-        logits,
-        sliced,
-        lv,
-        mx,
-        mx_b,
-        shifted,
-        e,
-        s,
-        lse,
-        ids,
-        targets,
-        targets_b,
-        hit,
-        zero,
-        picked_all,
-        picked,
-        loss,
-    })
+    Some(Ce { logits, sliced, lv, mx, mx_b, shifted, e, s, lse, ids, targets, targets_b, hit, zero, picked_all, picked, loss })
 }
 
 impl Ce {
     fn check(&self, v: &View) -> Result<Plan, Refused> {
         let g = v.g;
         let lt = g.ty(self.logits);
-        rule(lt.dtype == DType::F32, "dtype-f32", || {
-            format!("the logits {} are {lt}", v.name(self.logits))
-        })?;
+        rule(lt.dtype == DType::F32, "dtype-f32", || format!("the logits {} are {lt}", v.name(self.logits)))?;
         let r = g.ty(self.lv).shape.rank();
         reduces_last(
             v,
             r,
-            &[
-                (self.mx, "maximum", ReduceOp::Max),
-                (self.s, "sum", ReduceOp::Sum),
-                (self.picked, "picked logit", ReduceOp::Sum),
-            ],
+            &[(self.mx, "maximum", ReduceOp::Max), (self.s, "sum", ReduceOp::Sum), (self.picked, "picked logit", ReduceOp::Sum)],
         )?;
         let vocab = match &g.producer(self.lv).op {
             Op::Slice { axis, start, end } if self.sliced => {
                 rule(*axis == r - 1, "axis-is-last", || {
-                    format!(
-                        "the vocabulary slice {} is along axis {axis}, not the last axis {}",
-                        v.name(self.lv),
-                        r - 1
-                    )
+                    format!("the vocabulary slice {} is along axis {axis}, not the last axis {}", v.name(self.lv), r - 1)
                 })?;
-                rule(*start == 0, "slice-from-zero", || {
-                    format!(
-                        "the vocabulary slice {} is {start}..{end}, not 0..V",
-                        v.name(self.lv)
-                    )
-                })?;
+                rule(*start == 0, "slice-from-zero", || format!("the vocabulary slice {} is {start}..{end}, not 0..V", v.name(self.lv)))?;
                 *end
             }
             _ => {
                 let last = &lt.shape.0[r - 1];
-                last.as_lit().ok_or_else(|| {
-                    (
-                        "vocab-constant",
-                        format!(
-                            "the vocabulary width {last} of {} is not a constant",
-                            v.name(self.lv)
-                        ),
-                    )
-                })?
+                last.as_lit()
+                    .ok_or_else(|| ("vocab-constant", format!("the vocabulary width {last} of {} is not a constant", v.name(self.lv))))?
             }
         };
         if let Op::Iota { axis, .. } = g.producer(self.ids).op {
             rule(axis == r - 1, "onehot-axis", || {
-                format!(
-                    "the one-hot iota {} counts along axis {axis}, not the last axis {}",
-                    v.name(self.ids),
-                    r - 1
-                )
+                format!("the one-hot iota {} counts along axis {axis}, not the last axis {}", v.name(self.ids), r - 1)
             })?;
         }
         let z = splat_rounded(g, self.zero);
-        rule(z == Some(0.0), "onehot-zero", || {
-            format!(
-                "the one-hot else-branch {} is not a zero constant",
-                v.name(self.zero)
-            )
-        })?;
+        rule(z == Some(0.0), "onehot-zero", || format!("the one-hot else-branch {} is not a zero constant", v.name(self.zero)))?;
         let (tt, lead) = (g.ty(self.targets), &g.ty(self.lv).shape.0[..r - 1]);
-        rule(
-            tt.dtype == DType::I32 && tt.shape.0[..] == *lead,
-            "targets-shape",
-            || {
-                format!(
-                    "the targets {} are {tt}, expected i32 with the logits' leading shape",
-                    v.name(self.targets)
-                )
-            },
-        )?;
-        broadcast_dims(
-            v,
-            &[
-                (self.targets_b, "targets", leading(r - 1)),
-                (self.mx_b, "maximum", leading(r - 1)),
-            ],
-        )?;
-        let mut inner = vec![
-            self.mx,
-            self.mx_b,
-            self.shifted,
-            self.e,
-            self.s,
-            self.lse,
-            self.hit,
-            self.picked_all,
-            self.picked,
-        ];
+        rule(tt.dtype == DType::I32 && tt.shape.0[..] == *lead, "targets-shape", || {
+            format!("the targets {} are {tt}, expected i32 with the logits' leading shape", v.name(self.targets))
+        })?;
+        broadcast_dims(v, &[(self.targets_b, "targets", leading(r - 1)), (self.mx_b, "maximum", leading(r - 1))])?;
+        let mut inner = vec![self.mx, self.mx_b, self.shifted, self.e, self.s, self.lse, self.hit, self.picked_all, self.picked];
         if self.sliced {
             inner.push(self.lv);
         }
         // The iota, the zero and the broadcast targets are sources or free views: they may be shared.
         no_outside_uses(v, &inner, self.loss)?;
-        Ok(Plan {
-            op: Op::CrossEntropy { vocab },
-            inputs: vec![self.logits, self.targets],
-            root: self.loss,
-        })
+        Ok(Plan { op: Op::CrossEntropy { vocab }, inputs: vec![self.logits, self.targets], root: self.loss })
     }
 }

@@ -29,13 +29,7 @@ pub struct AdamWConfig {
 impl Default for AdamWConfig {
     /// llm.c's and PyTorch's defaults, with llm.c's zero weight decay and no clipping.
     fn default() -> Self {
-        AdamWConfig {
-            beta1: 0.9,
-            beta2: 0.999,
-            eps: 1e-8,
-            weight_decay: 0.0,
-            clip: false,
-        }
+        AdamWConfig { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0, clip: false }
     }
 }
 
@@ -47,18 +41,11 @@ pub fn state_names(param: &str) -> [String; 2] {
 /// Appends the updates; see the module docs.
 pub fn optimizer(g: &Graph, cfg: &AdamWConfig) -> Result<Graph, String> {
     let mut out = g.clone();
-    let params: Vec<(String, ValueId)> = g
-        .params()
-        .into_iter()
-        .map(|(n, v)| (n.to_string(), v))
-        .collect();
+    let params: Vec<(String, ValueId)> = g.params().into_iter().map(|(n, v)| (n.to_string(), v)).collect();
     let mut grads = vec![];
     for (name, _) in &params {
         let gn = grad_name(name);
-        grads.push(
-            g.output_named(&gn)
-                .ok_or_else(|| format!("optimizer needs output `{gn}` (run autodiff first)"))?,
-        );
+        grads.push(g.output_named(&gn).ok_or_else(|| format!("optimizer needs output `{gn}` (run autodiff first)"))?);
     }
     out.outputs.retain(|(n, _)| n == "loss");
     let mut e = Emit { g: &mut out };
@@ -79,12 +66,7 @@ pub fn optimizer(g: &Graph, cfg: &AdamWConfig) -> Result<Graph, String> {
             .collect();
         norm = Some(n);
     }
-    let op = Op::AdamW {
-        beta1: cfg.beta1,
-        beta2: cfg.beta2,
-        eps: cfg.eps,
-        weight_decay: cfg.weight_decay,
-    };
+    let op = Op::AdamW { beta1: cfg.beta1, beta2: cfg.beta2, eps: cfg.eps, weight_decay: cfg.weight_decay };
     let mut news = vec![];
     for ((name, p), gr) in params.iter().zip(&grads) {
         let ty = e.g.ty(*p).clone();

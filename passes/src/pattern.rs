@@ -59,12 +59,7 @@ impl<'g> View<'g> {
         for (_, v) in &g.outputs {
             uses[v.0 as usize] += 1;
         }
-        View {
-            g,
-            uses,
-            live,
-            names: OnceCell::new(),
-        }
+        View { g, uses, live, names: OnceCell::new() }
     }
 
     /// The positional name of `v` as printed (`%12`).
@@ -93,9 +88,7 @@ impl<'g> View<'g> {
     pub fn bcast(&self, v: ValueId) -> Option<(ValueId, &'g [usize])> {
         let n = self.node(v);
         match &n.op {
-            Op::Broadcast { dims, .. } if n.inputs.len() == 1 => {
-                Some((n.inputs[0], dims.as_slice()))
-            }
+            Op::Broadcast { dims, .. } if n.inputs.len() == 1 => Some((n.inputs[0], dims.as_slice())),
             _ => None,
         }
     }
@@ -104,9 +97,7 @@ impl<'g> View<'g> {
     pub fn reduce(&self, v: ValueId, op: ReduceOp) -> Option<(ValueId, &'g [usize])> {
         let n = self.node(v);
         match &n.op {
-            Op::Reduce { op: o, axes } if *o == op && n.inputs.len() == 1 => {
-                Some((n.inputs[0], axes.as_slice()))
-            }
+            Op::Reduce { op: o, axes } if *o == op && n.inputs.len() == 1 => Some((n.inputs[0], axes.as_slice())),
             _ => None,
         }
     }
@@ -116,11 +107,7 @@ impl<'g> View<'g> {
     /// outside use.
     pub fn outside_use(&self, inner: &[ValueId], root: ValueId) -> Option<ValueId> {
         let mut counts: Vec<(ValueId, u32)> = inner.iter().map(|&v| (v, 0)).collect();
-        let mut nodes: Vec<usize> = inner
-            .iter()
-            .chain([&root])
-            .map(|v| self.g.values[v.0 as usize].node.0 as usize)
-            .collect();
+        let mut nodes: Vec<usize> = inner.iter().chain([&root]).map(|v| self.g.values[v.0 as usize].node.0 as usize).collect();
         // Count each node's operands once, even if it produces two listed values.
         nodes.sort_unstable();
         nodes.dedup();
@@ -131,10 +118,7 @@ impl<'g> View<'g> {
                 }
             }
         }
-        counts
-            .into_iter()
-            .find(|&(v, c)| self.uses[v.0 as usize] != c)
-            .map(|(v, _)| v)
+        counts.into_iter().find(|&(v, c)| self.uses[v.0 as usize] != c).map(|(v, _)| v)
     }
 }
 

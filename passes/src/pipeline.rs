@@ -82,35 +82,16 @@ pub struct Compiled {
 /// Runs the pipeline on a parsed forward graph up to and including `last` (a name from
 /// [`PASSES`]). `bind` binds the symbolic dims for `memplan`. Every intermediate graph is
 /// verified in debug builds.
-pub fn compile(
-    g: &Graph,
-    last: &str,
-    mode: Mode,
-    opts: &PipelineOptions,
-    bind: &Bindings,
-) -> Result<Compiled, String> {
-    let last = if last == "fuse" {
-        "fuse-elementwise"
-    } else {
-        last
-    };
-    let stop = PASSES
-        .iter()
-        .position(|p| *p == last)
-        .ok_or_else(|| format!("unknown pass `{last}`; passes: {}", PASSES.join(", ")))?;
-    let mut out = Compiled {
-        graph: g.clone(),
-        runs: vec![],
-        log: FusionLog::default(),
-        plan: None,
-    };
+pub fn compile(g: &Graph, last: &str, mode: Mode, opts: &PipelineOptions, bind: &Bindings) -> Result<Compiled, String> {
+    let last = if last == "fuse" { "fuse-elementwise" } else { last };
+    let stop = PASSES.iter().position(|p| *p == last).ok_or_else(|| format!("unknown pass `{last}`; passes: {}", PASSES.join(", ")))?;
+    let mut out = Compiled { graph: g.clone(), runs: vec![], log: FusionLog::default(), plan: None };
     for &name in &PASSES[1..=stop] {
         let skip = match name {
             "autodiff" => mode == Mode::Forward,
             "optimizer" => mode != Mode::Step,
             "fuse" => true,
-            "canonicalize" | "fuse-layernorm" | "fuse-epilogue" | "fuse-grad-accum"
-            | "fuse-elementwise" => opts.no_fusion,
+            "canonicalize" | "fuse-layernorm" | "fuse-epilogue" | "fuse-grad-accum" | "fuse-elementwise" => opts.no_fusion,
             _ => false,
         };
         if skip {
@@ -135,13 +116,9 @@ pub fn compile(
             }
             _ => unreachable!("every name in PASSES has a case"),
         };
-        out.runs.push(PassRun {
-            name,
-            time: t0.elapsed(),
-        });
+        out.runs.push(PassRun { name, time: t0.elapsed() });
         if cfg!(debug_assertions) {
-            fusec_ir::verify::verify(&out.graph)
-                .map_err(|e| format!("after pass `{name}`: {e}"))?;
+            fusec_ir::verify::verify(&out.graph).map_err(|e| format!("after pass `{name}`: {e}"))?;
         }
     }
     Ok(out)
@@ -171,13 +148,6 @@ pub fn launches(g: &Graph) -> Launches {
 
 /// The forward, gradient and training-step programs of a forward graph, compiled through
 /// `schedule` (the runtime plans memory itself).
-pub fn programs(
-    g: &Graph,
-    opts: &PipelineOptions,
-    bind: &Bindings,
-) -> Result<Vec<(Mode, Compiled)>, String> {
-    [Mode::Forward, Mode::Grad, Mode::Step]
-        .into_iter()
-        .map(|m| Ok((m, compile(g, "schedule", m, opts, bind)?)))
-        .collect()
+pub fn programs(g: &Graph, opts: &PipelineOptions, bind: &Bindings) -> Result<Vec<(Mode, Compiled)>, String> {
+    [Mode::Forward, Mode::Grad, Mode::Step].into_iter().map(|m| Ok((m, compile(g, "schedule", m, opts, bind)?))).collect()
 }

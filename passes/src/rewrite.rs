@@ -23,13 +23,7 @@ impl Emit<'_> {
     }
     /// A splat constant of type `ty`.
     pub fn splat(&mut self, value: f64, ty: &Type) -> ValueId {
-        self.g.add1(
-            Op::Const {
-                value,
-                ty: ty.clone(),
-            },
-            &[],
-        )
+        self.g.add1(Op::Const { value, ty: ty.clone() }, &[])
     }
     /// A splat constant shaped like `like`.
     pub fn splat_like(&mut self, value: f64, like: ValueId) -> ValueId {
@@ -38,13 +32,7 @@ impl Emit<'_> {
     }
     /// A named input.
     pub fn input(&mut self, name: &str, ty: &Type) -> ValueId {
-        self.g.add1(
-            Op::Input {
-                name: name.to_string(),
-                ty: ty.clone(),
-            },
-            &[],
-        )
+        self.g.add1(Op::Input { name: name.to_string(), ty: ty.clone() }, &[])
     }
     /// `x * c` for a constant `c`.
     pub fn scale(&mut self, x: ValueId, c: f64) -> ValueId {
@@ -57,13 +45,7 @@ impl Emit<'_> {
         if rank == 0 {
             return x;
         }
-        self.g.add1(
-            Op::Reduce {
-                op: fusec_ir::ReduceOp::Sum,
-                axes: (0..rank).collect(),
-            },
-            &[x],
-        )
+        self.g.add1(Op::Reduce { op: fusec_ir::ReduceOp::Sum, axes: (0..rank).collect() }, &[x])
     }
     /// Broadcasts a scalar to the shape of `like`.
     pub fn broadcast_scalar(&mut self, s: ValueId, like: ValueId) -> ValueId {
@@ -71,13 +53,7 @@ impl Emit<'_> {
         if shape.rank() == 0 {
             return s;
         }
-        self.g.add1(
-            Op::Broadcast {
-                dims: vec![],
-                shape,
-            },
-            &[s],
-        )
+        self.g.add1(Op::Broadcast { dims: vec![], shape }, &[s])
     }
 }
 
@@ -102,17 +78,9 @@ pub fn remove_dead_nodes(g: &Graph) -> Graph {
     out.syms = g.syms.clone();
     let mut map: Vec<Option<ValueId>> = vec![None; g.values.len()];
     for (n, _) in g.nodes.iter().zip(&keep).filter(|(_, k)| **k) {
-        let ins: Vec<ValueId> = n
-            .inputs
-            .iter()
-            .map(|v| map[v.0 as usize].expect("inputs precede uses"))
-            .collect();
+        let ins: Vec<ValueId> = n.inputs.iter().map(|v| map[v.0 as usize].expect("inputs precede uses")).collect();
         let tys = n.results.iter().map(|r| g.ty(*r).clone()).collect();
-        for (old, new) in n
-            .results
-            .iter()
-            .zip(out.push_unchecked(n.op.clone(), &ins, tys))
-        {
+        for (old, new) in n.results.iter().zip(out.push_unchecked(n.op.clone(), &ins, tys)) {
             map[old.0 as usize] = Some(new);
         }
     }
@@ -179,24 +147,14 @@ pub struct Replacement {
 /// the `deleted` nodes dropped, then removes nodes left dead. The caller guarantees that each
 /// replacement's operands are defined before its root and that every use of an exposed value
 /// comes after the root.
-pub fn rebuild(
-    g: &Graph,
-    mut replacements: std::collections::HashMap<usize, Replacement>,
-    deleted: &[bool],
-) -> Result<Graph, String> {
+pub fn rebuild(g: &Graph, mut replacements: std::collections::HashMap<usize, Replacement>, deleted: &[bool]) -> Result<Graph, String> {
     let mut out = Graph::new(&g.name, &[]);
     out.syms = g.syms.clone();
     let mut map: Vec<Option<ValueId>> = vec![None; g.values.len()];
-    let get = |map: &Vec<Option<ValueId>>, v: &ValueId| {
-        map[v.0 as usize].ok_or_else(|| format!("value {v:?} used before it is rebuilt"))
-    };
+    let get = |map: &Vec<Option<ValueId>>, v: &ValueId| map[v.0 as usize].ok_or_else(|| format!("value {v:?} used before it is rebuilt"));
     for (i, n) in g.nodes.iter().enumerate() {
         if let Some(r) = replacements.remove(&i) {
-            let ins = r
-                .inputs
-                .iter()
-                .map(|v| get(&map, v))
-                .collect::<Result<Vec<_>, _>>()?;
+            let ins = r.inputs.iter().map(|v| get(&map, v)).collect::<Result<Vec<_>, _>>()?;
             let res = out.try_add(r.op, &ins)?;
             for (old, new) in r.exposes.iter().zip(res) {
                 map[old.0 as usize] = Some(new);
@@ -206,17 +164,9 @@ pub fn rebuild(
         if deleted[i] {
             continue;
         }
-        let ins = n
-            .inputs
-            .iter()
-            .map(|v| get(&map, v))
-            .collect::<Result<Vec<_>, _>>()?;
+        let ins = n.inputs.iter().map(|v| get(&map, v)).collect::<Result<Vec<_>, _>>()?;
         let tys = n.results.iter().map(|r| g.ty(*r).clone()).collect();
-        for (old, new) in n
-            .results
-            .iter()
-            .zip(out.push_unchecked(n.op.clone(), &ins, tys))
-        {
+        for (old, new) in n.results.iter().zip(out.push_unchecked(n.op.clone(), &ins, tys)) {
             map[old.0 as usize] = Some(new);
         }
     }

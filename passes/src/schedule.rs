@@ -74,10 +74,7 @@ pub fn schedule_with(g: &Graph, bind: &Bindings) -> Result<Graph, String> {
 /// current choice when it is no worse under every probe (and, for the greedy orders, strictly
 /// better under one), or when the current choice violates a state-ordering constraint.
 fn schedule_for(g: &Graph, probes: &[Bindings]) -> Result<Graph, String> {
-    let models = probes
-        .iter()
-        .map(|b| Model::new(g, b))
-        .collect::<Result<Vec<_>, _>>()?;
+    let models = probes.iter().map(|b| Model::new(g, b)).collect::<Result<Vec<_>, _>>()?;
     let peaks = |o: &[usize]| models.iter().map(|m| m.peak(o)).collect::<Vec<u64>>();
     let m0 = &models[0];
     let mut best = m0.baseline_order();
@@ -110,11 +107,7 @@ pub fn peak_bytes(g: &Graph, bind: &Bindings) -> Result<u64, String> {
 /// A copy of `g` with its nodes in `order` (a permutation of node indices that is topological),
 /// values renumbered in the new order.
 pub fn reorder(g: &Graph, order: &[usize]) -> Graph {
-    let mut out = Graph {
-        name: g.name.clone(),
-        syms: g.syms.clone(),
-        ..Graph::default()
-    };
+    let mut out = Graph { name: g.name.clone(), syms: g.syms.clone(), ..Graph::default() };
     let mut map = vec![ValueId(u32::MAX); g.values.len()];
     for &ni in order {
         let n = &g.nodes[ni];
@@ -125,11 +118,7 @@ pub fn reorder(g: &Graph, order: &[usize]) -> Graph {
             map[old.0 as usize] = new;
         }
     }
-    out.outputs = g
-        .outputs
-        .iter()
-        .map(|(n, v)| (n.clone(), map[v.0 as usize]))
-        .collect();
+    out.outputs = g.outputs.iter().map(|(n, v)| (n.clone(), map[v.0 as usize])).collect();
     out
 }
 
@@ -186,9 +175,7 @@ impl<'g> Model<'g> {
         }
         // Gradient accumulators: `memplan` accumulates into them in place.
         let is_acc = |n: &fusec_ir::Node| match &n.op {
-            Op::Input { name, .. } => name
-                .strip_prefix("grad.")
-                .is_some_and(|p| names.get(p) == Some(&true)),
+            Op::Input { name, .. } => name.strip_prefix("grad.").is_some_and(|p| names.get(p) == Some(&true)),
             _ => false,
         };
         let mut root: Vec<u32> = (0..nv as u32).collect();
@@ -212,16 +199,13 @@ impl<'g> Model<'g> {
                     let opts = in_place_options(n, g);
                     for (ri, cands) in opts.candidates.iter().enumerate() {
                         let r = n.results[ri].0 as usize;
-                        let into_acc = cands.iter().map(|&k| n.inputs[k].0 as usize).find(|&o| {
-                            acc[root[o] as usize]
-                                && readers[o] == 1
-                                && !is_output[o]
-                                && bytes[o] == bytes[r]
-                        });
+                        let into_acc = cands
+                            .iter()
+                            .map(|&k| n.inputs[k].0 as usize)
+                            .find(|&o| acc[root[o] as usize] && readers[o] == 1 && !is_output[o] && bytes[o] == bytes[r]);
                         match into_acc {
                             Some(o) => root[r] = root[o],
-                            None if !cands.is_empty() => inplace[i]
-                                .push((r as u32, cands.iter().map(|&k| n.inputs[k].0).collect())),
+                            None if !cands.is_empty() => inplace[i].push((r as u32, cands.iter().map(|&k| n.inputs[k].0).collect())),
                             None => {}
                         }
                     }
@@ -255,24 +239,13 @@ impl<'g> Model<'g> {
             node_roots.push(rs);
         }
         let war = war_edges(g, &view_bases(g));
-        Ok(Model {
-            g,
-            root,
-            new_buf,
-            bytes,
-            keep,
-            users,
-            node_roots,
-            inplace,
-            war,
-        })
+        Ok(Model { g, root, new_buf, bytes, keep, users, node_roots, inplace, war })
     }
 
     /// The input order with parameters and inputs hoisted to the front.
     fn baseline_order(&self) -> Vec<usize> {
         let n = self.g.nodes.len();
-        let is_iface =
-            |i: &usize| matches!(self.g.nodes[*i].op, Op::Param { .. } | Op::Input { .. });
+        let is_iface = |i: &usize| matches!(self.g.nodes[*i].op, Op::Param { .. } | Op::Input { .. });
         let mut order: Vec<usize> = (0..n).filter(is_iface).collect();
         order.extend((0..n).filter(|i| !is_iface(i)));
         order
@@ -305,9 +278,7 @@ impl<'g> Model<'g> {
                 let r = *r as usize;
                 let fits = |o: &&u32| {
                     let o = self.root[**o as usize];
-                    let ok = self.new_buf[o as usize]
-                        && !self.keep[o as usize]
-                        && remaining[o as usize] == 1;
+                    let ok = self.new_buf[o as usize] && !self.keep[o as usize] && remaining[o as usize] == 1;
                     ok && self.bytes[o as usize] == self.bytes[r] && !taken.contains(&o)
                 };
                 if let Some(o) = cands.iter().find(fits).filter(|_| self.new_buf[r]) {
@@ -367,11 +338,7 @@ impl<'g> Model<'g> {
         let mut succs: Vec<Vec<u32>> = vec![vec![]; nn];
         let mut lazy_preds: Vec<SmallVec<[u32; 4]>> = vec![SmallVec::new(); nn];
         for i in 0..nn {
-            let preds = g.nodes[i]
-                .inputs
-                .iter()
-                .map(producer)
-                .chain(war_preds[i].iter().copied());
+            let preds = g.nodes[i].inputs.iter().map(producer).chain(war_preds[i].iter().copied());
             let mut seen: SmallVec<[usize; 8]> = SmallVec::new();
             for p in preds {
                 if seen.contains(&p) || is_iface(p) {
@@ -478,11 +445,8 @@ impl ListState<'_, '_> {
             alloc += self.new_bytes(p);
             stack.extend(self.lazy_preds[p].iter().copied());
         }
-        let freed: u64 = m.node_roots[i]
-            .iter()
-            .filter(|&&r| !m.keep[r as usize] && self.remaining[r as usize] == 1)
-            .map(|&r| m.bytes[r as usize])
-            .sum();
+        let freed: u64 =
+            m.node_roots[i].iter().filter(|&&r| !m.keep[r as usize] && self.remaining[r as usize] == 1).map(|&r| m.bytes[r as usize]).sum();
         freed as i64 - alloc as i64
     }
 

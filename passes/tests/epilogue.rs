@@ -54,75 +54,21 @@ fn assert_same(a: &[Tensor], b: &[Tensor], rtol: f64) {
 fn mlp(extra_reader: bool, bias_axis_last: bool) -> Graph {
     let mut g = Graph::new("mlp", &[]);
     let f = |d: &[u64]| Type::new(DType::F32, Shape::lits(d));
-    let x = g.add1(
-        Op::Param {
-            name: "x".into(),
-            ty: f(&[4, 3, 5]),
-        },
-        &[],
-    );
-    let w = g.add1(
-        Op::Param {
-            name: "w".into(),
-            ty: f(&[6, 5]),
-        },
-        &[],
-    );
-    let y = g.add1(
-        Op::MatMul {
-            trans_a: false,
-            trans_b: true,
-        },
-        &[x, w],
-    );
+    let x = g.add1(Op::Param { name: "x".into(), ty: f(&[4, 3, 5]) }, &[]);
+    let w = g.add1(Op::Param { name: "w".into(), ty: f(&[6, 5]) }, &[]);
+    let y = g.add1(Op::MatMul { trans_a: false, trans_b: true }, &[x, w]);
     let b = if bias_axis_last {
-        let b = g.add1(
-            Op::Param {
-                name: "b".into(),
-                ty: f(&[6]),
-            },
-            &[],
-        );
-        g.add1(
-            Op::Broadcast {
-                dims: vec![2],
-                shape: Shape::lits(&[4, 3, 6]),
-            },
-            &[b],
-        )
+        let b = g.add1(Op::Param { name: "b".into(), ty: f(&[6]) }, &[]);
+        g.add1(Op::Broadcast { dims: vec![2], shape: Shape::lits(&[4, 3, 6]) }, &[b])
     } else {
-        let b = g.add1(
-            Op::Param {
-                name: "b".into(),
-                ty: f(&[3]),
-            },
-            &[],
-        );
-        g.add1(
-            Op::Broadcast {
-                dims: vec![1],
-                shape: Shape::lits(&[4, 3, 6]),
-            },
-            &[b],
-        )
+        let b = g.add1(Op::Param { name: "b".into(), ty: f(&[3]) }, &[]);
+        g.add1(Op::Broadcast { dims: vec![1], shape: Shape::lits(&[4, 3, 6]) }, &[b])
     };
     let z = g.add1(Op::Binary(BinaryOp::Add), &[y, b]);
     let a = g.add1(Op::Gelu, &[z]);
-    let mut loss = g.add1(
-        Op::Reduce {
-            op: ReduceOp::Sum,
-            axes: vec![0, 1, 2],
-        },
-        &[a],
-    );
+    let mut loss = g.add1(Op::Reduce { op: ReduceOp::Sum, axes: vec![0, 1, 2] }, &[a]);
     if extra_reader {
-        let s = g.add1(
-            Op::Reduce {
-                op: ReduceOp::Sum,
-                axes: vec![0, 1, 2],
-            },
-            &[y],
-        );
+        let s = g.add1(Op::Reduce { op: ReduceOp::Sum, axes: vec![0, 1, 2] }, &[y]);
         loss = g.add1(Op::Binary(BinaryOp::Add), &[loss, s]);
     }
     g.output("loss", loss);
@@ -134,14 +80,8 @@ fn bias_and_gelu_fold_into_the_matmul_and_keep_values() {
     let g = mlp(false, true);
     let mut log = FusionLog::default();
     let fused = fuse_epilogue(&g, &mut log).unwrap();
-    assert_eq!(
-        count(&fused, |o| matches!(o, Op::Gemm(gm) if gm.bias && gm.gelu)),
-        1
-    );
-    assert_eq!(
-        count(&fused, |o| matches!(o, Op::MatMul { .. } | Op::Gelu)),
-        0
-    );
+    assert_eq!(count(&fused, |o| matches!(o, Op::Gemm(gm) if gm.bias && gm.gelu)), 1);
+    assert_eq!(count(&fused, |o| matches!(o, Op::MatMul { .. } | Op::Gelu)), 0);
     let f = feeds(&g, 1, 1);
     assert_same(&outputs(&fused, &f), &outputs(&g, &f), 0.0);
     // Through autodiff: the backward reads the pre-GELU value, now the gemm's second result.
@@ -154,40 +94,17 @@ fn bias_and_gelu_fold_into_the_matmul_and_keep_values() {
 
 #[test]
 fn bias_on_the_wrong_axis_or_a_shared_product_is_refused() {
-    for (g, rule) in [
-        (mlp(false, false), "bias-is-row-vector"),
-        (mlp(true, true), "bias-is-row-vector"),
-    ] {
+    for (g, rule) in [(mlp(false, false), "bias-is-row-vector"), (mlp(true, true), "bias-is-row-vector")] {
         let mut log = FusionLog::default();
         let fused = fuse_epilogue(&g, &mut log).unwrap();
-        assert_eq!(
-            count(&fused, |o| matches!(o, Op::Gemm(_))),
-            0,
-            "{}",
-            fusec_ir::text::print(&fused)
-        );
-        assert!(
-            log.refusals.iter().any(|r| r.rule == rule),
-            "{:?}",
-            log.refusals
-        );
+        assert_eq!(count(&fused, |o| matches!(o, Op::Gemm(_))), 0, "{}", fusec_ir::text::print(&fused));
+        assert!(log.refusals.iter().any(|r| r.rule == rule), "{:?}", log.refusals);
     }
 }
 
 fn tiny_train() -> (Graph, u64) {
-    let cfg = Gpt2Config {
-        layers: 2,
-        heads: 2,
-        channels: 16,
-        vocab: 30,
-        padded_vocab: 32,
-        max_seq: 8,
-    };
-    let g = optimizer(
-        &autodiff(&build_gpt2(&cfg, "t")).unwrap(),
-        &AdamWConfig::default(),
-    )
-    .unwrap();
+    let cfg = Gpt2Config { layers: 2, heads: 2, channels: 16, vocab: 30, padded_vocab: 32, max_seq: 8 };
+    let g = optimizer(&autodiff(&build_gpt2(&cfg, "t")).unwrap(), &AdamWConfig::default()).unwrap();
     (g, cfg.vocab as u64)
 }
 
@@ -198,10 +115,7 @@ fn weight_gradients_accumulate_in_place_into_the_matmul() {
     let e = fuse_epilogue(&g, &mut log).unwrap();
     let fused = fuse_grad_accum(&e, &mut log).unwrap();
     // Every weight matrix's gradient (4 per block and the tied LM head) is a beta = 1 gemm.
-    assert_eq!(
-        count(&fused, |o| matches!(o, Op::Gemm(gm) if gm.accumulate)),
-        4 * 2 + 1
-    );
+    assert_eq!(count(&fused, |o| matches!(o, Op::Gemm(gm) if gm.accumulate)), 4 * 2 + 1);
     let f = feeds(&g, 3, vocab);
     assert_same(&outputs(&fused, &f), &outputs(&g, &f), 0.0);
     assert!(fusec_ir::verify::verify(&fused).is_ok());
@@ -211,34 +125,10 @@ fn weight_gradients_accumulate_in_place_into_the_matmul() {
 fn accumulator_read_elsewhere_is_refused() {
     let mut g = Graph::new("acc", &[]);
     let f = |d: &[u64]| Type::new(DType::F32, Shape::lits(d));
-    let a = g.add1(
-        Op::Param {
-            name: "a".into(),
-            ty: f(&[3, 4]),
-        },
-        &[],
-    );
-    let b = g.add1(
-        Op::Param {
-            name: "b".into(),
-            ty: f(&[4, 5]),
-        },
-        &[],
-    );
-    let acc = g.add1(
-        Op::Input {
-            name: "grad.w".into(),
-            ty: f(&[3, 5]),
-        },
-        &[],
-    );
-    let p = g.add1(
-        Op::MatMul {
-            trans_a: false,
-            trans_b: false,
-        },
-        &[a, b],
-    );
+    let a = g.add1(Op::Param { name: "a".into(), ty: f(&[3, 4]) }, &[]);
+    let b = g.add1(Op::Param { name: "b".into(), ty: f(&[4, 5]) }, &[]);
+    let acc = g.add1(Op::Input { name: "grad.w".into(), ty: f(&[3, 5]) }, &[]);
+    let p = g.add1(Op::MatMul { trans_a: false, trans_b: false }, &[a, b]);
     let s = g.add1(Op::Binary(BinaryOp::Add), &[acc, p]);
     let peek: ValueId = g.add1(Op::Unary(fusec_ir::UnaryOp::Exp), &[acc]);
     g.output("grad.w", s);
@@ -246,11 +136,7 @@ fn accumulator_read_elsewhere_is_refused() {
     let mut log = FusionLog::default();
     let fused = fuse_grad_accum(&g, &mut log).unwrap();
     assert_eq!(count(&fused, |o| matches!(o, Op::Gemm(_))), 0);
-    assert!(
-        log.refusals.iter().any(|r| r.rule == "acc-has-other-users"),
-        "{:?}",
-        log.refusals
-    );
+    assert!(log.refusals.iter().any(|r| r.rule == "acc-has-other-users"), "{:?}", log.refusals);
 }
 
 #[test]
@@ -260,28 +146,15 @@ fn amp_casts_matmul_operands_once_and_keeps_the_rest_f32() {
     assert!(fusec_ir::verify::verify(&mixed).is_ok());
     let matmuls = count(&g, |o| matches!(o, Op::MatMul { .. }));
     assert_eq!(count(&mixed, |o| matches!(o, Op::MatMul { .. })), matmuls);
-    for n in mixed
-        .nodes
-        .iter()
-        .filter(|n| matches!(n.op, Op::MatMul { .. }))
-    {
+    for n in mixed.nodes.iter().filter(|n| matches!(n.op, Op::MatMul { .. })) {
         assert_eq!(mixed.ty(n.results[0]).dtype, DType::BF16);
     }
-    for n in mixed.nodes.iter().filter(|n| {
-        matches!(
-            n.op,
-            Op::LayerNorm { .. } | Op::Attention { .. } | Op::AdamW { .. }
-        )
-    }) {
+    for n in mixed.nodes.iter().filter(|n| matches!(n.op, Op::LayerNorm { .. } | Op::Attention { .. } | Op::AdamW { .. })) {
         assert_eq!(mixed.ty(n.results[0]).dtype, DType::F32);
     }
     // One cast per value: no value is cast to bf16 twice.
     let mut seen = std::collections::HashSet::new();
-    for n in mixed
-        .nodes
-        .iter()
-        .filter(|n| n.op == Op::Cast { to: DType::BF16 })
-    {
+    for n in mixed.nodes.iter().filter(|n| n.op == Op::Cast { to: DType::BF16 }) {
         assert!(seen.insert(n.inputs[0]), "value cast twice");
     }
     // bf16 tolerance on the loss; the policy is off by default.
@@ -292,11 +165,6 @@ fn amp_casts_matmul_operands_once_and_keeps_the_rest_f32() {
     // Casts of products become the gemm's out dtype.
     let mut log = FusionLog::default();
     let fused = fuse_epilogue(&mixed, &mut log).unwrap();
-    assert!(
-        count(
-            &fused,
-            |o| matches!(o, Op::Gemm(gm) if gm.out == DType::F32)
-        ) > 0
-    );
+    assert!(count(&fused, |o| matches!(o, Op::Gemm(gm) if gm.out == DType::F32)) > 0);
     assert_same(&outputs(&fused, &f), &a, 0.0);
 }

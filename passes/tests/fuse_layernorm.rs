@@ -10,9 +10,7 @@ use fusec_ir::interp::{self, round_to, Precision, Tensor};
 use fusec_ir::rng::Rng;
 use fusec_ir::text::{parse, print};
 use fusec_ir::verify::verify;
-use fusec_ir::{
-    BinaryOp, Bindings, CmpOp, DType, Dim, Graph, Op, ReduceOp, Shape, Type, UnaryOp, ValueId,
-};
+use fusec_ir::{BinaryOp, Bindings, CmpOp, DType, Dim, Graph, Op, ReduceOp, Shape, Type, UnaryOp, ValueId};
 use fusec_models::{build_gpt2, Gpt2Config};
 use fusec_passes::autodiff::{autodiff, DLOSS};
 use fusec_passes::canonicalize::canonicalize;
@@ -20,10 +18,7 @@ use fusec_passes::explain::FusionLog;
 use fusec_passes::fuse_layernorm::{fuse_layernorm, PASS};
 
 fn count(g: &Graph, mnemonic: &str) -> usize {
-    g.nodes
-        .iter()
-        .filter(|n| n.op.mnemonic() == mnemonic)
-        .count()
+    g.nodes.iter().filter(|n| n.op.mnemonic() == mnemonic).count()
 }
 
 fn fuse(g: &Graph) -> (Graph, FusionLog) {
@@ -74,21 +69,10 @@ fn feeds(g: &Graph, b: &Bindings, vocab: u64, seed: u64) -> HashMap<String, Tens
 #[test]
 fn gpt2_tiny_fuses_every_layernorm_and_the_loss() {
     let (cfg, g, b) = tiny();
-    for (label, src) in [
-        ("raw", g.clone()),
-        ("canonicalized", canonicalize(&g).unwrap()),
-    ] {
+    for (label, src) in [("raw", g.clone()), ("canonicalized", canonicalize(&g).unwrap())] {
         let (h, log) = fuse(&src);
         assert_eq!(count(&h, "layernorm"), 2 * cfg.layers + 1, "{label}");
-        assert_eq!(
-            (
-                count(&h, "cross_entropy"),
-                count(&h, "rsqrt"),
-                count(&h, "softmax")
-            ),
-            (1, 0, 0),
-            "{label}"
-        );
+        assert_eq!((count(&h, "cross_entropy"), count(&h, "rsqrt"), count(&h, "softmax")), (1, 0, 0), "{label}");
         assert!(log.of(PASS).is_empty(), "{label}: {:?}", log.refusals);
         let f = feeds(&g, &b, cfg.vocab as u64, 3);
         let want = interp::run(&src, &b, &f, Precision::F32).unwrap();
@@ -104,13 +88,7 @@ fn gpt2_tiny_training_step_gradients_match() {
     let (cfg, g, b) = tiny();
     let (fused, _) = fuse(&canonicalize(&g).unwrap());
     let (ref_step, step) = (autodiff(&g).unwrap(), autodiff(&fused).unwrap());
-    assert_eq!(
-        (
-            count(&step, "layernorm_grad"),
-            count(&step, "cross_entropy_grad")
-        ),
-        (2 * cfg.layers + 1, 1)
-    );
+    assert_eq!((count(&step, "layernorm_grad"), count(&step, "cross_entropy_grad")), (2 * cfg.layers + 1, 1));
     let f = feeds(&ref_step, &b, cfg.vocab as u64, 11);
     for (prec, rtol) in [(Precision::F32, 1e-5), (Precision::F64, 1e-9)] {
         let want = interp::run(&ref_step, &b, &f, prec).unwrap();
@@ -149,109 +127,39 @@ struct LnKnobs {
 fn ln_graph(k: LnKnobs) -> Graph {
     let dt = if k.bf16 { DType::BF16 } else { DType::F32 };
     let (rows, c) = if k.w_wrong_axis { (8, 8) } else { (6, 8) };
-    let (red, keep) = if k.first_axis {
-        (0usize, 1usize)
-    } else {
-        (1, 0)
-    };
+    let (red, keep) = if k.first_axis { (0usize, 1usize) } else { (1, 0) };
     let n = if k.first_axis { rows } else { c };
     let t = |d: &[u64]| Type::new(dt, Shape::lits(d));
     let mut g = Graph::new("ln", &[]);
-    let x = g.add1(
-        Op::Param {
-            name: "x".into(),
-            ty: t(&[rows, c]),
-        },
-        &[],
-    );
-    let w = g.add1(
-        Op::Param {
-            name: "w".into(),
-            ty: t(&[c]),
-        },
-        &[],
-    );
-    let bias = g.add1(
-        Op::Param {
-            name: "b".into(),
-            ty: t(&[c]),
-        },
-        &[],
-    );
+    let x = g.add1(Op::Param { name: "x".into(), ty: t(&[rows, c]) }, &[]);
+    let w = g.add1(Op::Param { name: "w".into(), ty: t(&[c]) }, &[]);
+    let bias = g.add1(Op::Param { name: "b".into(), ty: t(&[c]) }, &[]);
     let xs = Shape::lits(&[rows, c]);
     let stat = t(&[if k.first_axis { c } else { rows }]);
     let scale = k.scale.unwrap_or(1.0 / n as f64);
     let mean_of = |g: &mut Graph, v: ValueId| {
-        let s = g.add1(
-            Op::Reduce {
-                op: ReduceOp::Sum,
-                axes: vec![red],
-            },
-            &[v],
-        );
-        let inv = g.add1(
-            Op::Const {
-                value: scale,
-                ty: stat.clone(),
-            },
-            &[],
-        );
+        let s = g.add1(Op::Reduce { op: ReduceOp::Sum, axes: vec![red] }, &[v]);
+        let inv = g.add1(Op::Const { value: scale, ty: stat.clone() }, &[]);
         g.add1(Op::Binary(BinaryOp::Mul), &[s, inv])
     };
     let mean = mean_of(&mut g, x);
-    let mean_b = g.add1(
-        Op::Broadcast {
-            dims: vec![keep],
-            shape: xs.clone(),
-        },
-        &[mean],
-    );
+    let mean_b = g.add1(Op::Broadcast { dims: vec![keep], shape: xs.clone() }, &[mean]);
     let xc = g.add1(Op::Binary(BinaryOp::Sub), &[x, mean_b]);
     let sq = g.add1(Op::Binary(BinaryOp::Mul), &[xc, xc]);
     let var = mean_of(&mut g, sq);
     let eps = if k.eps_input {
-        g.add1(
-            Op::Input {
-                name: "eps".into(),
-                ty: g.ty(var).clone(),
-            },
-            &[],
-        )
+        g.add1(Op::Input { name: "eps".into(), ty: g.ty(var).clone() }, &[])
     } else {
-        g.add1(
-            Op::Const {
-                value: 1e-5,
-                ty: g.ty(var).clone(),
-            },
-            &[],
-        )
+        g.add1(Op::Const { value: 1e-5, ty: g.ty(var).clone() }, &[])
     };
     let ve = g.add1(Op::Binary(BinaryOp::Add), &[var, eps]);
     let rstd = g.add1(Op::Unary(UnaryOp::Rsqrt), &[ve]);
-    let rstd_b = g.add1(
-        Op::Broadcast {
-            dims: vec![keep],
-            shape: xs.clone(),
-        },
-        &[rstd],
-    );
+    let rstd_b = g.add1(Op::Broadcast { dims: vec![keep], shape: xs.clone() }, &[rstd]);
     let norm = g.add1(Op::Binary(BinaryOp::Mul), &[xc, rstd_b]);
     let w_dims = if k.w_wrong_axis { vec![0] } else { vec![1] };
-    let w_b = g.add1(
-        Op::Broadcast {
-            dims: w_dims,
-            shape: xs.clone(),
-        },
-        &[w],
-    );
+    let w_b = g.add1(Op::Broadcast { dims: w_dims, shape: xs.clone() }, &[w]);
     let scaled = g.add1(Op::Binary(BinaryOp::Mul), &[norm, w_b]);
-    let b_b = g.add1(
-        Op::Broadcast {
-            dims: vec![1],
-            shape: xs,
-        },
-        &[bias],
-    );
+    let b_b = g.add1(Op::Broadcast { dims: vec![1], shape: xs }, &[bias]);
     let y = g.add1(Op::Binary(BinaryOp::Add), &[scaled, b_b]);
     if k.mean_dead_use {
         g.add1(Op::Unary(UnaryOp::Exp), &[mean]);
@@ -286,11 +194,7 @@ fn assert_refused(g: &Graph, rule: &str) {
     let (h, log) = fuse(g);
     assert_eq!(print(&h), print(g), "near miss for `{rule}` was fused");
     let rules: Vec<&str> = log.of(PASS).iter().map(|r| r.rule).collect();
-    assert!(
-        rules.contains(&rule),
-        "expected a `{rule}` refusal, got {:?}",
-        log.refusals
-    );
+    assert!(rules.contains(&rule), "expected a `{rule}` refusal, got {:?}", log.refusals);
     for r in log.of(PASS) {
         assert!(r.at.starts_with('%') && !r.detail.is_empty(), "{r}");
     }
@@ -298,26 +202,11 @@ fn assert_refused(g: &Graph, rule: &str) {
 
 #[test]
 fn layernorm_fires_and_matches() {
-    for knobs in [
-        LnKnobs::default(),
-        LnKnobs {
-            mean_dead_use: true,
-            ..LnKnobs::default()
-        },
-    ] {
+    for knobs in [LnKnobs::default(), LnKnobs { mean_dead_use: true, ..LnKnobs::default() }] {
         let g = ln_graph(knobs);
         let (h, log) = fuse(&g);
         assert!(log.refusals.is_empty(), "{:?}", log.refusals);
-        assert_eq!(
-            (
-                count(&h, "layernorm"),
-                count(&h, "rsqrt"),
-                count(&h, "reduce_sum")
-            ),
-            (1, 0, 0),
-            "{}",
-            print(&h)
-        );
+        assert_eq!((count(&h, "layernorm"), count(&h, "rsqrt"), count(&h, "reduce_sum")), (1, 0, 0), "{}", print(&h));
         assert!(print(&h).contains("{eps = 1e-5}"), "{}", print(&h));
         assert_same_values(&g, &h, 1e-6);
     }
@@ -325,112 +214,46 @@ fn layernorm_fires_and_matches() {
 
 #[test]
 fn layernorm_over_a_non_last_axis_is_refused() {
-    assert_refused(
-        &ln_graph(LnKnobs {
-            first_axis: true,
-            ..LnKnobs::default()
-        }),
-        "axis-is-last",
-    );
+    assert_refused(&ln_graph(LnKnobs { first_axis: true, ..LnKnobs::default() }), "axis-is-last");
 }
 
 #[test]
 fn layernorm_with_a_wrong_mean_scale_is_refused() {
-    assert_refused(
-        &ln_graph(LnKnobs {
-            scale: Some(1.0 / 7.0),
-            ..LnKnobs::default()
-        }),
-        "mean-scale-matches-width",
-    );
+    assert_refused(&ln_graph(LnKnobs { scale: Some(1.0 / 7.0), ..LnKnobs::default() }), "mean-scale-matches-width");
 }
 
 #[test]
 fn layernorm_with_a_variable_eps_is_refused() {
-    assert_refused(
-        &ln_graph(LnKnobs {
-            eps_input: true,
-            ..LnKnobs::default()
-        }),
-        "eps-constant",
-    );
+    assert_refused(&ln_graph(LnKnobs { eps_input: true, ..LnKnobs::default() }), "eps-constant");
 }
 
 #[test]
 fn layernorm_with_the_weight_on_the_wrong_axis_is_refused() {
-    assert_refused(
-        &ln_graph(LnKnobs {
-            w_wrong_axis: true,
-            ..LnKnobs::default()
-        }),
-        "broadcast-shapes",
-    );
+    assert_refused(&ln_graph(LnKnobs { w_wrong_axis: true, ..LnKnobs::default() }), "broadcast-shapes");
 }
 
 #[test]
 fn layernorm_whose_mean_is_used_elsewhere_is_refused() {
-    assert_refused(
-        &ln_graph(LnKnobs {
-            mean_escapes: true,
-            ..LnKnobs::default()
-        }),
-        "no-outside-uses",
-    );
+    assert_refused(&ln_graph(LnKnobs { mean_escapes: true, ..LnKnobs::default() }), "no-outside-uses");
 }
 
 #[test]
 fn bf16_layernorm_is_refused() {
-    assert_refused(
-        &ln_graph(LnKnobs {
-            bf16: true,
-            ..LnKnobs::default()
-        }),
-        "dtype-f32",
-    );
+    assert_refused(&ln_graph(LnKnobs { bf16: true, ..LnKnobs::default() }), "dtype-f32");
 }
 
 /// `softmax(x)` over `axis` of `x: f32[5, 7]` from primitives.
 fn softmax_graph(axis: usize) -> Graph {
     let mut g = Graph::new("sm", &[]);
     let xs = Shape::lits(&[5, 7]);
-    let x = g.add1(
-        Op::Param {
-            name: "x".into(),
-            ty: Type::new(DType::F32, xs.clone()),
-        },
-        &[],
-    );
+    let x = g.add1(Op::Param { name: "x".into(), ty: Type::new(DType::F32, xs.clone()) }, &[]);
     let keep = 1 - axis;
-    let mx = g.add1(
-        Op::Reduce {
-            op: ReduceOp::Max,
-            axes: vec![axis],
-        },
-        &[x],
-    );
-    let mx_b = g.add1(
-        Op::Broadcast {
-            dims: vec![keep],
-            shape: xs.clone(),
-        },
-        &[mx],
-    );
+    let mx = g.add1(Op::Reduce { op: ReduceOp::Max, axes: vec![axis] }, &[x]);
+    let mx_b = g.add1(Op::Broadcast { dims: vec![keep], shape: xs.clone() }, &[mx]);
     let d = g.add1(Op::Binary(BinaryOp::Sub), &[x, mx_b]);
     let e = g.add1(Op::Unary(UnaryOp::Exp), &[d]);
-    let s = g.add1(
-        Op::Reduce {
-            op: ReduceOp::Sum,
-            axes: vec![axis],
-        },
-        &[e],
-    );
-    let s_b = g.add1(
-        Op::Broadcast {
-            dims: vec![keep],
-            shape: xs,
-        },
-        &[s],
-    );
+    let s = g.add1(Op::Reduce { op: ReduceOp::Sum, axes: vec![axis] }, &[e]);
+    let s_b = g.add1(Op::Broadcast { dims: vec![keep], shape: xs }, &[s]);
     let y = g.add1(Op::Binary(BinaryOp::Div), &[e, s_b]);
     g.output("y", y);
     g
@@ -441,12 +264,7 @@ fn softmax_fires_and_matches() {
     let g = softmax_graph(1);
     let (h, log) = fuse(&g);
     assert!(log.refusals.is_empty(), "{:?}", log.refusals);
-    assert_eq!(
-        (count(&h, "softmax"), count(&h, "exp"), h.nodes.len()),
-        (1, 0, 2),
-        "{}",
-        print(&h)
-    );
+    assert_eq!((count(&h, "softmax"), count(&h, "exp"), h.nodes.len()), (1, 0, 2), "{}", print(&h));
     assert_same_values(&g, &h, 1e-6);
 }
 
@@ -459,83 +277,22 @@ fn softmax_over_a_non_last_axis_is_refused() {
 /// with the one-hot iota along `iota_axis`, as `Builder::mean_cross_entropy` emits it.
 fn ce_graph(start: u64, iota_axis: usize) -> Graph {
     let mut g = Graph::new("ce", &[]);
-    let logits = g.add1(
-        Op::Param {
-            name: "logits".into(),
-            ty: Type::new(DType::F32, Shape::lits(&[2, 3, 12])),
-        },
-        &[],
-    );
-    let targets = g.add1(
-        Op::Input {
-            name: "targets".into(),
-            ty: Type::new(DType::I32, Shape::lits(&[2, 3])),
-        },
-        &[],
-    );
-    let lv = g.add1(
-        Op::Slice {
-            axis: 2,
-            start,
-            end: start + 10,
-        },
-        &[logits],
-    );
+    let logits = g.add1(Op::Param { name: "logits".into(), ty: Type::new(DType::F32, Shape::lits(&[2, 3, 12])) }, &[]);
+    let targets = g.add1(Op::Input { name: "targets".into(), ty: Type::new(DType::I32, Shape::lits(&[2, 3])) }, &[]);
+    let lv = g.add1(Op::Slice { axis: 2, start, end: start + 10 }, &[logits]);
     let ls = g.ty(lv).shape.clone();
-    let mx = g.add1(
-        Op::Reduce {
-            op: ReduceOp::Max,
-            axes: vec![2],
-        },
-        &[lv],
-    );
-    let mx_b = g.add1(
-        Op::Broadcast {
-            dims: vec![0, 1],
-            shape: ls.clone(),
-        },
-        &[mx],
-    );
+    let mx = g.add1(Op::Reduce { op: ReduceOp::Max, axes: vec![2] }, &[lv]);
+    let mx_b = g.add1(Op::Broadcast { dims: vec![0, 1], shape: ls.clone() }, &[mx]);
     let shifted = g.add1(Op::Binary(BinaryOp::Sub), &[lv, mx_b]);
     let e = g.add1(Op::Unary(UnaryOp::Exp), &[shifted]);
-    let s = g.add1(
-        Op::Reduce {
-            op: ReduceOp::Sum,
-            axes: vec![2],
-        },
-        &[e],
-    );
+    let s = g.add1(Op::Reduce { op: ReduceOp::Sum, axes: vec![2] }, &[e]);
     let lse = g.add1(Op::Unary(UnaryOp::Log), &[s]);
-    let ids = g.add1(
-        Op::Iota {
-            axis: iota_axis,
-            ty: Type::new(DType::I32, ls.clone()),
-        },
-        &[],
-    );
-    let t_b = g.add1(
-        Op::Broadcast {
-            dims: vec![0, 1],
-            shape: ls.clone(),
-        },
-        &[targets],
-    );
+    let ids = g.add1(Op::Iota { axis: iota_axis, ty: Type::new(DType::I32, ls.clone()) }, &[]);
+    let t_b = g.add1(Op::Broadcast { dims: vec![0, 1], shape: ls.clone() }, &[targets]);
     let hit = g.add1(Op::Compare(CmpOp::Eq), &[ids, t_b]);
-    let zero = g.add1(
-        Op::Const {
-            value: 0.0,
-            ty: Type::new(DType::F32, ls),
-        },
-        &[],
-    );
+    let zero = g.add1(Op::Const { value: 0.0, ty: Type::new(DType::F32, ls) }, &[]);
     let picked_all = g.add1(Op::Select, &[hit, shifted, zero]);
-    let picked = g.add1(
-        Op::Reduce {
-            op: ReduceOp::Sum,
-            axes: vec![2],
-        },
-        &[picked_all],
-    );
+    let picked = g.add1(Op::Reduce { op: ReduceOp::Sum, axes: vec![2] }, &[picked_all]);
     let loss = g.add1(Op::Binary(BinaryOp::Sub), &[lse, picked]);
     g.output("loss", loss);
     g
@@ -546,12 +303,7 @@ fn cross_entropy_fires_and_matches() {
     let g = ce_graph(0, 2);
     let (h, log) = fuse(&g);
     assert!(log.refusals.is_empty(), "{:?}", log.refusals);
-    assert_eq!(
-        (count(&h, "cross_entropy"), h.nodes.len()),
-        (1, 3),
-        "{}",
-        print(&h)
-    );
+    assert_eq!((count(&h, "cross_entropy"), h.nodes.len()), (1, 3), "{}", print(&h));
     assert!(print(&h).contains("vocab = 10"), "{}", print(&h));
     assert_same_values(&g, &h, 1e-6);
 }
@@ -568,10 +320,7 @@ fn cross_entropy_with_the_onehot_on_the_wrong_axis_is_refused() {
 
 #[test]
 fn random_graphs_never_break_the_pass() {
-    let opts = GenOpts {
-        extreme_consts: false,
-        ..GenOpts::default()
-    };
+    let opts = GenOpts { extreme_consts: false, ..GenOpts::default() };
     for seed in 0..2000u64 {
         let g = random_graph_with(&mut Rng::new(seed), &opts);
         let mut log = FusionLog::default();
@@ -589,33 +338,14 @@ fn random_ln(rng: &mut Rng) -> Option<Graph> {
     if r > 1 && rng.chance(0.5) {
         dims[0] = Dim::sym("B");
     }
-    let axis = if rng.chance(0.8) {
-        r - 1
-    } else {
-        rng.below(r as u64) as usize
-    };
-    let dt = if rng.chance(0.85) {
-        DType::F32
-    } else {
-        DType::BF16
-    };
+    let axis = if rng.chance(0.8) { r - 1 } else { rng.below(r as u64) as usize };
+    let dt = if rng.chance(0.85) { DType::F32 } else { DType::BF16 };
     let xs = Shape::from(dims.clone());
     let keep: Vec<usize> = (0..r).filter(|&i| i != axis).collect();
-    let stat = Type::new(
-        dt,
-        Shape::from(keep.iter().map(|&i| dims[i].clone()).collect::<Vec<_>>()),
-    );
+    let stat = Type::new(dt, Shape::from(keep.iter().map(|&i| dims[i].clone()).collect::<Vec<_>>()));
     let n = dims[axis].as_lit().unwrap_or(2);
-    let scale = if rng.chance(0.85) {
-        1.0 / n as f64
-    } else {
-        1.0 / (n + 1) as f64
-    };
-    let w_axis = if rng.chance(0.85) {
-        r - 1
-    } else {
-        rng.below(r as u64) as usize
-    };
+    let scale = if rng.chance(0.85) { 1.0 / n as f64 } else { 1.0 / (n + 1) as f64 };
+    let w_axis = if rng.chance(0.85) { r - 1 } else { rng.below(r as u64) as usize };
     let mut g = Graph::new("ln", &["B"]);
     let mut op = |g: &mut Graph, o: Op, ins: &[ValueId]| -> Option<ValueId> {
         let mut ins = ins.to_vec();
@@ -624,97 +354,25 @@ fn random_ln(rng: &mut Rng) -> Option<Graph> {
         }
         g.try_add(o, &ins).ok().map(|r| r[0])
     };
-    let x = g.add1(
-        Op::Param {
-            name: "x".into(),
-            ty: Type::new(dt, xs.clone()),
-        },
-        &[],
-    );
-    let w = g.add1(
-        Op::Param {
-            name: "w".into(),
-            ty: Type::new(dt, Shape::from(vec![dims[w_axis].clone()])),
-        },
-        &[],
-    );
-    let b = g.add1(
-        Op::Param {
-            name: "b".into(),
-            ty: Type::new(dt, Shape::from(vec![dims[w_axis].clone()])),
-        },
-        &[],
-    );
-    let k = g.add1(
-        Op::Const {
-            value: scale,
-            ty: stat.clone(),
-        },
-        &[],
-    );
-    let s1 = op(
-        &mut g,
-        Op::Reduce {
-            op: ReduceOp::Sum,
-            axes: vec![axis],
-        },
-        &[x],
-    )?;
+    let x = g.add1(Op::Param { name: "x".into(), ty: Type::new(dt, xs.clone()) }, &[]);
+    let w = g.add1(Op::Param { name: "w".into(), ty: Type::new(dt, Shape::from(vec![dims[w_axis].clone()])) }, &[]);
+    let b = g.add1(Op::Param { name: "b".into(), ty: Type::new(dt, Shape::from(vec![dims[w_axis].clone()])) }, &[]);
+    let k = g.add1(Op::Const { value: scale, ty: stat.clone() }, &[]);
+    let s1 = op(&mut g, Op::Reduce { op: ReduceOp::Sum, axes: vec![axis] }, &[x])?;
     let mean = op(&mut g, Op::Binary(BinaryOp::Mul), &[s1, k])?;
-    let mean_b = op(
-        &mut g,
-        Op::Broadcast {
-            dims: keep.clone(),
-            shape: xs.clone(),
-        },
-        &[mean],
-    )?;
+    let mean_b = op(&mut g, Op::Broadcast { dims: keep.clone(), shape: xs.clone() }, &[mean])?;
     let xc = op(&mut g, Op::Binary(BinaryOp::Sub), &[x, mean_b])?;
     let sq = op(&mut g, Op::Binary(BinaryOp::Mul), &[xc, xc])?;
-    let s2 = op(
-        &mut g,
-        Op::Reduce {
-            op: ReduceOp::Sum,
-            axes: vec![axis],
-        },
-        &[sq],
-    )?;
+    let s2 = op(&mut g, Op::Reduce { op: ReduceOp::Sum, axes: vec![axis] }, &[sq])?;
     let var = op(&mut g, Op::Binary(BinaryOp::Mul), &[s2, k])?;
-    let eps = g.add1(
-        Op::Const {
-            value: 1e-5,
-            ty: stat,
-        },
-        &[],
-    );
+    let eps = g.add1(Op::Const { value: 1e-5, ty: stat }, &[]);
     let ve = op(&mut g, Op::Binary(BinaryOp::Add), &[var, eps])?;
     let rstd = op(&mut g, Op::Unary(UnaryOp::Rsqrt), &[ve])?;
-    let rstd_b = op(
-        &mut g,
-        Op::Broadcast {
-            dims: keep,
-            shape: xs.clone(),
-        },
-        &[rstd],
-    )?;
+    let rstd_b = op(&mut g, Op::Broadcast { dims: keep, shape: xs.clone() }, &[rstd])?;
     let norm = op(&mut g, Op::Binary(BinaryOp::Mul), &[xc, rstd_b])?;
-    let w_b = op(
-        &mut g,
-        Op::Broadcast {
-            dims: vec![w_axis],
-            shape: xs.clone(),
-        },
-        &[w],
-    )?;
+    let w_b = op(&mut g, Op::Broadcast { dims: vec![w_axis], shape: xs.clone() }, &[w])?;
     let scaled = op(&mut g, Op::Binary(BinaryOp::Mul), &[norm, w_b])?;
-    let b_b = op(
-        &mut g,
-        Op::Broadcast {
-            dims: vec![w_axis],
-            shape: xs,
-        },
-        &[b],
-    )?;
+    let b_b = op(&mut g, Op::Broadcast { dims: vec![w_axis], shape: xs }, &[b])?;
     let y = op(&mut g, Op::Binary(BinaryOp::Add), &[scaled, b_b])?;
     g.output("y", y);
     if rng.chance(0.15) {
@@ -737,27 +395,15 @@ fn random_layernorm_variants_fuse_only_when_legal_and_keep_values() {
         let (h, log) = fuse(&g);
         if count(&h, "layernorm") == 0 {
             assert_eq!(print(&h), print(&g), "seed {seed}");
-            assert_eq!(
-                log.refusals.len(),
-                1,
-                "seed {seed}: a candidate is refused once\n{}",
-                print(&g)
-            );
+            assert_eq!(log.refusals.len(), 1, "seed {seed}: a candidate is refused once\n{}", print(&g));
             refused += 1;
             continue;
         }
         fused += 1;
         let r = g.ty(g.nodes[0].results[0]).shape.rank();
-        let ln = h
-            .nodes
-            .iter()
-            .find(|n| n.op.mnemonic() == "layernorm")
-            .unwrap();
+        let ln = h.nodes.iter().find(|n| n.op.mnemonic() == "layernorm").unwrap();
         assert_eq!(g.ty(ln.inputs[0]).dtype, DType::F32, "seed {seed}");
-        assert!(
-            r >= 1 && g.outputs.len() == 1,
-            "seed {seed}: an escaping intermediate was fused"
-        );
+        assert!(r >= 1 && g.outputs.len() == 1, "seed {seed}: an escaping intermediate was fused");
         // The reference is the primitive graph in F64: with two near-equal elements in a row the
         // primitive f32 chain loses digits to cancellation in `x - mean` (relative error
         // ulp(x)/|x - mean|), while the composite computes the row in f64 and rounds once.
@@ -766,19 +412,10 @@ fn random_layernorm_variants_fuse_only_when_legal_and_keep_values() {
         let scale = want[0].data.iter().fold(0f64, |m, v| m.max(v.abs()));
         for (prec, tol) in [(Precision::F32, 1e-6), (Precision::F64, 1e-12)] {
             let got = interp::run(&h, &b, &f, prec).unwrap();
-            assert_close(
-                &format!("seed {seed} {prec:?}"),
-                &got[0],
-                &want[0],
-                tol,
-                tol * scale,
-            );
+            assert_close(&format!("seed {seed} {prec:?}"), &got[0], &want[0], tol, tol * scale);
         }
     }
-    assert!(
-        fused > 100 && refused > 100,
-        "fused {fused}, refused {refused}"
-    );
+    assert!(fused > 100 && refused > 100, "fused {fused}, refused {refused}");
 }
 
 /// Node counts before and after each pass, and the time of each, on the shipped tiny and 124M

@@ -13,9 +13,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use fusec_ir::interp::{self, concrete_shape, Precision, Tensor};
 use fusec_ir::rng::Rng;
-use fusec_ir::{
-    BinaryOp, Bindings, CmpOp, DType, Dim, Graph, Op, ReduceOp, Shape, Type, UnaryOp, ValueId,
-};
+use fusec_ir::{BinaryOp, Bindings, CmpOp, DType, Dim, Graph, Op, ReduceOp, Shape, Type, UnaryOp, ValueId};
 use fusec_models::{build_gpt2, Gpt2Config};
 use fusec_passes::autodiff::{autodiff, grad_name, DLOSS};
 
@@ -62,17 +60,11 @@ impl Case {
     fn new(name: &str, seed: u64) -> Case {
         let mut b = Bindings::default();
         b.set("B", 2).set("T", 3);
-        Case {
-            g: Graph::new(name, &["B", "T"]),
-            b,
-            feeds: HashMap::new(),
-            rng: Rng::new(seed),
-        }
+        Case { g: Graph::new(name, &["B", "T"]), b, feeds: HashMap::new(), rng: Rng::new(seed) }
     }
 
     fn numel(&self, shape: &Shape) -> (Vec<usize>, usize) {
-        let s =
-            concrete_shape(&Type::new(DType::F32, shape.clone()), &self.b).expect("bound shape");
+        let s = concrete_shape(&Type::new(DType::F32, shape.clone()), &self.b).expect("bound shape");
         let n = s.iter().product();
         (s, n)
     }
@@ -82,9 +74,7 @@ impl Case {
             Init::Normal(std) => (0..n).map(|_| std * self.rng.normal()).collect(),
             Init::Pos => (0..n).map(|_| self.rng.range(0.5, 2.0)).collect(),
             Init::Distinct => {
-                let mut v: Vec<f64> = (0..n)
-                    .map(|i| 0.3 * i as f64 - 0.15 * n as f64 + 0.05 * self.rng.uniform())
-                    .collect();
+                let mut v: Vec<f64> = (0..n).map(|i| 0.3 * i as f64 - 0.15 * n as f64 + 0.05 * self.rng.uniform()).collect();
                 for i in (1..n).rev() {
                     let j = self.rng.below(i as u64 + 1) as usize;
                     v.swap(i, j);
@@ -97,15 +87,8 @@ impl Case {
     fn param_data(&mut self, name: &str, shape: Shape, data: Vec<f64>) -> ValueId {
         let (s, n) = self.numel(&shape);
         assert_eq!(n, data.len());
-        self.feeds
-            .insert(name.to_string(), Tensor::new(DType::F32, s, data));
-        self.g.add1(
-            Op::Param {
-                name: name.to_string(),
-                ty: Type::new(DType::F32, shape),
-            },
-            &[],
-        )
+        self.feeds.insert(name.to_string(), Tensor::new(DType::F32, s, data));
+        self.g.add1(Op::Param { name: name.to_string(), ty: Type::new(DType::F32, shape) }, &[])
     }
 
     fn param(&mut self, name: &str, shape: Shape, init: Init) -> ValueId {
@@ -118,15 +101,8 @@ impl Case {
     fn ints(&mut self, name: &str, shape: Shape, data: &[i32]) -> ValueId {
         let (s, n) = self.numel(&shape);
         assert_eq!(n, data.len());
-        self.feeds
-            .insert(name.to_string(), Tensor::from_i32(s, data));
-        self.g.add1(
-            Op::Input {
-                name: name.to_string(),
-                ty: Type::new(DType::I32, shape),
-            },
-            &[],
-        )
+        self.feeds.insert(name.to_string(), Tensor::from_i32(s, data));
+        self.g.add1(Op::Input { name: name.to_string(), ty: Type::new(DType::I32, shape) }, &[])
     }
 
     /// An i32 input with random values in `0..hi`.
@@ -154,27 +130,11 @@ impl Case {
         assert_eq!(ty.dtype, DType::F32);
         let (s, n) = self.numel(&ty.shape);
         let data = self.draw(n, Init::Normal(1.0));
-        self.feeds
-            .insert("loss_weights".into(), Tensor::new(DType::F32, s, data));
-        let w = self.g.add1(
-            Op::Input {
-                name: "loss_weights".into(),
-                ty: ty.clone(),
-            },
-            &[],
-        );
+        self.feeds.insert("loss_weights".into(), Tensor::new(DType::F32, s, data));
+        let w = self.g.add1(Op::Input { name: "loss_weights".into(), ty: ty.clone() }, &[]);
         let yw = self.bin(BinaryOp::Mul, y, w);
-        let loss = if ty.shape.rank() == 0 {
-            yw
-        } else {
-            self.op(
-                Op::Reduce {
-                    op: ReduceOp::Sum,
-                    axes: (0..ty.shape.rank()).collect(),
-                },
-                &[yw],
-            )
-        };
+        let loss =
+            if ty.shape.rank() == 0 { yw } else { self.op(Op::Reduce { op: ReduceOp::Sum, axes: (0..ty.shape.rank()).collect() }, &[yw]) };
         self.g.output("loss", loss);
         self
     }
@@ -182,8 +142,7 @@ impl Case {
 
 /// Runs `g` and returns its outputs by name.
 fn run_named(g: &Graph, b: &Bindings, feeds: &HashMap<String, Tensor>) -> HashMap<String, Tensor> {
-    let outs = interp::run(g, b, feeds, Precision::F64)
-        .unwrap_or_else(|e| panic!("graph `{}` failed to run: {e}", g.name));
+    let outs = interp::run(g, b, feeds, Precision::F64).unwrap_or_else(|e| panic!("graph `{}` failed to run: {e}", g.name));
     g.outputs.iter().map(|(n, _)| n.clone()).zip(outs).collect()
 }
 
@@ -217,21 +176,11 @@ fn differentiate(c: &Case) -> Graph {
     let mut want = vec!["loss".to_string()];
     want.extend(params.iter().map(|p| grad_name(p)));
     let have: Vec<String> = ad.outputs.iter().map(|(n, _)| n.clone()).collect();
-    assert_eq!(
-        have, want,
-        "outputs of the autodiff graph of `{}`",
-        c.g.name
-    );
+    assert_eq!(have, want, "outputs of the autodiff graph of `{}`", c.g.name);
     let inputs: HashMap<&str, ValueId> = ad.inputs().into_iter().collect();
-    assert_eq!(
-        *ad.ty(inputs[DLOSS]),
-        Type::scalar(DType::F32),
-        "dloss type"
-    );
+    assert_eq!(*ad.ty(inputs[DLOSS]), Type::scalar(DType::F32), "dloss type");
     for (p, v) in c.g.params() {
-        let gi = inputs
-            .get(grad_name(p).as_str())
-            .unwrap_or_else(|| panic!("no input {}", grad_name(p)));
+        let gi = inputs.get(grad_name(p).as_str()).unwrap_or_else(|| panic!("no input {}", grad_name(p)));
         assert_eq!(ad.ty(*gi), c.g.ty(v), "type of {}", grad_name(p));
     }
     ad
@@ -251,27 +200,11 @@ fn ad_feeds(c: &Case, dloss: f64, grads: &HashMap<String, Tensor>) -> HashMap<St
 /// parameter name (also checks `loss` against the forward graph and the accumulation form).
 fn analytic(c: &Case, ad: &Graph) -> HashMap<String, Tensor> {
     let zeros: HashMap<String, Tensor> =
-        c.g.params()
-            .iter()
-            .map(|(p, _)| {
-                (
-                    p.to_string(),
-                    Tensor::zeros(c.feeds[*p].dtype, c.feeds[*p].shape.clone()),
-                )
-            })
-            .collect();
+        c.g.params().iter().map(|(p, _)| (p.to_string(), Tensor::zeros(c.feeds[*p].dtype, c.feeds[*p].shape.clone()))).collect();
     let outs = run_named(ad, &c.b, &ad_feeds(c, 1.0, &zeros));
     let l_fwd = loss_of(&c.g, &c.b, &c.feeds);
-    assert_eq!(
-        outs["loss"].data[0], l_fwd,
-        "`{}`: loss of the autodiff graph differs from the forward loss",
-        c.g.name
-    );
-    let grads: HashMap<String, Tensor> =
-        c.g.params()
-            .iter()
-            .map(|(p, _)| (p.to_string(), outs[&grad_name(p)].clone()))
-            .collect();
+    assert_eq!(outs["loss"].data[0], l_fwd, "`{}`: loss of the autodiff graph differs from the forward loss", c.g.name);
+    let grads: HashMap<String, Tensor> = c.g.params().iter().map(|(p, _)| (p.to_string(), outs[&grad_name(p)].clone())).collect();
 
     // Accumulation: grad.P' = grad.P + dloss * dP with dloss = 0.5 and random grad.P.
     let mut rng = Rng::new(0xacc);
@@ -280,14 +213,7 @@ fn analytic(c: &Case, ad: &Graph) -> HashMap<String, Tensor> {
             .iter()
             .map(|(p, _)| {
                 let t = &c.feeds[*p];
-                (
-                    p.to_string(),
-                    Tensor::new(
-                        t.dtype,
-                        t.shape.clone(),
-                        (0..t.numel()).map(|_| rng.normal()).collect(),
-                    ),
-                )
+                (p.to_string(), Tensor::new(t.dtype, t.shape.clone(), (0..t.numel()).map(|_| rng.normal()).collect()))
             })
             .collect();
     let outs2 = run_named(ad, &c.b, &ad_feeds(c, 0.5, &acc_in));
@@ -337,24 +263,13 @@ fn gradcheck_with(c: &Case, sample: Option<usize>) -> HashMap<String, Tensor> {
             checked += 1;
             worst = worst.max((a - num).abs() / (ATOL + RTOL * num.abs()));
             if !close(a, num, ATOL, RTOL) || !num.is_finite() {
-                failures.push(format!(
-                    "  {}[{i}]: analytic {a:e}, finite difference {num:e}",
-                    grad_name(p)
-                ));
+                failures.push(format!("  {}[{i}]: analytic {a:e}, finite difference {num:e}", grad_name(p)));
             }
         }
     }
     assert!(checked > 0, "`{}` has nothing to check", c.g.name);
-    eprintln!(
-        "{}: {checked} elements checked, worst error {worst:.3} of the tolerance",
-        c.g.name
-    );
-    assert!(
-        failures.is_empty(),
-        "gradient check of `{}` failed:\n{}",
-        c.g.name,
-        failures.join("\n")
-    );
+    eprintln!("{}: {checked} elements checked, worst error {worst:.3} of the tolerance", c.g.name);
+    assert!(failures.is_empty(), "gradient check of `{}` failed:\n{}", c.g.name, failures.join("\n"));
     grads
 }
 
@@ -382,15 +297,7 @@ fn unary_ops() {
 fn unary_on_negative_inputs() {
     // recip on negative values (away from zero).
     let mut c = Case::new("recip_neg", 7);
-    let data: Vec<f64> = (0..6)
-        .map(|i| {
-            if i % 2 == 0 {
-                -0.5 - 0.25 * i as f64
-            } else {
-                0.7 + 0.1 * i as f64
-            }
-        })
-        .collect();
+    let data: Vec<f64> = (0..6).map(|i| if i % 2 == 0 { -0.5 - 0.25 * i as f64 } else { 0.7 + 0.1 * i as f64 }).collect();
     let x = c.param_data("x", ls(&[6]), data);
     let y = c.op(Op::Unary(UnaryOp::Recip), &[x]);
     gradcheck(&c.finish(y));
@@ -404,25 +311,14 @@ fn binary_ops() {
         let b = match op {
             BinaryOp::Div => {
                 // Divisors of both signs, |b| in [0.5, 2].
-                let data: Vec<f64> = (0..12)
-                    .map(|i| {
-                        if i % 3 == 0 {
-                            -c.rng.range(0.5, 2.0)
-                        } else {
-                            c.rng.range(0.5, 2.0)
-                        }
-                    })
-                    .collect();
+                let data: Vec<f64> = (0..12).map(|i| if i % 3 == 0 { -c.rng.range(0.5, 2.0) } else { c.rng.range(0.5, 2.0) }).collect();
                 c.param_data("b", ls(&[3, 4]), data)
             }
             BinaryOp::Max | BinaryOp::Min => {
                 // b = a +- [0.1, 1]: no ties, and each side wins somewhere.
                 let a0 = c.feeds["a"].data.clone();
-                let data: Vec<f64> = a0
-                    .iter()
-                    .enumerate()
-                    .map(|(i, &x)| x + if i % 2 == 0 { 1.0 } else { -1.0 } * c.rng.range(0.1, 1.0))
-                    .collect();
+                let data: Vec<f64> =
+                    a0.iter().enumerate().map(|(i, &x)| x + if i % 2 == 0 { 1.0 } else { -1.0 } * c.rng.range(0.1, 1.0)).collect();
                 c.param_data("b", ls(&[3, 4]), data)
             }
             _ => c.param("b", ls(&[3, 4]), Init::Normal(1.0)),
@@ -439,23 +335,10 @@ fn binary_ops_with_one_operand_an_input() {
         for param_first in [true, false] {
             let mut c = Case::new(&format!("binary_half_{op:?}_{param_first}"), 300 + k as u64);
             let p = c.param("p", ls(&[5]), Init::Pos);
-            let data: Vec<f64> = (0..5)
-                .map(|i| 0.3 * i as f64 + 0.55 + if i % 2 == 0 { 2.0 } else { 0.0 })
-                .collect();
-            c.feeds
-                .insert("x".into(), Tensor::new(DType::F32, vec![5], data));
-            let x = c.g.add1(
-                Op::Input {
-                    name: "x".into(),
-                    ty: Type::new(DType::F32, ls(&[5])),
-                },
-                &[],
-            );
-            let y = if param_first {
-                c.bin(op, p, x)
-            } else {
-                c.bin(op, x, p)
-            };
+            let data: Vec<f64> = (0..5).map(|i| 0.3 * i as f64 + 0.55 + if i % 2 == 0 { 2.0 } else { 0.0 }).collect();
+            c.feeds.insert("x".into(), Tensor::new(DType::F32, vec![5], data));
+            let x = c.g.add1(Op::Input { name: "x".into(), ty: Type::new(DType::F32, ls(&[5])) }, &[]);
+            let y = if param_first { c.bin(op, p, x) } else { c.bin(op, x, p) };
             gradcheck(&c.finish(y));
         }
     }
@@ -502,13 +385,7 @@ fn select_with_condition_computed_from_a_param() {
     let mut c = Case::new("select_cmp", 14);
     let data = vec![0.7, -0.4, 1.2, -1.5, 0.3, -0.9];
     let x = c.param_data("x", ls(&[6]), data);
-    let zero = c.op(
-        Op::Const {
-            value: 0.0,
-            ty: Type::new(DType::F32, ls(&[6])),
-        },
-        &[],
-    );
+    let zero = c.op(Op::Const { value: 0.0, ty: Type::new(DType::F32, ls(&[6])) }, &[]);
     let cond = c.op(Op::Compare(CmpOp::Gt), &[x, zero]);
     let e = c.op(Op::Unary(UnaryOp::Exp), &[x]);
     let n = c.op(Op::Unary(UnaryOp::Neg), &[x]);
@@ -555,18 +432,9 @@ fn reshape() {
         (ls(&[12]), ls(&[3, 1, 4])),
         (ls(&[3, 4]), ls(&[12])),
         // Symbolic dims.
-        (
-            shp(&[sym("B"), lit(3), lit(4)]),
-            shp(&[lit(3).mul(&sym("B")), lit(4)]),
-        ),
-        (
-            shp(&[sym("B"), sym("T"), lit(2)]),
-            shp(&[sym("B").mul(&sym("T")), lit(2)]),
-        ),
-        (
-            shp(&[sym("B").mul(&sym("T")), lit(4)]),
-            shp(&[sym("B"), sym("T"), lit(2), lit(2)]),
-        ),
+        (shp(&[sym("B"), lit(3), lit(4)]), shp(&[lit(3).mul(&sym("B")), lit(4)])),
+        (shp(&[sym("B"), sym("T"), lit(2)]), shp(&[sym("B").mul(&sym("T")), lit(2)])),
+        (shp(&[sym("B").mul(&sym("T")), lit(4)]), shp(&[sym("B"), sym("T"), lit(2), lit(2)])),
     ];
     for (k, (from, to)) in cases.into_iter().enumerate() {
         let mut c = Case::new(&format!("reshape_{k}"), 20 + k as u64);
@@ -581,22 +449,18 @@ fn reshape() {
 fn broadcast() {
     // (operand shape, dims, result shape)
     let cases: Vec<(Shape, Vec<usize>, Shape)> = vec![
-        (ls(&[3]), vec![1], ls(&[2, 3])),                // new leading axis
-        (ls(&[3]), vec![0], ls(&[3, 2])),                // new trailing axis
-        (ls(&[3, 1]), vec![0, 1], ls(&[3, 4])),          // size-1 operand dim
-        (ls(&[1, 4]), vec![1, 2], ls(&[2, 3, 4])),       // new axis and size-1 dim
-        (ls(&[2, 1, 3]), vec![0, 1, 2], ls(&[2, 5, 3])), // size-1 in the middle
-        (ls(&[1, 1]), vec![0, 2], ls(&[3, 2, 4])),       // all size-1 plus a new axis
-        (ls(&[1, 3]), vec![0, 1], ls(&[1, 3, 4])),       // size-1 to size-1 (not reduced)
-        (ls(&[2, 3]), vec![0, 1], ls(&[2, 3])),          // identity
-        (ls(&[]), vec![], ls(&[2, 3])),                  // scalar
+        (ls(&[3]), vec![1], ls(&[2, 3])),                        // new leading axis
+        (ls(&[3]), vec![0], ls(&[3, 2])),                        // new trailing axis
+        (ls(&[3, 1]), vec![0, 1], ls(&[3, 4])),                  // size-1 operand dim
+        (ls(&[1, 4]), vec![1, 2], ls(&[2, 3, 4])),               // new axis and size-1 dim
+        (ls(&[2, 1, 3]), vec![0, 1, 2], ls(&[2, 5, 3])),         // size-1 in the middle
+        (ls(&[1, 1]), vec![0, 2], ls(&[3, 2, 4])),               // all size-1 plus a new axis
+        (ls(&[1, 3]), vec![0, 1], ls(&[1, 3, 4])),               // size-1 to size-1 (not reduced)
+        (ls(&[2, 3]), vec![0, 1], ls(&[2, 3])),                  // identity
+        (ls(&[]), vec![], ls(&[2, 3])),                          // scalar
         (ls(&[4]), vec![2], shp(&[sym("B"), sym("T"), lit(4)])), // symbolic new axes
-        (ls(&[1, 4]), vec![0, 1], shp(&[sym("B"), lit(4)])), // size-1 to symbolic
-        (
-            shp(&[sym("B"), lit(1)]),
-            vec![0, 1],
-            shp(&[sym("B"), lit(3)]),
-        ),
+        (ls(&[1, 4]), vec![0, 1], shp(&[sym("B"), lit(4)])),     // size-1 to symbolic
+        (shp(&[sym("B"), lit(1)]), vec![0, 1], shp(&[sym("B"), lit(3)])),
     ];
     for (k, (from, dims, to)) in cases.into_iter().enumerate() {
         let mut c = Case::new(&format!("broadcast_{k}"), 40 + k as u64);
@@ -684,38 +548,18 @@ fn concat() {
 
 #[test]
 fn reduce_sum() {
-    let axes_list: Vec<Vec<usize>> = vec![
-        vec![0],
-        vec![1],
-        vec![2],
-        vec![0, 2],
-        vec![1, 2],
-        vec![0, 1],
-        vec![0, 1, 2],
-    ];
+    let axes_list: Vec<Vec<usize>> = vec![vec![0], vec![1], vec![2], vec![0, 2], vec![1, 2], vec![0, 1], vec![0, 1, 2]];
     for (k, axes) in axes_list.into_iter().enumerate() {
         let mut c = Case::new(&format!("reduce_sum_{k}"), 110 + k as u64);
         let x = c.param("x", ls(&[2, 3, 4]), Init::Normal(1.0));
-        let y = c.op(
-            Op::Reduce {
-                op: ReduceOp::Sum,
-                axes,
-            },
-            &[x],
-        );
+        let y = c.op(Op::Reduce { op: ReduceOp::Sum, axes }, &[x]);
         // A nonlinearity after the reduction so that the adjoint is not a constant.
         let z = c.op(Op::Unary(UnaryOp::Tanh), &[y]);
         gradcheck(&c.finish(z));
     }
     let mut c = Case::new("reduce_sum_symbolic", 118);
     let x = c.param("x", shp(&[sym("B"), sym("T"), lit(2)]), Init::Normal(1.0));
-    let y = c.op(
-        Op::Reduce {
-            op: ReduceOp::Sum,
-            axes: vec![0, 2],
-        },
-        &[x],
-    );
+    let y = c.op(Op::Reduce { op: ReduceOp::Sum, axes: vec![0, 2] }, &[x]);
     let z = c.op(Op::Unary(UnaryOp::Tanh), &[y]);
     gradcheck(&c.finish(z));
 }
@@ -726,26 +570,12 @@ fn reduce_max() {
     for (k, axes) in axes_list.into_iter().enumerate() {
         let mut c = Case::new(&format!("reduce_max_{k}"), 130 + k as u64);
         let x = c.param("x", ls(&[2, 3, 4]), Init::Distinct);
-        let y = c.op(
-            Op::Reduce {
-                op: ReduceOp::Max,
-                axes: axes.clone(),
-            },
-            &[x],
-        );
+        let y = c.op(Op::Reduce { op: ReduceOp::Max, axes: axes.clone() }, &[x]);
         let z = c.op(Op::Unary(UnaryOp::Tanh), &[y]);
-        let groups: usize = [2usize, 3, 4]
-            .iter()
-            .enumerate()
-            .filter(|(i, _)| !axes.contains(i))
-            .map(|(_, d)| *d)
-            .product();
+        let groups: usize = [2usize, 3, 4].iter().enumerate().filter(|(i, _)| !axes.contains(i)).map(|(_, d)| *d).product();
         let grads = gradcheck(&c.finish(z));
         // Exactly one element per reduced group gets a gradient.
-        assert_eq!(
-            grads["x"].data.iter().filter(|v| **v != 0.0).count(),
-            groups
-        );
+        assert_eq!(grads["x"].data.iter().filter(|v| **v != 0.0).count(), groups);
     }
 }
 
@@ -762,13 +592,7 @@ fn matmul_all_transposes() {
                 sb.extend(if tb { [n, k] } else { [k, n] });
                 let a = c.param("a", ls(&sa), Init::Normal(1.0));
                 let b = c.param("b", ls(&sb), Init::Normal(1.0));
-                let y = c.op(
-                    Op::MatMul {
-                        trans_a: ta,
-                        trans_b: tb,
-                    },
-                    &[a, b],
-                );
+                let y = c.op(Op::MatMul { trans_a: ta, trans_b: tb }, &[a, b]);
                 gradcheck(&c.finish(y));
             }
         }
@@ -779,30 +603,15 @@ fn matmul_all_transposes() {
 fn matmul_shared_rank2_b() {
     // a: [..batch, M, K] with b rank 2 shared across the batch, trans_b false and true.
     let (m, k, n) = (3u64, 4u64, 5u64);
-    let batches: Vec<Vec<Dim>> = vec![
-        vec![lit(2)],
-        vec![lit(2), lit(3)],
-        vec![sym("B")],
-        vec![sym("B"), sym("T")],
-    ];
+    let batches: Vec<Vec<Dim>> = vec![vec![lit(2)], vec![lit(2), lit(3)], vec![sym("B")], vec![sym("B"), sym("T")]];
     for (bi, batch) in batches.into_iter().enumerate() {
         for tb in [false, true] {
             let mut c = Case::new(&format!("matmul_shared_{bi}_{tb}"), 160 + bi as u64);
             let mut sa = batch.clone();
             sa.extend([lit(m), lit(k)]);
             let a = c.param("a", shp(&sa), Init::Normal(1.0));
-            let b = c.param(
-                "b",
-                if tb { ls(&[n, k]) } else { ls(&[k, n]) },
-                Init::Normal(1.0),
-            );
-            let y = c.op(
-                Op::MatMul {
-                    trans_a: false,
-                    trans_b: tb,
-                },
-                &[a, b],
-            );
+            let b = c.param("b", if tb { ls(&[n, k]) } else { ls(&[k, n]) }, Init::Normal(1.0));
+            let y = c.op(Op::MatMul { trans_a: false, trans_b: tb }, &[a, b]);
             gradcheck(&c.finish(y));
         }
     }
@@ -816,18 +625,8 @@ fn matmul_shared_rank2_b_with_transposed_a() {
     for tb in [false, true] {
         let mut c = Case::new(&format!("matmul_shared_ta_{tb}"), 170);
         let a = c.param("a", ls(&[2, k, m]), Init::Normal(1.0));
-        let b = c.param(
-            "b",
-            if tb { ls(&[n, k]) } else { ls(&[k, n]) },
-            Init::Normal(1.0),
-        );
-        let y = c.op(
-            Op::MatMul {
-                trans_a: true,
-                trans_b: tb,
-            },
-            &[a, b],
-        );
+        let b = c.param("b", if tb { ls(&[n, k]) } else { ls(&[k, n]) }, Init::Normal(1.0));
+        let y = c.op(Op::MatMul { trans_a: true, trans_b: tb }, &[a, b]);
         let c = c.finish(y);
         let r = catch_unwind(AssertUnwindSafe(|| autodiff(&c.g)));
         match r {
@@ -836,11 +635,8 @@ fn matmul_shared_rank2_b_with_transposed_a() {
                 gradcheck(&c);
             }
             Err(p) => {
-                let msg = p
-                    .downcast_ref::<String>()
-                    .cloned()
-                    .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
-                    .unwrap_or_default();
+                let msg =
+                    p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string())).unwrap_or_default();
                 panic!("autodiff panicked on matmul(trans_a, trans_b={tb}) with a shared rank-2 b instead of returning Err: {msg}");
             }
         }
@@ -852,13 +648,7 @@ fn matmul_operands_from_one_param() {
     // x @ x^T: both operand contributions reach the same accumulator.
     let mut c = Case::new("matmul_xxt", 171);
     let x = c.param("x", ls(&[3, 4]), Init::Normal(1.0));
-    let y = c.op(
-        Op::MatMul {
-            trans_a: false,
-            trans_b: true,
-        },
-        &[x, x],
-    );
+    let y = c.op(Op::MatMul { trans_a: false, trans_b: true }, &[x, x]);
     gradcheck(&c.finish(y));
 }
 
@@ -874,10 +664,7 @@ fn gather() {
         let y = c.op(Op::Gather, &[t, idx]);
         let z = c.op(Op::Unary(UnaryOp::Tanh), &[y]);
         let g = gradcheck(&c.finish(z));
-        assert!(
-            g["table"].data[12..15].iter().all(|v| *v == 0.0),
-            "unused rows get zero gradient"
-        );
+        assert!(g["table"].data[12..15].iter().all(|v| *v == 0.0), "unused rows get zero gradient");
     }
     {
         let mut c = Case::new("gather_symbolic", 181);
@@ -920,14 +707,7 @@ fn scatter_add() {
 
 #[test]
 fn layernorm() {
-    for (k, shape) in [
-        ls(&[3, 5]),
-        ls(&[2, 3, 4]),
-        shp(&[sym("B"), sym("T"), lit(6)]),
-    ]
-    .into_iter()
-    .enumerate()
-    {
+    for (k, shape) in [ls(&[3, 5]), ls(&[2, 3, 4]), shp(&[sym("B"), sym("T"), lit(6)])].into_iter().enumerate() {
         let mut c = Case::new(&format!("layernorm_{k}"), 200 + k as u64);
         let cdim = shape.0.last().unwrap().as_lit().unwrap();
         let x = c.param("x", shape, Init::Normal(1.0));
@@ -940,10 +720,7 @@ fn layernorm() {
 
 #[test]
 fn softmax() {
-    for (k, shape) in [ls(&[3, 5]), ls(&[2, 2, 4]), ls(&[6])]
-        .into_iter()
-        .enumerate()
-    {
+    for (k, shape) in [ls(&[3, 5]), ls(&[2, 2, 4]), ls(&[6])].into_iter().enumerate() {
         let mut c = Case::new(&format!("softmax_{k}"), 210 + k as u64);
         let x = c.param("x", shape, Init::Normal(1.0));
         let y = c.op(Op::Softmax, &[x]);
@@ -961,12 +738,7 @@ fn cross_entropy() {
         let y = c.op(Op::CrossEntropy { vocab: 6 }, &[l, t]);
         let g = gradcheck(&c.finish(y));
         for r in 0..5 {
-            assert!(
-                g["logits"].data[r * 8 + 6..r * 8 + 8]
-                    .iter()
-                    .all(|v| *v == 0.0),
-                "padding columns of row {r}"
-            );
+            assert!(g["logits"].data[r * 8 + 6..r * 8 + 8].iter().all(|v| *v == 0.0), "padding columns of row {r}");
         }
     }
     {
@@ -980,10 +752,7 @@ fn cross_entropy() {
 
 #[test]
 fn attention() {
-    for (k, (shape, heads)) in [(ls(&[4, 6]), 1), (ls(&[2, 4, 12]), 2), (ls(&[2, 3, 18]), 3)]
-        .into_iter()
-        .enumerate()
-    {
+    for (k, (shape, heads)) in [(ls(&[4, 6]), 1), (ls(&[2, 4, 12]), 2), (ls(&[2, 3, 18]), 3)].into_iter().enumerate() {
         let mut c = Case::new(&format!("attention_{k}"), 230 + k as u64);
         let qkv = c.param("qkv", shape, Init::Normal(1.0));
         let r = c.ops(Op::Attention { heads, scale: 0.7 }, &[qkv]);
@@ -1001,13 +770,7 @@ fn params_without_a_path_to_the_loss() {
     let x = c.param("x", ls(&[4]), Init::Normal(1.0));
     let _unused = c.param("unused", ls(&[3]), Init::Normal(1.0));
     let cmp_only = c.param_data("cmp_only", ls(&[4]), vec![0.5, -0.5, 1.5, -1.5]);
-    let zero = c.op(
-        Op::Const {
-            value: 0.0,
-            ty: Type::new(DType::F32, ls(&[4])),
-        },
-        &[],
-    );
+    let zero = c.op(Op::Const { value: 0.0, ty: Type::new(DType::F32, ls(&[4])) }, &[]);
     let cond = c.op(Op::Compare(CmpOp::Gt), &[cmp_only, zero]);
     let e = c.op(Op::Unary(UnaryOp::Exp), &[x]);
     let y = c.op(Op::Select, &[cond, e, x]);
@@ -1025,20 +788,8 @@ fn small_mlp_chain() {
     let b1 = c.param("b1", ls(&[6]), Init::Normal(0.5));
     let lw = c.param("lw", ls(&[6]), Init::Normal(1.0));
     let lb = c.param("lb", ls(&[6]), Init::Normal(1.0));
-    let h = c.op(
-        Op::MatMul {
-            trans_a: false,
-            trans_b: true,
-        },
-        &[x, w1],
-    );
-    let bb = c.op(
-        Op::Broadcast {
-            dims: vec![2],
-            shape: shp(&[sym("B"), sym("T"), lit(6)]),
-        },
-        &[b1],
-    );
+    let h = c.op(Op::MatMul { trans_a: false, trans_b: true }, &[x, w1]);
+    let bb = c.op(Op::Broadcast { dims: vec![2], shape: shp(&[sym("B"), sym("T"), lit(6)]) }, &[b1]);
     let h = c.bin(BinaryOp::Add, h, bb);
     let h = c.op(Op::Gelu, &[h]);
     let h = c.ops(Op::LayerNorm { eps: 1e-5 }, &[h, lw, lb])[0];
@@ -1057,10 +808,7 @@ fn loss_that_is_a_parameter() {
     grads.insert("p".to_string(), Tensor::scalar(DType::F32, 0.25));
     let outs = run_named(&ad, &c.b, &ad_feeds(&c, 1.0, &grads));
     let got = outs[&grad_name("p")].data[0];
-    assert_eq!(
-        got, 1.25,
-        "loss = p: grad.p should be 0.25 + 1 * 1 = 1.25, got {got}"
-    );
+    assert_eq!(got, 1.25, "loss = p: grad.p should be 0.25 + 1 * 1 = 1.25, got {got}");
 }
 
 /// Runs autodiff and expects an `Err` (not a panic, not a graph).
@@ -1077,20 +825,8 @@ fn errors_instead_of_panics() {
     let x_ty = Type::new(DType::F32, ls(&[3]));
     // No `loss` output.
     let mut g = Graph::new("no_loss", &[]);
-    let x = g.add1(
-        Op::Param {
-            name: "x".into(),
-            ty: x_ty.clone(),
-        },
-        &[],
-    );
-    let s = g.add1(
-        Op::Reduce {
-            op: ReduceOp::Sum,
-            axes: vec![0],
-        },
-        &[x],
-    );
+    let x = g.add1(Op::Param { name: "x".into(), ty: x_ty.clone() }, &[]);
+    let s = g.add1(Op::Reduce { op: ReduceOp::Sum, axes: vec![0] }, &[x]);
     g.output("total", s);
     let e = expect_err(&g, "no loss output");
     assert!(e.contains("loss"), "{e}");
@@ -1100,104 +836,38 @@ fn errors_instead_of_panics() {
     expect_err(&g0, "no outputs");
     // Non-scalar loss.
     let mut g1 = Graph::new("vector_loss", &[]);
-    let x = g1.add1(
-        Op::Param {
-            name: "x".into(),
-            ty: x_ty.clone(),
-        },
-        &[],
-    );
+    let x = g1.add1(Op::Param { name: "x".into(), ty: x_ty.clone() }, &[]);
     let y = g1.add1(Op::Unary(UnaryOp::Exp), &[x]);
     g1.output("loss", y);
     expect_err(&g1, "non-scalar loss");
     // Symbolic non-scalar loss.
     let mut gs = Graph::new("sym_loss", &["B"]);
-    let x = gs.add1(
-        Op::Param {
-            name: "x".into(),
-            ty: Type::new(DType::F32, shp(&[sym("B")])),
-        },
-        &[],
-    );
+    let x = gs.add1(Op::Param { name: "x".into(), ty: Type::new(DType::F32, shp(&[sym("B")])) }, &[]);
     gs.output("loss", x);
     expect_err(&gs, "symbolic non-scalar loss");
     // Scalar loss of the wrong dtype.
     for dt in [DType::I32, DType::BF16, DType::F16] {
         let mut g2 = Graph::new("wrong_dtype_loss", &[]);
-        let x = g2.add1(
-            Op::Param {
-                name: "x".into(),
-                ty: x_ty.clone(),
-            },
-            &[],
-        );
-        let s = g2.add1(
-            Op::Reduce {
-                op: ReduceOp::Sum,
-                axes: vec![0],
-            },
-            &[x],
-        );
+        let x = g2.add1(Op::Param { name: "x".into(), ty: x_ty.clone() }, &[]);
+        let s = g2.add1(Op::Reduce { op: ReduceOp::Sum, axes: vec![0] }, &[x]);
         let c = g2.add1(Op::Cast { to: dt }, &[s]);
         g2.output("loss", c);
         expect_err(&g2, &format!("{dt} loss"));
     }
     // Gradient through LayerNorm's saved statistics (unsupported).
     let mut g3 = Graph::new("ln_stats", &[]);
-    let x = g3.add1(
-        Op::Param {
-            name: "x".into(),
-            ty: Type::new(DType::F32, ls(&[2, 3])),
-        },
-        &[],
-    );
-    let w = g3.add1(
-        Op::Param {
-            name: "w".into(),
-            ty: x_ty.clone(),
-        },
-        &[],
-    );
-    let b = g3.add1(
-        Op::Param {
-            name: "b".into(),
-            ty: x_ty.clone(),
-        },
-        &[],
-    );
+    let x = g3.add1(Op::Param { name: "x".into(), ty: Type::new(DType::F32, ls(&[2, 3])) }, &[]);
+    let w = g3.add1(Op::Param { name: "w".into(), ty: x_ty.clone() }, &[]);
+    let b = g3.add1(Op::Param { name: "b".into(), ty: x_ty.clone() }, &[]);
     let r = g3.add(Op::LayerNorm { eps: 1e-5 }, &[x, w, b]);
-    let s = g3.add1(
-        Op::Reduce {
-            op: ReduceOp::Sum,
-            axes: vec![0],
-        },
-        &[r[1]],
-    );
+    let s = g3.add1(Op::Reduce { op: ReduceOp::Sum, axes: vec![0] }, &[r[1]]);
     g3.output("loss", s);
     expect_err(&g3, "layernorm mean used");
     // Gradient through attention's log-sum-exp (unsupported).
     let mut g4 = Graph::new("attn_lse", &[]);
-    let q = g4.add1(
-        Op::Param {
-            name: "q".into(),
-            ty: Type::new(DType::F32, ls(&[3, 6])),
-        },
-        &[],
-    );
-    let r = g4.add(
-        Op::Attention {
-            heads: 1,
-            scale: 1.0,
-        },
-        &[q],
-    );
-    let s = g4.add1(
-        Op::Reduce {
-            op: ReduceOp::Sum,
-            axes: vec![0],
-        },
-        &[r[1]],
-    );
+    let q = g4.add1(Op::Param { name: "q".into(), ty: Type::new(DType::F32, ls(&[3, 6])) }, &[]);
+    let r = g4.add(Op::Attention { heads: 1, scale: 1.0 }, &[q]);
+    let s = g4.add1(Op::Reduce { op: ReduceOp::Sum, axes: vec![0] }, &[r[1]]);
     g4.output("loss", s);
     expect_err(&g4, "attention lse used");
 }
@@ -1206,14 +876,7 @@ fn errors_instead_of_panics() {
 
 #[test]
 fn tiny_gpt2() {
-    let cfg = Gpt2Config {
-        layers: 2,
-        heads: 2,
-        channels: 8,
-        vocab: 11,
-        padded_vocab: 16,
-        max_seq: 8,
-    };
+    let cfg = Gpt2Config { layers: 2, heads: 2, channels: 8, vocab: 11, padded_vocab: 16, max_seq: 8 };
     cfg.validate().unwrap();
     let g = build_gpt2(&cfg, "gpt2_gradcheck");
     let mut b = Bindings::default();
@@ -1224,18 +887,12 @@ fn tiny_gpt2() {
         let s = concrete_shape(g.ty(v), &b).unwrap();
         let n: usize = s.iter().product();
         // LayerNorm gains around 1, everything else N(0, 0.3^2).
-        let base = if name.starts_with("ln") && name.contains('w') {
-            1.0
-        } else {
-            0.0
-        };
+        let base = if name.starts_with("ln") && name.contains('w') { 1.0 } else { 0.0 };
         let data = (0..n).map(|_| base + 0.3 * rng.normal()).collect();
         feeds.insert(name.to_string(), Tensor::new(DType::F32, s, data));
     }
     for name in ["tokens", "targets"] {
-        let data: Vec<i32> = (0..10)
-            .map(|_| rng.below(cfg.vocab as u64) as i32)
-            .collect();
+        let data: Vec<i32> = (0..10).map(|_| rng.below(cfg.vocab as u64) as i32).collect();
         feeds.insert(name.to_string(), Tensor::from_i32(vec![2, 5], &data));
     }
     let c = Case { g, b, feeds, rng };
@@ -1248,10 +905,7 @@ fn tiny_gpt2() {
     let wte = &grads["wte"];
     assert_eq!(wte.shape, vec![16, 8]);
     let pad = &wte.data[cfg.vocab * 8..];
-    assert!(
-        pad.iter().all(|v| *v == 0.0),
-        "padded wte rows got gradient: {pad:?}"
-    );
+    assert!(pad.iter().all(|v| *v == 0.0), "padded wte rows got gradient: {pad:?}");
     // The real rows do get one.
     assert!(wte.data[..cfg.vocab * 8].iter().any(|v| *v != 0.0));
 
@@ -1259,10 +913,7 @@ fn tiny_gpt2() {
     // differences, and every entry of the smallest tensors of the last block.
     let mut feeds = c.feeds.clone();
     let mut failures = vec![];
-    let mut idx: Vec<(&str, usize)> = (cfg.vocab * 8..16 * 8)
-        .step_by(5)
-        .map(|i| ("wte", i))
-        .collect();
+    let mut idx: Vec<(&str, usize)> = (cfg.vocab * 8..16 * 8).step_by(5).map(|i| ("wte", i)).collect();
     idx.extend((0..8).map(|i| ("wte", 3 * 8 + i)));
     idx.extend((0..8).map(|i| ("lnfw", i)));
     idx.extend((0..8).map(|i| ("ln2b.1", i)));
@@ -1270,14 +921,8 @@ fn tiny_gpt2() {
         let num = fd(&c.g, &c.b, &mut feeds, p, i);
         let a = grads[p].data[i];
         if !close(a, num, ATOL, RTOL) {
-            failures.push(format!(
-                "  grad.{p}[{i}]: analytic {a:e}, finite difference {num:e}"
-            ));
+            failures.push(format!("  grad.{p}[{i}]: analytic {a:e}, finite difference {num:e}"));
         }
     }
-    assert!(
-        failures.is_empty(),
-        "tiny GPT-2 gradient check failed:\n{}",
-        failures.join("\n")
-    );
+    assert!(failures.is_empty(), "tiny GPT-2 gradient check failed:\n{}", failures.join("\n"));
 }

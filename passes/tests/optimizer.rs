@@ -19,58 +19,16 @@ const PARAMS: [(&str, &[u64]); 2] = [("w1", &[2, 3]), ("b1", &[3])];
 fn forward() -> Graph {
     let mut g = Graph::new("two_params", &[]);
     let f32t = |d: &[u64]| Type::new(DType::F32, Shape::lits(d));
-    let w1 = g.add1(
-        Op::Param {
-            name: "w1".into(),
-            ty: f32t(&[2, 3]),
-        },
-        &[],
-    );
-    let b1 = g.add1(
-        Op::Param {
-            name: "b1".into(),
-            ty: f32t(&[3]),
-        },
-        &[],
-    );
-    let x = g.add1(
-        Op::Input {
-            name: "x".into(),
-            ty: f32t(&[4, 2]),
-        },
-        &[],
-    );
-    let lw = g.add1(
-        Op::Input {
-            name: "lw".into(),
-            ty: f32t(&[4, 3]),
-        },
-        &[],
-    );
-    let h = g.add1(
-        Op::MatMul {
-            trans_a: false,
-            trans_b: false,
-        },
-        &[x, w1],
-    );
-    let bb = g.add1(
-        Op::Broadcast {
-            dims: vec![1],
-            shape: Shape::lits(&[4, 3]),
-        },
-        &[b1],
-    );
+    let w1 = g.add1(Op::Param { name: "w1".into(), ty: f32t(&[2, 3]) }, &[]);
+    let b1 = g.add1(Op::Param { name: "b1".into(), ty: f32t(&[3]) }, &[]);
+    let x = g.add1(Op::Input { name: "x".into(), ty: f32t(&[4, 2]) }, &[]);
+    let lw = g.add1(Op::Input { name: "lw".into(), ty: f32t(&[4, 3]) }, &[]);
+    let h = g.add1(Op::MatMul { trans_a: false, trans_b: false }, &[x, w1]);
+    let bb = g.add1(Op::Broadcast { dims: vec![1], shape: Shape::lits(&[4, 3]) }, &[b1]);
     let h = g.add1(Op::Binary(BinaryOp::Add), &[h, bb]);
     let y = g.add1(Op::Unary(UnaryOp::Tanh), &[h]);
     let yw = g.add1(Op::Binary(BinaryOp::Mul), &[y, lw]);
-    let loss = g.add1(
-        Op::Reduce {
-            op: ReduceOp::Sum,
-            axes: vec![0, 1],
-        },
-        &[yw],
-    );
+    let loss = g.add1(Op::Reduce { op: ReduceOp::Sum, axes: vec![0, 1] }, &[yw]);
     g.output("loss", loss);
     g
 }
@@ -100,8 +58,7 @@ fn ad_feeds(seed: u64) -> HashMap<String, Tensor> {
 }
 
 fn run_named(g: &Graph, feeds: &HashMap<String, Tensor>) -> HashMap<String, Tensor> {
-    let outs = interp::run(g, &Bindings::default(), feeds, Precision::F64)
-        .unwrap_or_else(|e| panic!("`{}` failed: {e}", g.name));
+    let outs = interp::run(g, &Bindings::default(), feeds, Precision::F64).unwrap_or_else(|e| panic!("`{}` failed: {e}", g.name));
     g.outputs.iter().map(|(n, _)| n.clone()).zip(outs).collect()
 }
 
@@ -132,32 +89,16 @@ fn check_step(cfg: &AdamWConfig, step: Step, seed: u64) -> HashMap<String, Tenso
     let have: Vec<String> = opt.outputs.iter().map(|(n, _)| n.clone()).collect();
     assert_eq!(have, want);
     // One AdamW node per parameter, with the configured constants.
-    let adamw: Vec<&Op> = opt
-        .nodes
-        .iter()
-        .map(|n| &n.op)
-        .filter(|op| matches!(op, Op::AdamW { .. }))
-        .collect();
+    let adamw: Vec<&Op> = opt.nodes.iter().map(|n| &n.op).filter(|op| matches!(op, Op::AdamW { .. })).collect();
     assert_eq!(adamw.len(), PARAMS.len());
     for op in adamw {
-        assert_eq!(
-            *op,
-            Op::AdamW {
-                beta1: cfg.beta1,
-                beta2: cfg.beta2,
-                eps: cfg.eps,
-                weight_decay: cfg.weight_decay
-            }
-        );
+        assert_eq!(*op, Op::AdamW { beta1: cfg.beta1, beta2: cfg.beta2, eps: cfg.eps, weight_decay: cfg.weight_decay });
     }
 
     // The gradients, from the autodiff graph alone (accumulator + dloss * dP).
     let mut feeds = ad_feeds(seed);
     let ad_out = run_named(&ad, &feeds);
-    let grads: Vec<Vec<f64>> = PARAMS
-        .iter()
-        .map(|(p, _)| ad_out[&grad_name(p)].data.clone())
-        .collect();
+    let grads: Vec<Vec<f64>> = PARAMS.iter().map(|(p, _)| ad_out[&grad_name(p)].data.clone()).collect();
     let norm = grads.iter().flatten().map(|g| g * g).sum::<f64>().sqrt();
     assert!(norm > 0.1, "the test needs nonzero gradients");
 
@@ -180,17 +121,10 @@ fn check_step(cfg: &AdamWConfig, step: Step, seed: u64) -> HashMap<String, Tenso
     let out = run_named(&opt, &feeds);
 
     assert_eq!(out["loss"].data, ad_out["loss"].data, "loss");
-    let scale = if cfg.clip {
-        (clip / (norm + 1e-6)).min(1.0)
-    } else {
-        1.0
-    };
+    let scale = if cfg.clip { (clip / (norm + 1e-6)).min(1.0) } else { 1.0 };
     if cfg.clip {
         let got = out["grad_norm"].data[0];
-        assert!(
-            (got - norm).abs() <= 1e-12 * norm,
-            "grad_norm is {got}, the global L2 norm is {norm}"
-        );
+        assert!((got - norm).abs() <= 1e-12 * norm, "grad_norm is {got}, the global L2 norm is {norm}");
         assert_eq!(out["grad_norm"].shape, Vec::<usize>::new());
     }
 
@@ -206,11 +140,9 @@ fn check_step(cfg: &AdamWConfig, step: Step, seed: u64) -> HashMap<String, Tenso
             let decayed = p0[i] * (1.0 - step.lr * cfg.weight_decay);
             let denom = v1.sqrt() / bc2.sqrt() + cfg.eps;
             let p1 = decayed - (step.lr / bc1) * m1 / denom;
-            for (what, got, want) in [
-                (p.to_string(), out[*p].data[i], p1),
-                (mn.clone(), out[&mn].data[i], m1),
-                (vn.clone(), out[&vn].data[i], v1),
-            ] {
+            for (what, got, want) in
+                [(p.to_string(), out[*p].data[i], p1), (mn.clone(), out[&mn].data[i], m1), (vn.clone(), out[&vn].data[i], v1)]
+            {
                 assert!(
                     (got - want).abs() <= 1e-13 + 1e-11 * want.abs(),
                     "{what}[{i}] is {got}, expected {want} (cfg {cfg:?}, step {step:?}, clip scale {scale})"
@@ -225,146 +157,45 @@ fn check_step(cfg: &AdamWConfig, step: Step, seed: u64) -> HashMap<String, Tenso
 fn adamw_without_weight_decay() {
     let cfg = AdamWConfig::default();
     assert_eq!(cfg.weight_decay, 0.0);
-    check_step(
-        &cfg,
-        Step {
-            lr: 1e-3,
-            t: 1,
-            clip_factor: 0.0,
-        },
-        1,
-    );
-    check_step(
-        &cfg,
-        Step {
-            lr: 3e-2,
-            t: 7,
-            clip_factor: 0.0,
-        },
-        2,
-    );
+    check_step(&cfg, Step { lr: 1e-3, t: 1, clip_factor: 0.0 }, 1);
+    check_step(&cfg, Step { lr: 3e-2, t: 7, clip_factor: 0.0 }, 2);
 }
 
 #[test]
 fn adamw_with_weight_decay() {
-    let cfg = AdamWConfig {
-        weight_decay: 0.1,
-        ..AdamWConfig::default()
-    };
-    check_step(
-        &cfg,
-        Step {
-            lr: 1e-3,
-            t: 1,
-            clip_factor: 0.0,
-        },
-        3,
-    );
-    check_step(
-        &cfg,
-        Step {
-            lr: 5e-2,
-            t: 12,
-            clip_factor: 0.0,
-        },
-        4,
-    );
+    let cfg = AdamWConfig { weight_decay: 0.1, ..AdamWConfig::default() };
+    check_step(&cfg, Step { lr: 1e-3, t: 1, clip_factor: 0.0 }, 3);
+    check_step(&cfg, Step { lr: 5e-2, t: 12, clip_factor: 0.0 }, 4);
 }
 
 #[test]
 fn adamw_with_other_constants() {
     // Distinct betas and a large eps, so that swapping or dropping one shows.
-    let cfg = AdamWConfig {
-        beta1: 0.8,
-        beta2: 0.95,
-        eps: 1e-3,
-        weight_decay: 0.1,
-        clip: false,
-    };
-    check_step(
-        &cfg,
-        Step {
-            lr: 2e-2,
-            t: 3,
-            clip_factor: 0.0,
-        },
-        5,
-    );
+    let cfg = AdamWConfig { beta1: 0.8, beta2: 0.95, eps: 1e-3, weight_decay: 0.1, clip: false };
+    check_step(&cfg, Step { lr: 2e-2, t: 3, clip_factor: 0.0 }, 5);
 }
 
 #[test]
 fn clipping_active() {
     for wd in [0.0, 0.1] {
-        let cfg = AdamWConfig {
-            weight_decay: wd,
-            clip: true,
-            ..AdamWConfig::default()
-        };
+        let cfg = AdamWConfig { weight_decay: wd, clip: true, ..AdamWConfig::default() };
         // grad_clip = 0.3 * norm: gradients are scaled by about 0.3.
-        let clipped = check_step(
-            &cfg,
-            Step {
-                lr: 1e-2,
-                t: 2,
-                clip_factor: 0.3,
-            },
-            6,
-        );
+        let clipped = check_step(&cfg, Step { lr: 1e-2, t: 2, clip_factor: 0.3 }, 6);
         // The same step without clipping gives a different first moment.
-        let plain = check_step(
-            &AdamWConfig {
-                clip: false,
-                ..cfg.clone()
-            },
-            Step {
-                lr: 1e-2,
-                t: 2,
-                clip_factor: 0.0,
-            },
-            6,
-        );
-        assert_ne!(
-            clipped["m.w1"].data, plain["m.w1"].data,
-            "clipping changed nothing"
-        );
+        let plain = check_step(&AdamWConfig { clip: false, ..cfg.clone() }, Step { lr: 1e-2, t: 2, clip_factor: 0.0 }, 6);
+        assert_ne!(clipped["m.w1"].data, plain["m.w1"].data, "clipping changed nothing");
     }
 }
 
 #[test]
 fn clipping_inactive() {
     for wd in [0.0, 0.1] {
-        let cfg = AdamWConfig {
-            weight_decay: wd,
-            clip: true,
-            ..AdamWConfig::default()
-        };
+        let cfg = AdamWConfig { weight_decay: wd, clip: true, ..AdamWConfig::default() };
         // grad_clip = 5 * norm: scale = min(1, ...) = 1, identical to the unclipped update.
-        let clipped = check_step(
-            &cfg,
-            Step {
-                lr: 1e-2,
-                t: 4,
-                clip_factor: 5.0,
-            },
-            7,
-        );
-        let plain = check_step(
-            &AdamWConfig {
-                clip: false,
-                ..cfg.clone()
-            },
-            Step {
-                lr: 1e-2,
-                t: 4,
-                clip_factor: 0.0,
-            },
-            7,
-        );
+        let clipped = check_step(&cfg, Step { lr: 1e-2, t: 4, clip_factor: 5.0 }, 7);
+        let plain = check_step(&AdamWConfig { clip: false, ..cfg.clone() }, Step { lr: 1e-2, t: 4, clip_factor: 0.0 }, 7);
         for name in ["w1", "m.w1", "v.w1", "b1", "m.b1", "v.b1"] {
-            assert_eq!(
-                clipped[name].data, plain[name].data,
-                "{name}: an inactive clip changed the update"
-            );
+            assert_eq!(clipped[name].data, plain[name].data, "{name}: an inactive clip changed the update");
         }
     }
 }
@@ -373,28 +204,12 @@ fn clipping_inactive() {
 fn runtime_scalars_never_change_the_graph() {
     let fwd = forward();
     for clip in [false, true] {
-        let cfg = AdamWConfig {
-            weight_decay: 0.1,
-            clip,
-            ..AdamWConfig::default()
-        };
+        let cfg = AdamWConfig { weight_decay: 0.1, clip, ..AdamWConfig::default() };
         let ad = autodiff(&fwd).unwrap();
         let text = fusec_ir::text::print(&optimizer(&ad, &cfg).unwrap());
         // The same graph through the pipeline.
-        let opts = PipelineOptions {
-            adamw: cfg.clone(),
-            no_fusion: true,
-            ..PipelineOptions::default()
-        };
-        let piped = compile(
-            &fwd,
-            "optimizer",
-            Mode::Step,
-            &opts,
-            &fusec_ir::Bindings::default(),
-        )
-        .unwrap()
-        .graph;
+        let opts = PipelineOptions { adamw: cfg.clone(), no_fusion: true, ..PipelineOptions::default() };
+        let piped = compile(&fwd, "optimizer", Mode::Step, &opts, &fusec_ir::Bindings::default()).unwrap().graph;
         assert_eq!(fusec_ir::text::print(&piped), text);
         // Scalars are f32[] inputs of the graph.
         let opt = optimizer(&ad, &cfg).unwrap();
@@ -413,21 +228,9 @@ fn runtime_scalars_never_change_the_graph() {
         // and each gives the formula's result.
         let mut results = vec![];
         for (k, step) in [
-            Step {
-                lr: 1e-3,
-                t: 1,
-                clip_factor: 0.5,
-            },
-            Step {
-                lr: 6e-4,
-                t: 100,
-                clip_factor: 2.0,
-            },
-            Step {
-                lr: 1.0,
-                t: 3,
-                clip_factor: 0.01,
-            },
+            Step { lr: 1e-3, t: 1, clip_factor: 0.5 },
+            Step { lr: 6e-4, t: 100, clip_factor: 2.0 },
+            Step { lr: 1.0, t: 3, clip_factor: 0.01 },
         ]
         .into_iter()
         .enumerate()
@@ -451,11 +254,7 @@ fn optimizer_needs_autodiff() {
 fn repeated_steps_reduce_the_loss() {
     // Outputs named like parameters and state are written back: feed them to the next step.
     let fwd = forward();
-    let cfg = AdamWConfig {
-        weight_decay: 0.01,
-        clip: true,
-        ..AdamWConfig::default()
-    };
+    let cfg = AdamWConfig { weight_decay: 0.01, clip: true, ..AdamWConfig::default() };
     let opt = optimizer(&autodiff(&fwd).unwrap(), &cfg).unwrap();
     let mut feeds = ad_feeds(11);
     feeds.insert(DLOSS.into(), scalar(1.0));
@@ -483,8 +282,5 @@ fn repeated_steps_reduce_the_loss() {
             }
         }
     }
-    assert!(
-        losses[19] < losses[0] - 0.5,
-        "loss did not go down: {losses:?}"
-    );
+    assert!(losses[19] < losses[0] - 0.5, "loss did not go down: {losses:?}");
 }

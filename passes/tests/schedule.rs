@@ -24,11 +24,7 @@ fn bind() -> Bindings {
 /// The tiny GPT-2 training step: forward, backward, AdamW.
 fn tiny_training() -> Graph {
     let cfg = Gpt2Config::preset("tiny").unwrap();
-    optimizer(
-        &autodiff(&build_gpt2(&cfg, "gpt2_tiny")).unwrap(),
-        &AdamWConfig::default(),
-    )
-    .unwrap()
+    optimizer(&autodiff(&build_gpt2(&cfg, "gpt2_tiny")).unwrap(), &AdamWConfig::default()).unwrap()
 }
 
 /// Node identities independent of value numbering and order: the op text and the operands'
@@ -37,11 +33,7 @@ fn node_keys(g: &Graph, ids: &mut HashMap<String, usize>) -> Vec<usize> {
     let mut id_of_value = vec![0; g.values.len()];
     let mut keys = vec![];
     for n in &g.nodes {
-        let ins: Vec<String> = n
-            .inputs
-            .iter()
-            .map(|v| id_of_value[v.0 as usize].to_string())
-            .collect();
+        let ins: Vec<String> = n.inputs.iter().map(|v| id_of_value[v.0 as usize].to_string()).collect();
         let text = format!("{:?}({})", n.op, ins.join(","));
         let next = ids.len();
         let k = *ids.entry(text).or_insert(next);
@@ -67,11 +59,7 @@ fn check_schedule(g: &Graph) -> Graph {
     // Topological: every operand is defined before its reader.
     let mut defined = vec![false; s.values.len()];
     for n in &s.nodes {
-        assert!(
-            n.inputs.iter().all(|v| defined[v.0 as usize]),
-            "not topological at {}",
-            n.op.mnemonic()
-        );
+        assert!(n.inputs.iter().all(|v| defined[v.0 as usize]), "not topological at {}", n.op.mnemonic());
         n.results.iter().for_each(|r| defined[r.0 as usize] = true);
     }
     // Deterministic.
@@ -81,18 +69,10 @@ fn check_schedule(g: &Graph) -> Graph {
     assert!(peak_bytes(&s, &db).unwrap() <= peak_bytes(g, &db).unwrap());
     // The interface first, in its original order.
     let iface = |g: &Graph| -> Vec<String> {
-        g.nodes
-            .iter()
-            .take_while(|n| matches!(n.op, Op::Param { .. } | Op::Input { .. }))
-            .map(|n| format!("{:?}", n.op))
-            .collect()
+        g.nodes.iter().take_while(|n| matches!(n.op, Op::Param { .. } | Op::Input { .. })).map(|n| format!("{:?}", n.op)).collect()
     };
-    let all_iface: Vec<String> = g
-        .nodes
-        .iter()
-        .filter(|n| matches!(n.op, Op::Param { .. } | Op::Input { .. }))
-        .map(|n| format!("{:?}", n.op))
-        .collect();
+    let all_iface: Vec<String> =
+        g.nodes.iter().filter(|n| matches!(n.op, Op::Param { .. } | Op::Input { .. })).map(|n| format!("{:?}", n.op)).collect();
     assert_eq!(iface(&s), all_iface);
     s
 }
@@ -120,10 +100,7 @@ fn tiny_training_step_is_reordered_without_changing_results() {
     let f = feeds(&g, 7, vocab);
     let before = interp::run(&g, &bind(), &f, Precision::F32).unwrap();
     let after = interp::run(&s, &bind(), &f, Precision::F32).unwrap();
-    assert_eq!(
-        g.outputs.iter().map(|o| &o.0).collect::<Vec<_>>(),
-        s.outputs.iter().map(|o| &o.0).collect::<Vec<_>>()
-    );
+    assert_eq!(g.outputs.iter().map(|o| &o.0).collect::<Vec<_>>(), s.outputs.iter().map(|o| &o.0).collect::<Vec<_>>());
     for ((name, _), (x, y)) in g.outputs.iter().zip(before.iter().zip(&after)) {
         let bits = |t: &Tensor| t.data.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
         assert_eq!(bits(x), bits(y), "output `{name}` changed");
@@ -139,15 +116,9 @@ fn schedule_lowers_the_peak_of_the_training_step() {
     // gradient is complete frees them early. (At larger B * T the activations saved for the
     // backward set the peak whatever the order.)
     let s = schedule_with(&g, &bind()).unwrap();
-    let (before, after) = (
-        peak_bytes(&g, &bind()).unwrap(),
-        peak_bytes(&s, &bind()).unwrap(),
-    );
+    let (before, after) = (peak_bytes(&g, &bind()).unwrap(), peak_bytes(&s, &bind()).unwrap());
     eprintln!("peak at B = 2, T = 8: input order {before}, scheduled {after}");
-    assert!(
-        after < before,
-        "peak {after} is not below the input order's {before}"
-    );
+    assert!(after < before, "peak {after} is not below the input order's {before}");
 }
 
 #[test]
@@ -170,11 +141,7 @@ fn constants_and_iotas_come_right_before_their_first_user() {
             continue;
         }
         let r = n.results[0];
-        let user = s
-            .nodes
-            .iter()
-            .position(|m| m.inputs.contains(&r))
-            .expect("every constant is used");
+        let user = s.nodes.iter().position(|m| m.inputs.contains(&r)).expect("every constant is used");
         // Everything between is pulled in by the same user: its own (transitive) operands.
         let mut ancestors = vec![false; s.nodes.len()];
         let mut stack = vec![user];
@@ -187,11 +154,7 @@ fn constants_and_iotas_come_right_before_their_first_user() {
                 }
             }
         }
-        assert!(
-            (i + 1..user).all(|k| ancestors[k]),
-            "`{}` at {i} is not emitted right before its first user at {user}",
-            n.op.mnemonic()
-        );
+        assert!((i + 1..user).all(|k| ancestors[k]), "`{}` at {i} is not emitted right before its first user at {user}", n.op.mnemonic());
         checked += 1;
     }
     assert!(checked > 10);
@@ -202,20 +165,8 @@ fn constants_and_iotas_come_right_before_their_first_user() {
 fn late_reader() -> Graph {
     let mut g = Graph::new("late_reader", &[]);
     let ty = Type::new(DType::F32, Shape::lits(&[4]));
-    let p = g.add1(
-        Op::Param {
-            name: "p".into(),
-            ty: ty.clone(),
-        },
-        &[],
-    );
-    let x = g.add1(
-        Op::Input {
-            name: "x".into(),
-            ty,
-        },
-        &[],
-    );
+    let p = g.add1(Op::Param { name: "p".into(), ty: ty.clone() }, &[]);
+    let x = g.add1(Op::Input { name: "x".into(), ty }, &[]);
     let q = g.add1(Op::Unary(UnaryOp::Neg), &[p]);
     let e = g.add1(Op::Unary(UnaryOp::Exp), &[p]);
     let y = g.add1(Op::Binary(BinaryOp::Mul), &[e, x]);
@@ -228,10 +179,7 @@ fn late_reader() -> Graph {
 fn state_writes_wait_for_every_read_of_the_old_value() {
     let g = late_reader();
     let err = memplan(&g, &Bindings::default(), &MemplanOptions::default()).unwrap_err();
-    assert!(
-        err.contains("output `p`") && err.contains("still read"),
-        "{err}"
-    );
+    assert!(err.contains("output `p`") && err.contains("still read"), "{err}");
     let s = check_schedule(&g);
     let pos = |m: &str| s.nodes.iter().position(|n| n.op.mnemonic() == m).unwrap();
     assert!(pos("exp") < pos("neg"), "{}", print(&s));
@@ -249,11 +197,7 @@ fn unbound_dims_are_an_error() {
 fn gpt2_124m_schedules_quickly_enough_to_not_matter() {
     // Not a timing test: it checks that the 124M step schedules at all and stays valid.
     let cfg = Gpt2Config::preset("d12").unwrap();
-    let g = optimizer(
-        &autodiff(&build_gpt2(&cfg, "gpt2_124m")).unwrap(),
-        &AdamWConfig::default(),
-    )
-    .unwrap();
+    let g = optimizer(&autodiff(&build_gpt2(&cfg, "gpt2_124m")).unwrap(), &AdamWConfig::default()).unwrap();
     let t0 = std::time::Instant::now();
     let s = schedule(&g).unwrap();
     eprintln!("schedule: {} nodes in {:?}", g.nodes.len(), t0.elapsed());

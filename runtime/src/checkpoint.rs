@@ -28,8 +28,8 @@ const MAX_PARAMS: usize = 1 << 40;
 
 /// The 16 llm.c tensor names in checkpoint order.
 const NAMES: [&str; 16] = [
-    "wte", "wpe", "ln1w", "ln1b", "qkvw", "qkvb", "attprojw", "attprojb", "ln2w", "ln2b", "fcw",
-    "fcb", "fcprojw", "fcprojb", "lnfw", "lnfb",
+    "wte", "wpe", "ln1w", "ln1b", "qkvw", "qkvb", "attprojw", "attprojb", "ln2w", "ln2b", "fcw", "fcb", "fcprojw", "fcprojb", "lnfw",
+    "lnfb",
 ];
 
 /// Whether the llm.c tensor `name` has a leading layer dimension (split per layer in graphs).
@@ -82,22 +82,14 @@ impl LlmcConfig {
                 return Err(format!("bad config: {name} is 0; it must be positive"));
             }
             if value > limit {
-                return Err(format!(
-                    "bad config: {name} {value} is absurdly large (limit {limit})"
-                ));
+                return Err(format!("bad config: {name} {value} is absurdly large (limit {limit})"));
             }
         }
         if !self.channels.is_multiple_of(self.heads) {
-            return Err(format!(
-                "bad config: channels {} is not divisible by num_heads {}",
-                self.channels, self.heads
-            ));
+            return Err(format!("bad config: channels {} is not divisible by num_heads {}", self.channels, self.heads));
         }
         if self.padded_vocab < self.vocab {
-            return Err(format!(
-                "bad config: padded_vocab_size {} is smaller than vocab_size {}",
-                self.padded_vocab, self.vocab
-            ));
+            return Err(format!("bad config: padded_vocab_size {} is smaller than vocab_size {}", self.padded_vocab, self.vocab));
         }
         match self.checked_num_params() {
             Some(n) if n <= MAX_PARAMS => Ok(()),
@@ -112,24 +104,17 @@ impl LlmcConfig {
     }
 
     fn checked_num_params(&self) -> Option<usize> {
-        param_layout(self)
-            .iter()
-            .try_fold(0usize, |acc, (_, shape)| {
-                let n = shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d))?;
-                acc.checked_add(n)
-            })
+        param_layout(self).iter().try_fold(0usize, |acc, (_, shape)| {
+            let n = shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d))?;
+            acc.checked_add(n)
+        })
     }
 
     /// Builds a config from a checkpoint header (magic and version already checked);
     /// rejects negative values, naming the header slot.
     fn from_header(h: &[i32; 256]) -> Result<LlmcConfig, String> {
         let slot = |i: usize, name: &str| -> Result<usize, String> {
-            usize::try_from(h[i]).map_err(|_| {
-                format!(
-                    "bad config: {name} is {} (header slot {i}); it must be positive",
-                    h[i]
-                )
-            })
+            usize::try_from(h[i]).map_err(|_| format!("bad config: {name} is {} (header slot {i}); it must be positive", h[i]))
         };
         let cfg = LlmcConfig {
             max_seq: slot(2, "max_seq_len")?,
@@ -215,11 +200,7 @@ fn open_checkpoint(path: &Path) -> Result<(std::fs::File, LlmcConfig, usize), Fi
     let (mut file, len) = file_error::open_with_len(path)?;
     let h = file_error::read_header(path, &mut file, len, "checkpoint")?;
     if h[0] != CHECKPOINT_MAGIC {
-        let hint = if h[0] == crate::tokens::TOKENS_MAGIC {
-            " (that is the magic of a token file, not a checkpoint)"
-        } else {
-            ""
-        };
+        let hint = if h[0] == crate::tokens::TOKENS_MAGIC { " (that is the magic of a token file, not a checkpoint)" } else { "" };
         return Err(FileError::new(
             path,
             format!(
@@ -230,11 +211,7 @@ fn open_checkpoint(path: &Path) -> Result<(std::fs::File, LlmcConfig, usize), Fi
         ));
     }
     if h[1] != CHECKPOINT_VERSION {
-        let hint = if h[1] == 5 {
-            " (version 5 holds bf16 weights)"
-        } else {
-            ""
-        };
+        let hint = if h[1] == 5 { " (version 5 holds bf16 weights)" } else { "" };
         return Err(FileError::new(
             path,
             format!(
@@ -250,10 +227,7 @@ fn open_checkpoint(path: &Path) -> Result<(std::fs::File, LlmcConfig, usize), Fi
     let found = len - HEADER_BYTES as u64;
     if found != expected {
         let what = format!("bytes of parameters after the header for config {config}");
-        return Err(FileError::new(
-            path,
-            file_error::size_mismatch(expected, found, &what),
-        ));
+        return Err(FileError::new(path, file_error::size_mismatch(expected, found, &what)));
     }
     Ok((file, config, n))
 }
@@ -265,11 +239,7 @@ impl Checkpoint {
         let (mut file, config, n) = open_checkpoint(path)?;
         let mut params = Vec::with_capacity(n);
         file_error::read_body(path, &mut file, 4 * n, |bytes| {
-            params.extend(
-                bytes
-                    .chunks_exact(4)
-                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
-            );
+            params.extend(bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])));
         })?;
         Ok(Checkpoint { config, params })
     }
@@ -283,18 +253,12 @@ impl Checkpoint {
     /// Writes the checkpoint in llm.c's version-3 format. Fails (without creating the file)
     /// if the config is invalid or the parameter count does not match it.
     pub fn write(&self, path: &Path) -> Result<(), FileError> {
-        self.config
-            .validate()
-            .map_err(|m| FileError::new(path, format!("cannot write checkpoint: {m}")))?;
+        self.config.validate().map_err(|m| FileError::new(path, format!("cannot write checkpoint: {m}")))?;
         let n = self.config.num_params();
         if self.params.len() != n {
             return Err(FileError::new(
                 path,
-                format!(
-                    "cannot write checkpoint: config {} needs {n} parameters, have {}",
-                    self.config,
-                    self.params.len()
-                ),
+                format!("cannot write checkpoint: config {} needs {n} parameters, have {}", self.config, self.params.len()),
             ));
         }
         let mut chunks = self.params.chunks(1 << 18);
@@ -346,21 +310,14 @@ impl Checkpoint {
 
     /// Assembles a checkpoint from per-graph-parameter tensors: `lookup(name)` must return
     /// the data of every name in [`graph_param_names`] with the right number of values.
-    pub fn from_named(
-        config: LlmcConfig,
-        lookup: impl Fn(&str) -> Option<Vec<f32>>,
-    ) -> Result<Checkpoint, String> {
+    pub fn from_named(config: LlmcConfig, lookup: impl Fn(&str) -> Option<Vec<f32>>) -> Result<Checkpoint, String> {
         config.validate()?;
         let mut params = Vec::with_capacity(config.num_params());
         for (name, shape) in graph_param_names(&config) {
             let n: usize = shape.iter().product();
-            let data =
-                lookup(&name).ok_or_else(|| format!("missing tensor {name} (shape {shape:?})"))?;
+            let data = lookup(&name).ok_or_else(|| format!("missing tensor {name} (shape {shape:?})"))?;
             if data.len() != n {
-                return Err(format!(
-                    "tensor {name} has {} values, expected {n} for shape {shape:?}",
-                    data.len()
-                ));
+                return Err(format!("tensor {name} has {} values, expected {n} for shape {shape:?}", data.len()));
             }
             params.extend_from_slice(&data);
         }
@@ -394,8 +351,5 @@ pub fn random_init(cfg: &LlmcConfig, seed: u64) -> Checkpoint {
             _ => params.extend(std::iter::repeat_n(0.0f32, n)),
         }
     }
-    Checkpoint {
-        config: *cfg,
-        params,
-    }
+    Checkpoint { config: *cfg, params }
 }

@@ -20,9 +20,7 @@ impl DataLoader {
     /// if there are fewer than `batch * seq + 1` tokens (the message says how many).
     pub fn new(tokens: Vec<u16>, batch: usize, seq: usize) -> Result<DataLoader, String> {
         if batch == 0 || seq == 0 {
-            return Err(format!(
-                "batch size ({batch}) and sequence length ({seq}) must both be positive"
-            ));
+            return Err(format!("batch size ({batch}) and sequence length ({seq}) must both be positive"));
         }
         let need = batch
             .checked_mul(seq)
@@ -64,14 +62,7 @@ impl DataLoader {
     pub fn batch(&self, step: usize) -> (Vec<i32>, Vec<i32>) {
         let bt = self.batch * self.seq;
         let start = self.offset(step);
-        let window: Vec<i32> = self
-            .tokens
-            .iter()
-            .cycle()
-            .skip(start)
-            .take(bt + 1)
-            .map(|&t| i32::from(t))
-            .collect();
+        let window: Vec<i32> = self.tokens.iter().cycle().skip(start).take(bt + 1).map(|&t| i32::from(t)).collect();
         (window[..bt].to_vec(), window[1..].to_vec())
     }
 
@@ -80,10 +71,7 @@ impl DataLoader {
     pub fn check_vocab(&self, vocab: usize) -> Result<(), String> {
         match self.tokens.iter().position(|&t| usize::from(t) >= vocab) {
             None => Ok(()),
-            Some(i) => Err(format!(
-                "token at position {i} is {}, not below the vocabulary size {vocab}",
-                self.tokens[i]
-            )),
+            Some(i) => Err(format!("token at position {i} is {}, not below the vocabulary size {vocab}", self.tokens[i])),
         }
     }
 }

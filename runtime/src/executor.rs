@@ -14,6 +14,8 @@ pub enum Program {
     Grad,
     /// Forward + backward + AdamW (the last micro-step of a step).
     Step,
+    /// Forward to the logits (sampling).
+    Logits,
 }
 
 /// A target that holds named tensors (parameters, optimizer state, gradient accumulators,
@@ -28,6 +30,8 @@ pub trait Executor {
     /// Runs a program. Outputs named like a held tensor are written back to it; the scalar
     /// outputs (`loss`, `grad_norm`) are returned.
     fn run(&mut self, program: Program) -> Result<StepOutputs, String>;
+    /// The output `name` of the latest run of `program`.
+    fn output(&self, program: Program, name: &str) -> Result<Tensor, String>;
 }
 
 /// The scalar outputs of a program run (a fixed struct: reading them allocates nothing).
@@ -56,21 +60,13 @@ pub struct RefExecutor {
     bindings: Bindings,
     precision: Precision,
     tensors: HashMap<String, Tensor>,
+    last: HashMap<(Program, String), Tensor>,
 }
 
 impl RefExecutor {
     /// An executor for the given programs under a binding of `B` and `T`.
-    pub fn new(
-        graphs: HashMap<Program, Graph>,
-        bindings: Bindings,
-        precision: Precision,
-    ) -> RefExecutor {
-        RefExecutor {
-            graphs,
-            bindings,
-            precision,
-            tensors: HashMap::new(),
-        }
+    pub fn new(graphs: HashMap<Program, Graph>, bindings: Bindings, precision: Precision) -> RefExecutor {
+        RefExecutor { graphs, bindings, precision, tensors: HashMap::new(), last: HashMap::new() }
     }
 }
 
@@ -81,10 +77,11 @@ impl Executor for RefExecutor {
     }
 
     fn get(&self, name: &str) -> Result<Tensor, String> {
-        self.tensors
-            .get(name)
-            .cloned()
-            .ok_or_else(|| format!("no tensor named `{name}`"))
+        self.tensors.get(name).cloned().ok_or_else(|| format!("no tensor named `{name}`"))
+    }
+
+    fn output(&self, program: Program, name: &str) -> Result<Tensor, String> {
+        self.last.get(&(program, name.to_string())).cloned().ok_or_else(|| format!("{program:?} has produced no `{name}`"))
     }
 
     fn zero_grads(&mut self) -> Result<(), String> {
@@ -97,20 +94,13 @@ impl Executor for RefExecutor {
     }
 
     fn run(&mut self, program: Program) -> Result<StepOutputs, String> {
-        let g = self
-            .graphs
-            .get(&program)
-            .ok_or_else(|| format!("program {program:?} was not compiled"))?;
+        let g = self.graphs.get(&program).ok_or_else(|| format!("program {program:?} was not compiled"))?;
         let mut feeds = HashMap::new();
         for (name, _) in g.params().into_iter().chain(g.inputs()) {
-            let t = self
-                .tensors
-                .get(name)
-                .ok_or_else(|| format!("nothing was set for `{name}`"))?;
+            let t = self.tensors.get(name).ok_or_else(|| format!("nothing was set for `{name}`"))?;
             feeds.insert(name.to_string(), t.clone());
         }
-        let outs =
-            interp::run(g, &self.bindings, &feeds, self.precision).map_err(|e| e.to_string())?;
+        let outs = interp::run(g, &self.bindings, &feeds, self.precision).map_err(|e| e.to_string())?;
         let mut scalars = StepOutputs::default();
         for ((name, _), t) in g.outputs.iter().zip(outs) {
             if t.shape.is_empty() {
@@ -118,6 +108,8 @@ impl Executor for RefExecutor {
             }
             if self.tensors.contains_key(name) {
                 self.tensors.insert(name.clone(), t);
+            } else {
+                self.last.insert((program, name.clone()), t);
             }
         }
         Ok(scalars)

@@ -25,10 +25,7 @@ pub struct FileError {
 impl FileError {
     /// An error about `path` with the message `msg`.
     pub fn new(path: &Path, msg: impl Into<String>) -> FileError {
-        FileError {
-            path: path.to_path_buf(),
-            msg: msg.into(),
-        }
+        FileError { path: path.to_path_buf(), msg: msg.into() }
     }
 
     /// An I/O failure: `doing` says what was attempted ("cannot open"), `err` is appended.
@@ -48,21 +45,13 @@ impl std::error::Error for FileError {}
 /// Opens `path` for reading and returns the file with its length in bytes.
 pub(crate) fn open_with_len(path: &Path) -> Result<(File, u64), FileError> {
     let file = File::open(path).map_err(|e| FileError::io(path, "cannot open", &e))?;
-    let len = file
-        .metadata()
-        .map_err(|e| FileError::io(path, "cannot read the file size", &e))?
-        .len();
+    let len = file.metadata().map_err(|e| FileError::io(path, "cannot read the file size", &e))?.len();
     Ok((file, len))
 }
 
 /// Reads the 256-int32 header of a file of `len` bytes; `what` names the kind of file
 /// ("checkpoint", "token file") for the truncation message.
-pub(crate) fn read_header(
-    path: &Path,
-    file: &mut File,
-    len: u64,
-    what: &str,
-) -> Result<[i32; 256], FileError> {
+pub(crate) fn read_header(path: &Path, file: &mut File, len: u64, what: &str) -> Result<[i32; 256], FileError> {
     if len < HEADER_BYTES as u64 {
         return Err(FileError::new(
             path,
@@ -73,8 +62,7 @@ pub(crate) fn read_header(
         ));
     }
     let mut bytes = [0u8; HEADER_BYTES];
-    file.read_exact(&mut bytes)
-        .map_err(|e| FileError::io(path, "cannot read the header", &e))?;
+    file.read_exact(&mut bytes).map_err(|e| FileError::io(path, "cannot read the header", &e))?;
     let mut header = [0i32; 256];
     for (slot, chunk) in header.iter_mut().zip(bytes.chunks_exact(4)) {
         *slot = i32::from_le_bytes([chunk[0], chunk[1], chunk[2], chunk[3]]);
@@ -84,19 +72,13 @@ pub(crate) fn read_header(
 
 /// Reads exactly `out.len()` bytes following the header, in bounded chunks so that
 /// `convert` can turn them into values without a second full-size copy.
-pub(crate) fn read_body(
-    path: &Path,
-    file: &mut File,
-    total: usize,
-    mut convert: impl FnMut(&[u8]),
-) -> Result<(), FileError> {
+pub(crate) fn read_body(path: &Path, file: &mut File, total: usize, mut convert: impl FnMut(&[u8])) -> Result<(), FileError> {
     const CHUNK: usize = 1 << 20;
     let mut buf = vec![0u8; CHUNK.min(total)];
     let mut left = total;
     while left > 0 {
         let n = CHUNK.min(left);
-        file.read_exact(&mut buf[..n])
-            .map_err(|e| FileError::io(path, "cannot read the data after the header", &e))?;
+        file.read_exact(&mut buf[..n]).map_err(|e| FileError::io(path, "cannot read the data after the header", &e))?;
         convert(&buf[..n]);
         left -= n;
     }
@@ -105,25 +87,19 @@ pub(crate) fn read_body(
 
 /// Creates `path` and writes `header` (256 int32 LE) followed by the body produced by `body`,
 /// which appends little-endian bytes to the buffer it is given (called once per chunk).
-pub(crate) fn write_file(
-    path: &Path,
-    header: &[i32; 256],
-    mut body: impl FnMut(&mut Vec<u8>) -> bool,
-) -> Result<(), FileError> {
+pub(crate) fn write_file(path: &Path, header: &[i32; 256], mut body: impl FnMut(&mut Vec<u8>) -> bool) -> Result<(), FileError> {
     let file = File::create(path).map_err(|e| FileError::io(path, "cannot create", &e))?;
     let mut w = std::io::BufWriter::new(file);
     let mut buf: Vec<u8> = header.iter().flat_map(|v| v.to_le_bytes()).collect();
     loop {
         let more = body(&mut buf);
-        w.write_all(&buf)
-            .map_err(|e| FileError::io(path, "cannot write", &e))?;
+        w.write_all(&buf).map_err(|e| FileError::io(path, "cannot write", &e))?;
         buf.clear();
         if !more {
             break;
         }
     }
-    w.flush()
-        .map_err(|e| FileError::io(path, "cannot write", &e))?;
+    w.flush().map_err(|e| FileError::io(path, "cannot write", &e))?;
     Ok(())
 }
 
@@ -133,9 +109,6 @@ pub(crate) fn size_mismatch(expected: u64, found: u64, what: &str) -> String {
     if found < expected {
         format!("truncated data: expected {expected} {what}, found {found}")
     } else {
-        format!(
-            "trailing bytes: expected {expected} {what}, found {found} ({} trailing bytes)",
-            found - expected
-        )
+        format!("trailing bytes: expected {expected} {what}, found {found} ({} trailing bytes)", found - expected)
     }
 }

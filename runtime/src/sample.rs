@@ -14,15 +14,8 @@ use fusec_ir::rng::Rng;
 /// Panics if `vocab` is 0, exceeds `logits.len()`, or exceeds 65536 (ids are u16).
 pub fn sample_next(logits: &[f32], vocab: usize, temperature: f32, rng: &mut Rng) -> u16 {
     assert!(vocab > 0, "sample_next: the vocabulary is empty");
-    assert!(
-        vocab <= logits.len(),
-        "sample_next: vocabulary {vocab} but only {} logits",
-        logits.len()
-    );
-    assert!(
-        vocab <= 1 << 16,
-        "sample_next: vocabulary {vocab} does not fit u16 ids"
-    );
+    assert!(vocab <= logits.len(), "sample_next: vocabulary {vocab} but only {} logits", logits.len());
+    assert!(vocab <= 1 << 16, "sample_next: vocabulary {vocab} does not fit u16 ids");
     let row = &logits[..vocab];
     let best = argmax(row);
     if temperature <= 0.0 || temperature.is_nan() {
@@ -91,9 +84,7 @@ pub fn generate(
     seed: u64,
 ) -> Result<Vec<u16>, String> {
     if vocab == 0 || vocab > 1 << 16 {
-        return Err(format!(
-            "cannot sample from a vocabulary of {vocab} tokens (u16 ids need 1..=65536)"
-        ));
+        return Err(format!("cannot sample from a vocabulary of {vocab} tokens (u16 ids need 1..=65536)"));
     }
     let mut rng = Rng::new(seed);
     let mut context = Vec::with_capacity(prompt.len() + n);

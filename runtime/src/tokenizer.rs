@@ -21,8 +21,7 @@ impl Gpt2Tokenizer {
 
     /// Builds the tokenizer from the ranks bundled in `tiktoken-rs` (about 50 ms).
     pub fn new() -> Result<Self, String> {
-        let bpe = tiktoken_rs::r50k_base()
-            .map_err(|e| format!("cannot build the GPT-2 tokenizer (r50k_base): {e}"))?;
+        let bpe = tiktoken_rs::r50k_base().map_err(|e| format!("cannot build the GPT-2 tokenizer (r50k_base): {e}"))?;
         Ok(Gpt2Tokenizer { bpe })
     }
 
@@ -42,25 +41,15 @@ impl Gpt2Tokenizer {
             return self.encode_serial(text);
         }
         let parts: Vec<Vec<u16>> = std::thread::scope(|s| {
-            let handles: Vec<_> = chunks
-                .iter()
-                .map(|c| s.spawn(move || self.encode_serial(c)))
-                .collect();
-            handles
-                .into_iter()
-                .map(|h| h.join().expect("tokenizer thread panicked"))
-                .collect()
+            let handles: Vec<_> = chunks.iter().map(|c| s.spawn(move || self.encode_serial(c))).collect();
+            handles.into_iter().map(|h| h.join().expect("tokenizer thread panicked")).collect()
         });
         parts.concat()
     }
 
     /// Encodes one piece of text on the calling thread.
     fn encode_serial(&self, text: &str) -> Vec<u16> {
-        self.bpe
-            .encode_ordinary(text)
-            .into_iter()
-            .map(|r| u16::try_from(r).expect("GPT-2 token ids fit in u16"))
-            .collect()
+        self.bpe.encode_ordinary(text).into_iter().map(|r| u16::try_from(r).expect("GPT-2 token ids fit in u16")).collect()
     }
 
     /// Decodes `ids` into text. Byte sequences that are not valid UTF-8 (a multi-byte
@@ -93,14 +82,8 @@ fn split_at_line_starts(text: &str, parts: usize) -> Vec<&str> {
         let mut cut = (start + target).min(text.len());
         while cut < text.len() {
             let safe = bytes[cut - 1] == b'\n'
-                && text[..cut - 1]
-                    .chars()
-                    .next_back()
-                    .is_some_and(|c| !c.is_whitespace())
-                && text[cut..]
-                    .chars()
-                    .next()
-                    .is_some_and(|c| !c.is_whitespace());
+                && text[..cut - 1].chars().next_back().is_some_and(|c| !c.is_whitespace())
+                && text[cut..].chars().next().is_some_and(|c| !c.is_whitespace());
             if safe {
                 break;
             }
@@ -122,10 +105,7 @@ pub fn describe_tokens(ids: &[u16], vocab: usize) -> String {
             return tok.decode(ids);
         }
     }
-    ids.iter()
-        .map(|id| id.to_string())
-        .collect::<Vec<_>>()
-        .join(" ")
+    ids.iter().map(|id| id.to_string()).collect::<Vec<_>>().join(" ")
 }
 
 #[cfg(test)]
@@ -148,8 +128,7 @@ mod tests {
     #[test]
     fn parallel_encoding_matches_serial() {
         let tok = Gpt2Tokenizer::new().unwrap();
-        let block =
-            "First Citizen:\nBefore we proceed,  hear me speak.\n\nAll:\nSpeak, speak.\n \n\
+        let block = "First Citizen:\nBefore we proceed,  hear me speak.\n\nAll:\nSpeak, speak.\n \n\
                      It's 12 o'clock  \n\tnaïve café — 日本語\n\n\n";
         let mut text = String::new();
         let mut i = 0;
@@ -161,20 +140,14 @@ mod tests {
         assert!(split_at_line_starts(&text, 4).len() > 1);
         assert_eq!(tok.encode(&text), tok.encode_serial(&text));
         for parts in [2, 3, 7] {
-            let joined: Vec<u16> = split_at_line_starts(&text, parts)
-                .iter()
-                .flat_map(|p| tok.encode_serial(p))
-                .collect();
+            let joined: Vec<u16> = split_at_line_starts(&text, parts).iter().flat_map(|p| tok.encode_serial(p)).collect();
             assert_eq!(joined, tok.encode_serial(&text), "{parts} parts");
         }
     }
 
     #[test]
     fn parallel_encoding_matches_serial_on_tinyshakespeare() {
-        let path = concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/../../shared/data/tinyshakespeare.txt"
-        );
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared/data/tinyshakespeare.txt");
         let Ok(text) = std::fs::read_to_string(path) else {
             println!("skipped: {path} not found");
             return;
@@ -182,10 +155,7 @@ mod tests {
         let tok = Gpt2Tokenizer::new().unwrap();
         assert!(split_at_line_starts(&text, 8).len() > 1);
         let serial = tok.encode_serial(&text);
-        let joined: Vec<u16> = split_at_line_starts(&text, 8)
-            .iter()
-            .flat_map(|p| tok.encode_serial(p))
-            .collect();
+        let joined: Vec<u16> = split_at_line_starts(&text, 8).iter().flat_map(|p| tok.encode_serial(p)).collect();
         assert_eq!(joined, serial);
         assert_eq!(tok.encode(&text), serial);
     }

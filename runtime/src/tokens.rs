@@ -18,25 +18,11 @@ pub fn read_tokens(path: &Path) -> Result<Vec<u16>, FileError> {
     let (mut file, len) = file_error::open_with_len(path)?;
     let h = file_error::read_header(path, &mut file, len, "token file")?;
     if h[0] != TOKENS_MAGIC {
-        let hint = if h[0] == crate::checkpoint::CHECKPOINT_MAGIC {
-            " (that is the magic of a checkpoint, not a token file)"
-        } else {
-            ""
-        };
-        return Err(FileError::new(
-            path,
-            format!(
-                "wrong magic number: expected {TOKENS_MAGIC} (llm.c token file), found {}{hint}",
-                h[0]
-            ),
-        ));
+        let hint = if h[0] == crate::checkpoint::CHECKPOINT_MAGIC { " (that is the magic of a checkpoint, not a token file)" } else { "" };
+        return Err(FileError::new(path, format!("wrong magic number: expected {TOKENS_MAGIC} (llm.c token file), found {}{hint}", h[0])));
     }
     if h[1] != TOKENS_VERSION {
-        let hint = if h[1] == 2 {
-            " (version 2 holds uint32 LLaMA-3 tokens)"
-        } else {
-            ""
-        };
+        let hint = if h[1] == 2 { " (version 2 holds uint32 LLaMA-3 tokens)" } else { "" };
         return Err(FileError::new(
             path,
             format!(
@@ -46,31 +32,17 @@ pub fn read_tokens(path: &Path) -> Result<Vec<u16>, FileError> {
             ),
         ));
     }
-    let n = usize::try_from(h[2]).map_err(|_| {
-        FileError::new(
-            path,
-            format!(
-                "bad header: the token count is {} (header slot 2); it must be >= 0",
-                h[2]
-            ),
-        )
-    })?;
+    let n = usize::try_from(h[2])
+        .map_err(|_| FileError::new(path, format!("bad header: the token count is {} (header slot 2); it must be >= 0", h[2])))?;
     let expected = 2 * n as u64;
     let found = len - HEADER_BYTES as u64;
     if found != expected {
         let what = format!("bytes of tokens after the header for {n} tokens");
-        return Err(FileError::new(
-            path,
-            file_error::size_mismatch(expected, found, &what),
-        ));
+        return Err(FileError::new(path, file_error::size_mismatch(expected, found, &what)));
     }
     let mut tokens = Vec::with_capacity(n);
     file_error::read_body(path, &mut file, 2 * n, |bytes| {
-        tokens.extend(
-            bytes
-                .chunks_exact(2)
-                .map(|b| u16::from_le_bytes([b[0], b[1]])),
-        );
+        tokens.extend(bytes.chunks_exact(2).map(|b| u16::from_le_bytes([b[0], b[1]])));
     })?;
     Ok(tokens)
 }
@@ -79,13 +51,7 @@ pub fn read_tokens(path: &Path) -> Result<Vec<u16>, FileError> {
 /// `i32::MAX` tokens (the header cannot count them).
 pub fn write_tokens(path: &Path, tokens: &[u16]) -> Result<(), FileError> {
     let n = i32::try_from(tokens.len()).map_err(|_| {
-        FileError::new(
-            path,
-            format!(
-                "cannot write token file: {} tokens do not fit the int32 count in the header",
-                tokens.len()
-            ),
-        )
+        FileError::new(path, format!("cannot write token file: {} tokens do not fit the int32 count in the header", tokens.len()))
     })?;
     let mut header = [0i32; 256];
     header[0] = TOKENS_MAGIC;

@@ -54,55 +54,31 @@ pub struct StepLog {
 }
 
 /// Loads parameters into the executor and zeroes optimizer state and gradient accumulators.
-pub fn init_state(
-    ex: &mut dyn Executor,
-    step_graph: &Graph,
-    params: &HashMap<String, Tensor>,
-) -> Result<(), String> {
+pub fn init_state(ex: &mut dyn Executor, step_graph: &Graph, params: &HashMap<String, Tensor>) -> Result<(), String> {
     for (name, _) in step_graph.params() {
-        let t = params
-            .get(name)
-            .ok_or_else(|| format!("no initial value for parameter `{name}`"))?;
+        let t = params.get(name).ok_or_else(|| format!("no initial value for parameter `{name}`"))?;
         ex.set(name, t.clone())?;
         let shape = t.shape.clone();
         for prefix in ["m.", "v.", "grad."] {
-            ex.set(
-                &format!("{prefix}{name}"),
-                Tensor::zeros(DType::F32, shape.clone()),
-            )?;
+            ex.set(&format!("{prefix}{name}"), Tensor::zeros(DType::F32, shape.clone()))?;
         }
     }
     Ok(())
 }
 
 /// Sets a batch's tokens and targets.
-fn set_batch(
-    ex: &mut dyn Executor,
-    loader: &DataLoader,
-    index: usize,
-    b: usize,
-    t: usize,
-) -> Result<(), String> {
+fn set_batch(ex: &mut dyn Executor, loader: &DataLoader, index: usize, b: usize, t: usize) -> Result<(), String> {
     let (x, y) = loader.batch(index);
     ex.set("tokens", Tensor::from_i32(vec![b, t], &x))?;
     ex.set("targets", Tensor::from_i32(vec![b, t], &y))
 }
 
 /// Mean loss over the first `n` batches of `loader` (the Eval program).
-pub fn eval_loss(
-    ex: &mut dyn Executor,
-    loader: &DataLoader,
-    n: usize,
-    b: usize,
-    t: usize,
-) -> Result<f64, String> {
+pub fn eval_loss(ex: &mut dyn Executor, loader: &DataLoader, n: usize, b: usize, t: usize) -> Result<f64, String> {
     let mut sum = 0.0;
     for i in 0..n {
         set_batch(ex, loader, i, b, t)?;
-        sum += ex
-            .run(Program::Eval)?
-            .loss
-            .ok_or("Eval has no `loss` output")?;
+        sum += ex.run(Program::Eval)?.loss.ok_or("Eval has no `loss` output")?;
     }
     Ok(sum / n as f64)
 }
@@ -124,23 +100,15 @@ pub fn train(
     let mut logs = vec![];
     for step in 0..cfg.steps {
         let val_loss = match (val, cfg.val_every) {
-            (Some(v), Some(every)) if step % every == 0 => {
-                Some(eval_loss(ex, v, cfg.val_batches, b, t)?)
-            }
+            (Some(v), Some(every)) if step % every == 0 => Some(eval_loss(ex, v, cfg.val_batches, b, t)?),
             _ => None,
         };
         let t0 = Instant::now();
         let tstep = (step + 1) as f32;
         ex.set("dloss", Tensor::scalar(DType::F32, 1.0 / k as f64))?;
         ex.set("lr", Tensor::scalar(DType::F32, cfg.lr as f64))?;
-        ex.set(
-            "bc1",
-            Tensor::scalar(DType::F32, (1.0 - cfg.betas.0.powf(tstep)) as f64),
-        )?;
-        ex.set(
-            "bc2",
-            Tensor::scalar(DType::F32, (1.0 - cfg.betas.1.powf(tstep)) as f64),
-        )?;
+        ex.set("bc1", Tensor::scalar(DType::F32, (1.0 - cfg.betas.0.powf(tstep)) as f64))?;
+        ex.set("bc2", Tensor::scalar(DType::F32, (1.0 - cfg.betas.1.powf(tstep)) as f64))?;
         if let Some(c) = cfg.grad_clip {
             ex.set("grad_clip", Tensor::scalar(DType::F32, c as f64))?;
         }
@@ -148,32 +116,17 @@ pub fn train(
         let mut grad_norm = None;
         for micro in 0..k {
             set_batch(ex, train, step * k + micro, b, t)?;
-            let program = if micro + 1 == k {
-                Program::Step
-            } else {
-                Program::Grad
-            };
+            let program = if micro + 1 == k { Program::Step } else { Program::Grad };
             let out = ex.run(program)?;
-            let l = out
-                .loss
-                .ok_or("the training graph has no `loss` output")?;
+            let l = out.loss.ok_or("the training graph has no `loss` output")?;
             if !l.is_finite() {
-                return Err(format!(
-                    "training diverged: loss is {l} at step {step} (micro-step {micro})"
-                ));
+                return Err(format!("training diverged: loss is {l} at step {step} (micro-step {micro})"));
             }
             loss += l / k as f64;
             grad_norm = out.grad_norm;
         }
         ex.zero_grads()?;
-        let rec = StepLog {
-            step,
-            loss,
-            lr: cfg.lr,
-            ms: t0.elapsed().as_secs_f64() * 1e3,
-            val_loss,
-            grad_norm,
-        };
+        let rec = StepLog { step, loss, lr: cfg.lr, ms: t0.elapsed().as_secs_f64() * 1e3, val_loss, grad_norm };
         if let Some(f) = log_file.as_mut() {
             writeln!(f, "{}", json_line(&rec)).map_err(|e| format!("writing the JSON log: {e}"))?;
         }
@@ -191,13 +144,7 @@ fn json_line(r: &StepLog) -> String {
             "null".into()
         }
     };
-    let mut s = format!(
-        "{{\"step\":{},\"loss\":{},\"lr\":{},\"ms\":{:.3}",
-        r.step,
-        num(r.loss),
-        r.lr,
-        r.ms
-    );
+    let mut s = format!("{{\"step\":{},\"loss\":{},\"lr\":{},\"ms\":{:.3}", r.step, num(r.loss), r.lr, r.ms);
     if let Some(v) = r.val_loss {
         s += &format!(",\"val_loss\":{}", num(v));
     }

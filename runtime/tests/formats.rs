@@ -3,9 +3,7 @@
 
 use std::path::{Path, PathBuf};
 
-use fusec_runtime::checkpoint::{
-    graph_param_names, param_layout, random_init, Checkpoint, LlmcConfig,
-};
+use fusec_runtime::checkpoint::{graph_param_names, param_layout, random_init, Checkpoint, LlmcConfig};
 use fusec_runtime::data::DataLoader;
 use fusec_runtime::file_error::FileError;
 use fusec_runtime::tokens::{read_tokens, write_tokens};
@@ -20,10 +18,7 @@ fn temp_dir(test: &str) -> PathBuf {
 
 /// The llmc-odd reference folder, or None (with a printed skip reason) when absent.
 fn refs() -> Option<PathBuf> {
-    let dir = Path::new(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../../shared/refs/llmc-odd"
-    ));
+    let dir = Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared/refs/llmc-odd"));
     if dir.is_dir() {
         Some(dir.to_path_buf())
     } else {
@@ -33,25 +28,11 @@ fn refs() -> Option<PathBuf> {
 }
 
 fn tiny() -> LlmcConfig {
-    LlmcConfig {
-        max_seq: 8,
-        vocab: 10,
-        padded_vocab: 16,
-        layers: 2,
-        heads: 2,
-        channels: 4,
-    }
+    LlmcConfig { max_seq: 8, vocab: 10, padded_vocab: 16, layers: 2, heads: 2, channels: 4 }
 }
 
 fn odd() -> LlmcConfig {
-    LlmcConfig {
-        max_seq: 48,
-        vocab: 500,
-        padded_vocab: 512,
-        layers: 3,
-        heads: 2,
-        channels: 32,
-    }
+    LlmcConfig { max_seq: 48, vocab: 500, padded_vocab: 512, layers: 3, heads: 2, channels: 32 }
 }
 
 /// Asserts `r` is a FileError naming `path` whose message contains every piece in `want`.
@@ -59,10 +40,7 @@ fn expect_err<T: std::fmt::Debug>(r: Result<T, FileError>, path: &Path, want: &[
     let e = r.expect_err("expected an error");
     let shown = e.to_string();
     assert_eq!(e.path, path);
-    assert!(
-        shown.starts_with(&format!("{}: ", path.display())),
-        "{shown}"
-    );
+    assert!(shown.starts_with(&format!("{}: ", path.display())), "{shown}");
     for w in want {
         assert!(shown.contains(w), "message {shown:?} lacks {w:?}");
     }
@@ -81,10 +59,7 @@ fn checkpoint_round_trip() {
     let ck = random_init(&tiny(), 7);
     let p = dir.join("c.bin");
     ck.write(&p).unwrap();
-    assert_eq!(
-        std::fs::metadata(&p).unwrap().len(),
-        1024 + 4 * tiny().num_params() as u64
-    );
+    assert_eq!(std::fs::metadata(&p).unwrap().len(), 1024 + 4 * tiny().num_params() as u64);
     let back = Checkpoint::read(&p).unwrap();
     assert_eq!(back, ck);
     assert_eq!(Checkpoint::read_header(&p).unwrap(), tiny());
@@ -121,11 +96,7 @@ fn checkpoint_errors() {
     let mut b = bytes.clone();
     b[0..4].copy_from_slice(&123i32.to_le_bytes());
     let p = write("magic.bin", &b);
-    expect_err(
-        Checkpoint::read(&p),
-        &p,
-        &["wrong magic", "expected 20240326", "found 123"],
-    );
+    expect_err(Checkpoint::read(&p), &p, &["wrong magic", "expected 20240326", "found 123"]);
     expect_err(Checkpoint::read_header(&p), &p, &["wrong magic"]);
 
     let mut b = bytes.clone();
@@ -136,11 +107,7 @@ fn checkpoint_errors() {
     let mut b = bytes.clone();
     b[4..8].copy_from_slice(&5i32.to_le_bytes());
     let p = write("version.bin", &b);
-    expect_err(
-        Checkpoint::read(&p),
-        &p,
-        &["unsupported checkpoint version 5", "bf16"],
-    );
+    expect_err(Checkpoint::read(&p), &p, &["unsupported checkpoint version 5", "bf16"]);
 
     let p = write("header.bin", &bytes[..500]);
     expect_err(Checkpoint::read(&p), &p, &["truncated header", "500 bytes"]);
@@ -151,57 +118,25 @@ fn checkpoint_errors() {
     let p = write("short.bin", &bytes[..bytes.len() - 6]);
     let want_n = format!("expected {} bytes of parameters after the header", 4 * n);
     let found = format!("found {}", 4 * n - 6);
-    expect_err(
-        Checkpoint::read(&p),
-        &p,
-        &["truncated", &want_n, "for config", "num_layers 2", &found],
-    );
+    expect_err(Checkpoint::read(&p), &p, &["truncated", &want_n, "for config", "num_layers 2", &found]);
     expect_err(Checkpoint::read_header(&p), &p, &["truncated"]);
 
     let mut b = bytes.clone();
     b.extend_from_slice(&[0, 0, 0]);
     let p = write("long.bin", &b);
-    expect_err(
-        Checkpoint::read(&p),
-        &p,
-        &["trailing bytes", "3 trailing bytes"],
-    );
+    expect_err(Checkpoint::read(&p), &p, &["trailing bytes", "3 trailing bytes"]);
 
     // Bad configs: [magic, version, maxT, V, L, NH, C, Vp].
     let m = 20240326;
     let cases: &[(&str, [i32; 8], &[&str])] = &[
-        (
-            "zero_layers",
-            [m, 3, 8, 10, 0, 2, 4, 16],
-            &["bad config", "num_layers is 0"],
-        ),
-        (
-            "neg_layers",
-            [m, 3, 8, 10, -3, 2, 4, 16],
-            &["num_layers is -3", "slot 4"],
-        ),
-        (
-            "huge_layers",
-            [m, 3, 8, 10, 1 << 30, 2, 4, 16],
-            &["num_layers", "absurdly large"],
-        ),
-        (
-            "heads",
-            [m, 3, 8, 10, 2, 3, 4, 16],
-            &["channels 4 is not divisible by num_heads 3"],
-        ),
-        (
-            "vp",
-            [m, 3, 8, 10, 2, 2, 4, 8],
-            &["padded_vocab_size 8 is smaller than vocab_size 10"],
-        ),
+        ("zero_layers", [m, 3, 8, 10, 0, 2, 4, 16], &["bad config", "num_layers is 0"]),
+        ("neg_layers", [m, 3, 8, 10, -3, 2, 4, 16], &["num_layers is -3", "slot 4"]),
+        ("huge_layers", [m, 3, 8, 10, 1 << 30, 2, 4, 16], &["num_layers", "absurdly large"]),
+        ("heads", [m, 3, 8, 10, 2, 3, 4, 16], &["channels 4 is not divisible by num_heads 3"]),
+        ("vp", [m, 3, 8, 10, 2, 2, 4, 8], &["padded_vocab_size 8 is smaller than vocab_size 10"]),
         ("neg_c", [m, 3, 8, 10, 2, 2, -4, 16], &["channels is -4"]),
         ("zero_t", [m, 3, 0, 10, 2, 2, 4, 16], &["max_seq_len is 0"]),
-        (
-            "many",
-            [m, 3, 1 << 20, 1 << 24, 4096, 1, 1 << 16, 1 << 24],
-            &["absurdly many parameters"],
-        ),
+        ("many", [m, 3, 1 << 20, 1 << 24, 4096, 1, 1 << 16, 1 << 24], &["absurdly many parameters"]),
     ];
     for (name, slots, want) in cases {
         let mut b = header(slots);
@@ -233,11 +168,7 @@ fn token_errors() {
     expect_err(read_tokens(&missing), &missing, &["cannot open"]);
 
     let p = write("short.bin", &bytes[..bytes.len() - 1]);
-    expect_err(
-        read_tokens(&p),
-        &p,
-        &["truncated", "expected 10 bytes of tokens", "found 9"],
-    );
+    expect_err(read_tokens(&p), &p, &["truncated", "expected 10 bytes of tokens", "found 9"]);
     let mut b = bytes.clone();
     b.extend_from_slice(&[7, 7]);
     let p = write("long.bin", &b);
@@ -248,11 +179,7 @@ fn token_errors() {
     let mut b = bytes.clone();
     b[0..4].copy_from_slice(&20240326i32.to_le_bytes());
     let p = write("magic.bin", &b);
-    expect_err(
-        read_tokens(&p),
-        &p,
-        &["wrong magic", "expected 20240520", "checkpoint"],
-    );
+    expect_err(read_tokens(&p), &p, &["wrong magic", "expected 20240520", "checkpoint"]);
     let mut b = bytes.clone();
     b[4..8].copy_from_slice(&2i32.to_le_bytes());
     let p = write("version.bin", &b);
@@ -271,10 +198,7 @@ fn config_and_names() {
     assert_eq!(layout.len(), 16);
     assert_eq!(layout[4], ("qkvw", vec![2, 12, 4]));
     assert_eq!(layout[12], ("fcprojw", vec![2, 4, 16]));
-    let total: usize = layout
-        .iter()
-        .map(|(_, s)| s.iter().product::<usize>())
-        .sum();
+    let total: usize = layout.iter().map(|(_, s)| s.iter().product::<usize>()).sum();
     assert_eq!(total, c.num_params());
 
     let names = graph_param_names(&c);
@@ -289,10 +213,7 @@ fn config_and_names() {
     let named = ck.named_tensors();
     let lookup = |n: &str| named.iter().find(|t| t.0 == n).map(|t| t.2.to_vec());
     assert_eq!(Checkpoint::from_named(c, lookup).unwrap(), ck);
-    assert_eq!(
-        ck.tensor("qkvw.1").unwrap(),
-        lookup("qkvw.1").unwrap().as_slice()
-    );
+    assert_eq!(ck.tensor("qkvw.1").unwrap(), lookup("qkvw.1").unwrap().as_slice());
     assert_eq!(ck.tensor("qkvw").unwrap().len(), 2 * 12 * 4);
     assert!(ck.tensor("qkvw.2").is_none() && ck.tensor("wte.0").is_none());
 
@@ -306,10 +227,7 @@ fn config_and_names() {
         Some(v)
     });
     let msg = e.unwrap_err();
-    assert!(
-        msg.contains("tensor wpe has 33 values, expected 32"),
-        "{msg}"
-    );
+    assert!(msg.contains("tensor wpe has 33 values, expected 32"), "{msg}");
 }
 
 #[test]
@@ -326,10 +244,7 @@ fn random_init_properties() {
     assert!((std - 0.02).abs() < 0.002, "wte std {std}");
     let proj = a.tensor("fcprojw").unwrap();
     let pstd = (proj.iter().map(|&v| (v as f64).powi(2)).sum::<f64>() / proj.len() as f64).sqrt();
-    assert!(
-        (pstd - 0.02 / 6f64.sqrt()).abs() < 0.001,
-        "fcprojw std {pstd}"
-    );
+    assert!((pstd - 0.02 / 6f64.sqrt()).abs() < 0.001, "fcprojw std {pstd}");
     assert!(a.tensor("ln2w").unwrap().iter().all(|&v| v == 1.0));
     assert!(a.tensor("qkvb").unwrap().iter().all(|&v| v == 0.0));
 }
@@ -338,16 +253,11 @@ fn random_init_properties() {
 fn data_loader_semantics() {
     let toks: Vec<u16> = (0..10).collect();
     assert!(DataLoader::new(toks.clone(), 3, 3).is_ok());
-    assert!(DataLoader::new(toks.clone(), 3, 4)
-        .unwrap_err()
-        .contains("at least 13"));
+    assert!(DataLoader::new(toks.clone(), 3, 4).unwrap_err().contains("at least 13"));
     assert!(DataLoader::new(toks[..9].to_vec(), 2, 4).is_ok());
     assert!(DataLoader::new(toks.clone(), 0, 4).is_err());
     let msg = DataLoader::new(toks[..8].to_vec(), 2, 4).unwrap_err();
-    assert!(
-        msg.contains("needs at least 9") && msg.contains("found 8"),
-        "{msg}"
-    );
+    assert!(msg.contains("needs at least 9") && msg.contains("found 8"), "{msg}");
 
     // 10 tokens, B*T = 4: offsets 0, 4, 8, 2 (=12 mod 10), ...
     let dl = DataLoader::new(toks.clone(), 2, 2).unwrap();
@@ -381,10 +291,7 @@ fn llmc_odd_reference_files() {
     assert!(wte[..500 * 32].iter().any(|&v| v != 0.0));
 
     // Offsets from the README's layout table.
-    let offsets = [
-        0, 16384, 17920, 18016, 18112, 27328, 27616, 30688, 30784, 30880, 30976, 43264, 43648,
-        55936, 56032, 56064,
-    ];
+    let offsets = [0, 16384, 17920, 18016, 18112, 27328, 27616, 30688, 30784, 30880, 30976, 43264, 43648, 55936, 56032, 56064];
     let mut off = 0;
     for ((_, shape), want) in param_layout(&ck.config).iter().zip(offsets) {
         assert_eq!(off, want);
@@ -410,18 +317,8 @@ fn llmc_odd_reference_files() {
     // qkvw.1 lives at float offset 18112 + 96*32.
     assert_eq!(ck.tensor("qkvw.1").unwrap()[0], ck.params[18112 + 96 * 32]);
 
-    let rebuilt = Checkpoint::from_named(ck.config, |n| {
-        named.iter().find(|t| t.0 == n).map(|t| t.2.to_vec())
-    })
-    .unwrap();
-    assert_eq!(
-        rebuilt
-            .params
-            .iter()
-            .map(|v| v.to_bits())
-            .collect::<Vec<_>>(),
-        ck.params.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
-    );
+    let rebuilt = Checkpoint::from_named(ck.config, |n| named.iter().find(|t| t.0 == n).map(|t| t.2.to_vec())).unwrap();
+    assert_eq!(rebuilt.params.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), ck.params.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
 
     let out = temp_dir("llmc_odd").join("copy.bin");
     rebuilt.write(&out).unwrap();

@@ -95,20 +95,14 @@ fn sample_follows_softmax() {
         for _ in 0..draws {
             counts[sample_next(&logits, 5, temperature, &mut rng) as usize] += 1;
         }
-        let w: Vec<f64> = logits
-            .iter()
-            .map(|&l| (l as f64 / temperature as f64).exp())
-            .collect();
+        let w: Vec<f64> = logits.iter().map(|&l| (l as f64 / temperature as f64).exp()).collect();
         let z: f64 = w.iter().sum();
         for (i, (&c, &wi)) in counts.iter().zip(&w).enumerate() {
             let p = wi / z;
             let f = c as f64 / draws as f64;
             // Five standard deviations of a binomial proportion, plus a little.
             let tol = 5.0 * (p * (1.0 - p) / draws as f64).sqrt() + 1e-3;
-            assert!(
-                (f - p).abs() < tol,
-                "T={temperature} token {i}: {f} vs {p} (tol {tol})"
-            );
+            assert!((f - p).abs() < tol, "T={temperature} token {i}: {f} vs {p} (tol {tol})");
         }
     }
 }

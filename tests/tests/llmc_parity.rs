@@ -27,10 +27,7 @@ struct Setup {
 
 /// The unfused programs (the oracle) and the fully fused ones, both through the interpreter.
 fn variants() -> [(&'static str, PipelineOptions); 2] {
-    [
-        ("unfused", common::unfused()),
-        ("fused", PipelineOptions::default()),
-    ]
+    [("unfused", common::unfused()), ("fused", PipelineOptions::default())]
 }
 
 fn setup(opts: &PipelineOptions) -> Option<Setup> {
@@ -49,18 +46,8 @@ fn setup(opts: &PipelineOptions) -> Option<Setup> {
     let fwd = build_gpt2(&cfg, "gpt2_odd");
     let mut ex = common::ref_executor(&fwd, opts, B, T, Precision::F32);
     let step = common::programs(&fwd, opts).remove(&Program::Step).unwrap();
-    init_state(
-        &mut ex,
-        &step,
-        &params_from_checkpoint(&fwd, &ckpt).unwrap(),
-    )
-    .unwrap();
-    Some(Setup {
-        dir,
-        json,
-        ckpt,
-        ex,
-    })
+    init_state(&mut ex, &step, &params_from_checkpoint(&fwd, &ckpt).unwrap()).unwrap();
+    Some(Setup { dir, json, ckpt, ex })
 }
 
 fn loader(dir: &std::path::Path, file: &str) -> DataLoader {
@@ -74,16 +61,10 @@ fn forward_and_val_loss_match_llmc() {
         let Some(mut s) = setup(&opts) else { return };
         let want = s.json["losses"][0].as_f64().unwrap();
         let got = eval_loss(&mut s.ex, &loader(&s.dir, "tokens_train_s11.bin"), 1, B, T).unwrap();
-        assert!(
-            (got - want).abs() <= 1e-5,
-            "step-0 loss {got} vs llm.c {want}"
-        );
+        assert!((got - want).abs() <= 1e-5, "step-0 loss {got} vs llm.c {want}");
         let want_val = s.json["val_loss_before_step0"].as_f64().unwrap();
         let got_val = eval_loss(&mut s.ex, &loader(&s.dir, "tokens_val_s12.bin"), 4, B, T).unwrap();
-        assert!(
-            (got_val - want_val).abs() <= 1e-5,
-            "val loss {got_val} vs llm.c {want_val}"
-        );
+        assert!((got_val - want_val).abs() <= 1e-5, "val loss {got_val} vs llm.c {want_val}");
     }
 }
 
@@ -94,10 +75,8 @@ fn step0_gradients_match_llmc() {
         let Some(mut s) = setup(&opts) else { return };
         let data = loader(&s.dir, "tokens_train_s11.bin");
         let (x, y) = data.batch(0);
-        s.ex.set("tokens", Tensor::from_i32(vec![B, T], &x))
-            .unwrap();
-        s.ex.set("targets", Tensor::from_i32(vec![B, T], &y))
-            .unwrap();
+        s.ex.set("tokens", Tensor::from_i32(vec![B, T], &x)).unwrap();
+        s.ex.set("targets", Tensor::from_i32(vec![B, T], &y)).unwrap();
         s.ex.set("dloss", Tensor::scalar(DType::F32, 1.0)).unwrap();
         s.ex.run(Program::Grad).unwrap();
         let reference = common::read_f32s(&s.dir.join("grads_step0.f32"));
@@ -108,12 +87,7 @@ fn step0_gradients_match_llmc() {
             let got = s.ex.get(&format!("grad.{name}")).unwrap().to_f32();
             let want = &reference[offset..offset + n];
             offset += n;
-            let diff: f64 = got
-                .iter()
-                .zip(want)
-                .map(|(a, b)| (*a as f64 - *b as f64).powi(2))
-                .sum::<f64>()
-                .sqrt();
+            let diff: f64 = got.iter().zip(want).map(|(a, b)| (*a as f64 - *b as f64).powi(2)).sum::<f64>().sqrt();
             let norm: f64 = want.iter().map(|b| (*b as f64).powi(2)).sum::<f64>().sqrt();
             let rel = diff / norm;
             assert!(rel <= 3e-6, "grad of {name}: relative L2 error {rel:e}");
@@ -122,15 +96,9 @@ fn step0_gradients_match_llmc() {
             }
         }
         assert_eq!(offset, reference.len());
-        eprintln!(
-            "worst per-tensor relative L2 error: {:e} ({})",
-            worst.0, worst.1
-        );
+        eprintln!("worst per-tensor relative L2 error: {:e} ({})", worst.0, worst.1);
         let wte = s.ex.get("grad.wte").unwrap().to_f32();
-        assert!(
-            wte[500 * 32..].iter().all(|&g| g == 0.0),
-            "padding rows of wte must get exactly zero gradient"
-        );
+        assert!(wte[500 * 32..].iter().all(|&g| g == 0.0), "padding rows of wte must get exactly zero gradient");
     }
 }
 
@@ -151,22 +119,10 @@ fn ten_steps_match_llmc_losses_and_parameters() {
             val_batches: 0,
             log_json: None,
         };
-        let logs = train(
-            &mut s.ex,
-            &cfg,
-            &loader(&s.dir, "tokens_train_s11.bin"),
-            None,
-            |_| {},
-        )
-        .unwrap();
+        let logs = train(&mut s.ex, &cfg, &loader(&s.dir, "tokens_train_s11.bin"), None, |_| {}).unwrap();
         for (log, want) in logs.iter().zip(s.json["losses"].as_array().unwrap()) {
             let want = want.as_f64().unwrap();
-            assert!(
-                (log.loss - want).abs() <= 1e-5,
-                "step {} loss {} vs llm.c {want}",
-                log.step,
-                log.loss
-            );
+            assert!((log.loss - want).abs() <= 1e-5, "step {} loss {} vs llm.c {want}", log.step, log.loss);
         }
         let reference = common::read_f32s(&s.dir.join("params_step10.f32"));
         let mut offset = 0;

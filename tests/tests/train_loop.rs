@@ -13,22 +13,8 @@ use fusec_runtime::params::params_from_checkpoint;
 use fusec_runtime::train::{init_state, train, StepLog, TrainConfig};
 
 fn model() -> (Gpt2Config, LlmcConfig) {
-    let g = Gpt2Config {
-        layers: 2,
-        heads: 2,
-        channels: 16,
-        vocab: 37,
-        padded_vocab: 40,
-        max_seq: 16,
-    };
-    let l = LlmcConfig {
-        max_seq: 16,
-        vocab: 37,
-        padded_vocab: 40,
-        layers: 2,
-        heads: 2,
-        channels: 16,
-    };
+    let g = Gpt2Config { layers: 2, heads: 2, channels: 16, vocab: 37, padded_vocab: 40, max_seq: 16 };
+    let l = LlmcConfig { max_seq: 16, vocab: 37, padded_vocab: 40, layers: 2, heads: 2, channels: 16 };
     (g, l)
 }
 
@@ -56,28 +42,16 @@ fn config(batch: usize, steps: usize, grad_accum: usize) -> TrainConfig {
 fn run(cfg: &TrainConfig, nan_param: bool) -> Result<(Vec<StepLog>, Vec<Vec<f32>>), String> {
     let (gcfg, lcfg) = model();
     let fwd = build_gpt2(&gcfg, "t");
-    let mut ex = common::ref_executor(
-        &fwd,
-        &PipelineOptions::default(),
-        cfg.batch,
-        cfg.seq,
-        Precision::F32,
-    );
+    let mut ex = common::ref_executor(&fwd, &PipelineOptions::default(), cfg.batch, cfg.seq, Precision::F32);
     let mut params = params_from_checkpoint(&fwd, &random_init(&lcfg, 7)).unwrap();
     if nan_param {
         params.get_mut("lnfw").unwrap().data[3] = f64::NAN;
     }
-    let step = common::programs(&fwd, &PipelineOptions::default())
-        .remove(&Program::Step)
-        .unwrap();
+    let step = common::programs(&fwd, &PipelineOptions::default()).remove(&Program::Step).unwrap();
     init_state(&mut ex, &step, &params).unwrap();
     let data = DataLoader::new(tokens(4000, 3), cfg.batch, cfg.seq).unwrap();
     let logs = train(&mut ex, cfg, &data, None, |_| {})?;
-    let finals = fwd
-        .params()
-        .iter()
-        .map(|(n, _)| ex.get(n).unwrap().to_f32())
-        .collect();
+    let finals = fwd.params().iter().map(|(n, _)| ex.get(n).unwrap().to_f32()).collect();
     Ok((logs, finals))
 }
 
@@ -86,27 +60,14 @@ fn k_micro_steps_of_batch_b_equal_one_step_of_batch_kb() {
     let (big, p_big) = run(&config(4, 3, 1), false).unwrap();
     let (small, p_small) = run(&config(2, 3, 2), false).unwrap();
     for (a, b) in big.iter().zip(&small) {
-        assert!(
-            (a.loss - b.loss).abs() <= 1e-5 * a.loss.abs(),
-            "step {}: loss {} vs {}",
-            a.step,
-            a.loss,
-            b.loss
-        );
+        assert!((a.loss - b.loss).abs() <= 1e-5 * a.loss.abs(), "step {}: loss {} vs {}", a.step, a.loss, b.loss);
     }
     for (pa, pb) in p_big.iter().zip(&p_small) {
         for (x, y) in pa.iter().zip(pb) {
-            assert!(
-                (x - y).abs() <= 1e-5 + 1e-4 * x.abs(),
-                "parameters differ: {x} vs {y}"
-            );
+            assert!((x - y).abs() <= 1e-5 + 1e-4 * x.abs(), "parameters differ: {x} vs {y}");
         }
     }
-    assert!(
-        big[2].loss < big[0].loss,
-        "loss should fall: {:?}",
-        big.iter().map(|l| l.loss).collect::<Vec<_>>()
-    );
+    assert!(big[2].loss < big[0].loss, "loss should fall: {:?}", big.iter().map(|l| l.loss).collect::<Vec<_>>());
 }
 
 #[test]
@@ -122,10 +83,7 @@ fn json_log_has_one_object_per_step() {
     cfg.log_json = Some(path.clone());
     let (logs, _) = run(&cfg, false).unwrap();
     let text = std::fs::read_to_string(&path).unwrap();
-    let lines: Vec<serde_json::Value> = text
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+    let lines: Vec<serde_json::Value> = text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
     assert_eq!(lines.len(), 3);
     for (l, rec) in lines.iter().zip(&logs) {
         assert_eq!(l["step"].as_u64().unwrap() as usize, rec.step);
@@ -144,32 +102,15 @@ fn three_fused_steps_agree_with_unfused_steps() {
     let mut finals = vec![];
     for opts in [common::unfused(), PipelineOptions::default()] {
         let mut ex = common::ref_executor(&fwd, &opts, cfg.batch, cfg.seq, Precision::F32);
-        let step = common::programs(&fwd, &opts)
-            .remove(&Program::Step)
-            .unwrap();
-        init_state(
-            &mut ex,
-            &step,
-            &params_from_checkpoint(&fwd, &random_init(&lcfg, 9)).unwrap(),
-        )
-        .unwrap();
+        let step = common::programs(&fwd, &opts).remove(&Program::Step).unwrap();
+        init_state(&mut ex, &step, &params_from_checkpoint(&fwd, &random_init(&lcfg, 9)).unwrap()).unwrap();
         let logs = train(&mut ex, &cfg, &data, None, |_| {}).unwrap();
-        let params: Vec<Vec<f32>> = fwd
-            .params()
-            .iter()
-            .map(|(n, _)| ex.get(n).unwrap().to_f32())
-            .collect();
+        let params: Vec<Vec<f32>> = fwd.params().iter().map(|(n, _)| ex.get(n).unwrap().to_f32()).collect();
         finals.push((logs, params));
     }
     let ((la, pa), (lb, pb)) = (&finals[0], &finals[1]);
     for (a, b) in la.iter().zip(lb) {
-        assert!(
-            (a.loss - b.loss).abs() <= 1e-6 * a.loss.abs(),
-            "step {}: unfused {} fused {}",
-            a.step,
-            a.loss,
-            b.loss
-        );
+        assert!((a.loss - b.loss).abs() <= 1e-6 * a.loss.abs(), "step {}: unfused {} fused {}", a.step, a.loss, b.loss);
     }
     // Adam divides by sqrt(v): a gradient that is rounding noise (the key part of qkvb has a
     // true gradient of exactly 0) becomes an update of up to lr in either direction. The floor

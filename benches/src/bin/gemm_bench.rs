@@ -48,45 +48,13 @@ fn step_shapes(cfg: &Config, plain: bool) -> Vec<Shape> {
             _ => "",
         };
         // y[BT, OC] = x[BT, IC] @ W[OC, IC]^T
-        let fwd = GemmSpec {
-            m: bt,
-            n: oc,
-            k: ic,
-            trans_b: true,
-            bias,
-            gelu,
-            ..base
-        };
-        out.push(Shape {
-            name: format!("fwd {name}{tag}"),
-            spec: fwd,
-            per_step,
-        });
+        let fwd = GemmSpec { m: bt, n: oc, k: ic, trans_b: true, bias, gelu, ..base };
+        out.push(Shape { name: format!("fwd {name}{tag}"), spec: fwd, per_step });
         // dx[BT, IC] = dy[BT, OC] @ W[OC, IC]
-        out.push(Shape {
-            name: format!("dX  {name}"),
-            spec: GemmSpec {
-                m: bt,
-                n: ic,
-                k: oc,
-                ..base
-            },
-            per_step,
-        });
+        out.push(Shape { name: format!("dX  {name}"), spec: GemmSpec { m: bt, n: ic, k: oc, ..base }, per_step });
         // dW[OC, IC] += dy[BT, OC]^T @ x[BT, IC]
-        let dw = GemmSpec {
-            m: oc,
-            n: ic,
-            k: bt,
-            trans_a: true,
-            accumulate: true,
-            ..base
-        };
-        out.push(Shape {
-            name: format!("dW  {name}"),
-            spec: dw,
-            per_step,
-        });
+        let dw = GemmSpec { m: oc, n: ic, k: bt, trans_a: true, accumulate: true, ..base };
+        out.push(Shape { name: format!("dW  {name}"), spec: dw, per_step });
     }
     for s in &mut out {
         s.spec.batch = 1;
@@ -122,9 +90,7 @@ fn time(s: &GemmSpec, threads: usize, secs: f64) -> (f64, f64) {
     call(&mut y, &mut pre); // warm up: page in, fill the crate's caches
     let mut samples = Vec::new();
     let start = Instant::now();
-    while samples.len() < 3
-        || (start.elapsed() < Duration::from_secs_f64(secs) && samples.len() < 1000)
-    {
+    while samples.len() < 3 || (start.elapsed() < Duration::from_secs_f64(secs) && samples.len() < 1000) {
         let t = Instant::now();
         call(&mut y, &mut pre);
         samples.push(t.elapsed().as_secs_f64());
@@ -201,40 +167,18 @@ fn main() {
             "--plain" => plain = true,
             "--only" => only = value("a substring of shape names"),
             "-h" | "--help" => {
-                println!(
-                    "gemm_bench [--threads N] [--config small|124m|both] [--secs S] [--plain]"
-                );
+                println!("gemm_bench [--threads N] [--config small|124m|both] [--secs S] [--plain]");
                 return;
             }
             other => panic!("unknown argument `{other}` (try --help)"),
         }
     }
     let threads = threads.max(1);
-    rayon::ThreadPoolBuilder::new()
-        .num_threads(threads)
-        .build_global()
-        .expect("the rayon pool is built once");
-    let small = Config {
-        name: "small",
-        layers: 4,
-        channels: 256,
-        vocab_padded: 8192,
-        batch: 8,
-        seq: 256,
-    };
-    let gpt2 = Config {
-        name: "gpt2-124M",
-        layers: 12,
-        channels: 768,
-        vocab_padded: 50304,
-        batch: 4,
-        seq: 64,
-    };
+    rayon::ThreadPoolBuilder::new().num_threads(threads).build_global().expect("the rayon pool is built once");
+    let small = Config { name: "small", layers: 4, channels: 256, vocab_padded: 8192, batch: 8, seq: 256 };
+    let gpt2 = Config { name: "gpt2-124M", layers: 12, channels: 768, vocab_padded: 50304, batch: 4, seq: 64 };
     for cfg in [small, gpt2] {
-        if config == "both"
-            || config.eq_ignore_ascii_case(cfg.name)
-            || (config == "124m" && cfg.layers == 12)
-        {
+        if config == "both" || config.eq_ignore_ascii_case(cfg.name) || (config == "124m" && cfg.layers == 12) {
             bench(&cfg, threads, plain, secs, &only);
         }
     }

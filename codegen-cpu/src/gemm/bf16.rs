@@ -44,9 +44,7 @@ const CHUNK: usize = 1 << 16;
 /// `dst = src` widened, in parallel chunks when `threads > 1`.
 fn widen(src: &[bf16], dst: &mut [f32], threads: usize) {
     if threads > 1 && src.len() > CHUNK {
-        dst.par_chunks_mut(CHUNK)
-            .zip(src.par_chunks(CHUNK))
-            .for_each(|(d, s)| s.convert_to_f32_slice(d));
+        dst.par_chunks_mut(CHUNK).zip(src.par_chunks(CHUNK)).for_each(|(d, s)| s.convert_to_f32_slice(d));
     } else {
         src.convert_to_f32_slice(dst);
     }
@@ -55,9 +53,7 @@ fn widen(src: &[bf16], dst: &mut [f32], threads: usize) {
 /// `dst = src` rounded to nearest even, in parallel chunks when `threads > 1`.
 fn narrow(src: &[f32], dst: &mut [bf16], threads: usize) {
     if threads > 1 && src.len() > CHUNK {
-        dst.par_chunks_mut(CHUNK)
-            .zip(src.par_chunks(CHUNK))
-            .for_each(|(d, s)| d.convert_from_f32_slice(s));
+        dst.par_chunks_mut(CHUNK).zip(src.par_chunks(CHUNK)).for_each(|(d, s)| d.convert_from_f32_slice(s));
     } else {
         dst.convert_from_f32_slice(src);
     }
@@ -85,13 +81,7 @@ pub fn gemm_bf16(
         Bf16Out::F32(v) => v.len(),
         Bf16Out::Bf16(v) => v.len(),
     };
-    spec.check(
-        a.len(),
-        b.len(),
-        bias.map(<[bf16]>::len),
-        y_len,
-        pre_gelu.as_deref().map(<[bf16]>::len),
-    );
+    spec.check(a.len(), b.len(), bias.map(<[bf16]>::len), y_len, pre_gelu.as_deref().map(<[bf16]>::len));
     SCRATCH.with(|cell| {
         let mut guard = cell.borrow_mut();
         let s = &mut *guard;
@@ -109,18 +99,7 @@ pub fn gemm_bf16(
             Bf16Out::F32(y) => gemm_f32(spec, a32, b32, bias32, y, pre32.as_deref_mut(), threads),
             Bf16Out::Bf16(y) => {
                 let y32 = take(&mut s.y, spec.y_len());
-                gemm_f32(
-                    &GemmSpec {
-                        accumulate: false,
-                        ..*spec
-                    },
-                    a32,
-                    b32,
-                    bias32,
-                    y32,
-                    pre32.as_deref_mut(),
-                    threads,
-                );
+                gemm_f32(&GemmSpec { accumulate: false, ..*spec }, a32, b32, bias32, y32, pre32.as_deref_mut(), threads);
                 if spec.accumulate {
                     let add = |(d, v): (&mut [bf16], &[f32])| {
                         for (d, v) in d.iter_mut().zip(v) {
@@ -128,9 +107,7 @@ pub fn gemm_bf16(
                         }
                     };
                     if threads > 1 {
-                        y.par_chunks_mut(CHUNK)
-                            .zip(y32.par_chunks(CHUNK))
-                            .for_each(add);
+                        y.par_chunks_mut(CHUNK).zip(y32.par_chunks(CHUNK)).for_each(add);
                     } else {
                         add((y, y32));
                     }

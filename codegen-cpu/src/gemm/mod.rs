@@ -68,18 +68,7 @@ pub struct GemmSpec {
 impl GemmSpec {
     /// A plain 2-D `y = a @ b` with `a: [m, k]`, `b: [k, n]` and no epilogue.
     pub fn new(m: usize, n: usize, k: usize) -> Self {
-        GemmSpec {
-            batch: 1,
-            m,
-            n,
-            k,
-            trans_a: false,
-            trans_b: false,
-            b_shared: true,
-            bias: false,
-            gelu: false,
-            accumulate: false,
-        }
+        GemmSpec { batch: 1, m, n, k, trans_a: false, trans_b: false, b_shared: true, bias: false, gelu: false, accumulate: false }
     }
 
     /// Elements `a` must hold.
@@ -113,48 +102,18 @@ impl GemmSpec {
 
     /// Panics unless the slices fit the spec.
     fn check(&self, a: usize, b: usize, bias: Option<usize>, y: usize, pre: Option<usize>) {
-        assert_eq!(
-            a,
-            self.a_len(),
-            "gemm: `a` has {a} elements, the spec needs {}",
-            self.a_len()
-        );
-        assert_eq!(
-            b,
-            self.b_len(),
-            "gemm: `b` has {b} elements, the spec needs {}",
-            self.b_len()
-        );
-        assert_eq!(
-            y,
-            self.y_len(),
-            "gemm: `y` has {y} elements, the spec needs {}",
-            self.y_len()
-        );
+        assert_eq!(a, self.a_len(), "gemm: `a` has {a} elements, the spec needs {}", self.a_len());
+        assert_eq!(b, self.b_len(), "gemm: `b` has {b} elements, the spec needs {}", self.b_len());
+        assert_eq!(y, self.y_len(), "gemm: `y` has {y} elements, the spec needs {}", self.y_len());
         match (self.bias, bias) {
-            (true, Some(len)) => assert_eq!(
-                len, self.n,
-                "gemm: bias has {len} elements, the spec needs {}",
-                self.n
-            ),
+            (true, Some(len)) => assert_eq!(len, self.n, "gemm: bias has {len} elements, the spec needs {}", self.n),
             (false, None) => {}
-            (want, _) => panic!(
-                "gemm: spec.bias is {want} but a bias was{} given",
-                if want { " not" } else { "" }
-            ),
+            (want, _) => panic!("gemm: spec.bias is {want} but a bias was{} given", if want { " not" } else { "" }),
         }
         match (self.gelu, pre) {
-            (true, Some(len)) => assert_eq!(
-                len,
-                self.y_len(),
-                "gemm: pre_gelu has {len} elements, the spec needs {}",
-                self.y_len()
-            ),
+            (true, Some(len)) => assert_eq!(len, self.y_len(), "gemm: pre_gelu has {len} elements, the spec needs {}", self.y_len()),
             (false, None) => {}
-            (want, _) => panic!(
-                "gemm: spec.gelu is {want} but pre_gelu was{} given",
-                if want { " not" } else { "" }
-            ),
+            (want, _) => panic!("gemm: spec.gelu is {want} but pre_gelu was{} given", if want { " not" } else { "" }),
         }
     }
 }
@@ -169,22 +128,8 @@ impl GemmSpec {
 ///
 /// # Panics
 /// If a slice length does not match the spec.
-pub fn gemm_f32(
-    spec: &GemmSpec,
-    a: &[f32],
-    b: &[f32],
-    bias: Option<&[f32]>,
-    y: &mut [f32],
-    pre_gelu: Option<&mut [f32]>,
-    threads: usize,
-) {
-    spec.check(
-        a.len(),
-        b.len(),
-        bias.map(<[f32]>::len),
-        y.len(),
-        pre_gelu.as_deref().map(<[f32]>::len),
-    );
+pub fn gemm_f32(spec: &GemmSpec, a: &[f32], b: &[f32], bias: Option<&[f32]>, y: &mut [f32], pre_gelu: Option<&mut [f32]>, threads: usize) {
+    spec.check(a.len(), b.len(), bias.map(<[f32]>::len), y.len(), pre_gelu.as_deref().map(<[f32]>::len));
     if spec.y_len() == 0 {
         return;
     }
@@ -211,12 +156,7 @@ const MIN_TILE: usize = 64;
 /// column is packed once per row tile, each `op(a)` row once per column tile); enough tiles
 /// keep two threads busy.
 fn tile_sides(rows: usize, n: usize) -> (usize, usize) {
-    let even = |len: usize, max: usize, unit: usize| {
-        len.div_ceil(len.div_ceil(max))
-            .next_multiple_of(unit)
-            .min(len)
-            .max(1)
-    };
+    let even = |len: usize, max: usize, unit: usize| len.div_ceil(len.div_ceil(max)).next_multiple_of(unit).min(len).max(1);
     let (mut tm, mut tn) = (even(rows, TILE_M, 8), even(n, TILE_N, 16));
     while rows.div_ceil(tm) * n.div_ceil(tn) < MIN_TILES {
         if tm >= tn && tm / 2 >= MIN_TILE {
@@ -266,33 +206,14 @@ struct Plan {
 }
 
 impl Plan {
-    fn new(
-        spec: &GemmSpec,
-        a: &[f32],
-        b: &[f32],
-        bias: Option<&[f32]>,
-        y: &mut [f32],
-        pre: Option<&mut [f32]>,
-    ) -> Self {
+    fn new(spec: &GemmSpec, a: &[f32], b: &[f32], bias: Option<&[f32]>, y: &mut [f32], pre: Option<&mut [f32]>) -> Self {
         let (m, n, k) = (spec.m, spec.n, spec.k);
         // With one `b` and `a` stored `[batch*m, k]`, the batch is just more rows.
         let fold = spec.batch == 1 || (spec.b_shared && !spec.trans_a);
-        let (batches, rows) = if fold {
-            (1, spec.batch * m)
-        } else {
-            (spec.batch, m)
-        };
+        let (batches, rows) = if fold { (1, spec.batch * m) } else { (spec.batch, m) };
         let (tile_m, tile_n) = tile_sides(rows, n);
-        let (a_rs, a_cs) = if spec.trans_a {
-            (1, m as isize)
-        } else {
-            (k as isize, 1)
-        };
-        let (b_rs, b_cs) = if spec.trans_b {
-            (1, k as isize)
-        } else {
-            (n as isize, 1)
-        };
+        let (a_rs, a_cs) = if spec.trans_a { (1, m as isize) } else { (k as isize, 1) };
+        let (b_rs, b_cs) = if spec.trans_b { (1, k as isize) } else { (n as isize, 1) };
         Plan {
             spec: *spec,
             batches,
@@ -334,16 +255,8 @@ impl Plan {
         let nt = self.tile_n.min(s.n - j0);
         let n = s.n;
         let y_off = z * self.rows * n + i0 * n + j0;
-        let a = self
-            .a
-            .0
-            .add(z * self.a_batch)
-            .offset(i0 as isize * self.a_rs);
-        let b = self
-            .b
-            .0
-            .add(z * self.b_batch)
-            .offset(j0 as isize * self.b_cs);
+        let a = self.a.0.add(z * self.a_batch).offset(i0 as isize * self.a_rs);
+        let b = self.b.0.add(z * self.b_batch).offset(j0 as isize * self.b_cs);
         let y = self.y.0.add(y_off);
         let product = |dst: *mut f32, dst_rs: usize, read_dst: bool| {
             gemm::gemm(
@@ -372,12 +285,8 @@ impl Plan {
             product(y, n, s.accumulate);
             return;
         }
-        let bias = self
-            .bias
-            .map(|p| std::slice::from_raw_parts(p.0.add(j0), nt));
-        let rows = |p: *mut f32, stride: usize, i: usize| {
-            std::slice::from_raw_parts_mut(p.add(i * stride), nt)
-        };
+        let bias = self.bias.map(|p| std::slice::from_raw_parts(p.0.add(j0), nt));
+        let rows = |p: *mut f32, stride: usize, i: usize| std::slice::from_raw_parts_mut(p.add(i * stride), nt);
         if let Some(pre) = self.pre {
             // The product lands in `pre_gelu`, becomes the pre-activation there, then feeds `y`.
             let pre = pre.0.add(y_off);
@@ -388,10 +297,7 @@ impl Plan {
         } else if !s.accumulate {
             product(y, n, false);
             for i in 0..mt {
-                epilogue::add_bias(
-                    rows(y, n, i),
-                    bias.expect("an epilogue without gelu has a bias"),
-                );
+                epilogue::add_bias(rows(y, n, i), bias.expect("an epilogue without gelu has a bias"));
             }
         } else {
             // `y += product + bias`: the product needs a place of its own.
@@ -431,8 +337,6 @@ fn for_each_task(n: usize, threads: usize, f: &(dyn Fn(usize) + Sync)) {
         (0..n).into_par_iter().for_each(f);
     } else {
         let per = n.div_ceil(threads);
-        (0..threads)
-            .into_par_iter()
-            .for_each(|p| (p * per..((p + 1) * per).min(n)).for_each(f));
+        (0..threads).into_par_iter().for_each(|p| (p * per..((p + 1) * per).min(n)).for_each(f));
     }
 }

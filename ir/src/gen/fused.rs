@@ -14,17 +14,10 @@ impl Gen<'_> {
     /// GELU and accumulate, and a result dtype that is the operands' or another float type.
     pub(super) fn gemm(&mut self) {
         let (trans_a, trans_b, a, b) = self.matmul_operands();
-        let mm = result_types(
-            &Op::MatMul { trans_a, trans_b },
-            &[self.g.ty(a), self.g.ty(b)],
-        )
-        .expect("matmul_operands gives well-typed operands")
-        .remove(0);
-        let (bias, gelu, accumulate) = (
-            self.rng.chance(0.5),
-            self.rng.chance(0.5),
-            self.rng.chance(0.5),
-        );
+        let mm = result_types(&Op::MatMul { trans_a, trans_b }, &[self.g.ty(a), self.g.ty(b)])
+            .expect("matmul_operands gives well-typed operands")
+            .remove(0);
+        let (bias, gelu, accumulate) = (self.rng.chance(0.5), self.rng.chance(0.5), self.rng.chance(0.5));
         let out = match self.rng.below(4) {
             0 | 1 => mm.dtype,
             2 => DType::BF16,
@@ -32,28 +25,13 @@ impl Gen<'_> {
         };
         let mut ins = vec![a, b];
         if bias {
-            let n = mm
-                .shape
-                .0
-                .last()
-                .expect("matmul results have rank >= 2")
-                .clone();
+            let n = mm.shape.0.last().expect("matmul results have rank >= 2").clone();
             ins.push(self.value_of(&Type::new(mm.dtype, Shape::from(vec![n]))));
         }
         if accumulate {
             ins.push(self.value_of(&mm.with_dtype(out)));
         }
-        self.g.add(
-            Op::Gemm(Gemm {
-                trans_a,
-                trans_b,
-                bias,
-                gelu,
-                out,
-                accumulate,
-            }),
-            &ins,
-        );
+        self.g.add(Op::Gemm(Gemm { trans_a, trans_b, bias, gelu, out, accumulate }), &ins);
     }
 
     /// A `kernel` whose body is a few random elementwise and reduction nodes over one or two
@@ -61,18 +39,8 @@ impl Gen<'_> {
     /// values of the body inputs' types.
     pub(super) fn kernel(&mut self) {
         let outer: Vec<Type> = self.g.values.iter().map(|v| v.ty.clone()).collect();
-        let body_graph = Graph {
-            name: String::new(),
-            syms: self.g.syms.clone(),
-            ..Graph::default()
-        };
-        let mut sub = Gen {
-            rng: &mut *self.rng,
-            o: self.o.clone(),
-            g: body_graph,
-            serial: self.serial,
-            body: true,
-        };
+        let body_graph = Graph { name: String::new(), syms: self.g.syms.clone(), ..Graph::default() };
+        let mut sub = Gen { rng: &mut *self.rng, o: self.o.clone(), g: body_graph, serial: self.serial, body: true };
         for _ in 0..1 + sub.rng.below(2) {
             let ty = if !outer.is_empty() && sub.rng.chance(0.7) {
                 outer[sub.rng.below(outer.len() as u64) as usize].clone()
@@ -92,15 +60,10 @@ impl Gen<'_> {
         let (mut body, serial) = (sub.g, sub.serial);
         self.serial = serial;
         body.name = kernel_name(&body);
-        let ins: Vec<_> = body
-            .inputs()
-            .into_iter()
-            .map(|(_, v)| body.ty(v).clone())
-            .collect();
+        let ins: Vec<_> = body.inputs().into_iter().map(|(_, v)| body.ty(v).clone()).collect();
         let ins: Vec<_> = ins.iter().map(|t| self.value_of(t)).collect();
         let name = body.name.clone();
-        self.g
-            .add(Op::Kernel(Box::new(Kernel { name, body })), &ins);
+        self.g.add(Op::Kernel(Box::new(Kernel { name, body })), &ins);
     }
 }
 

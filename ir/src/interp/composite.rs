@@ -4,11 +4,7 @@
 use super::{round_to, Precision, Tensor};
 
 fn like(x: &Tensor, data: Vec<f64>) -> Tensor {
-    Tensor {
-        dtype: x.dtype,
-        shape: x.shape.clone(),
-        data,
-    }
+    Tensor { dtype: x.dtype, shape: x.shape.clone(), data }
 }
 
 /// The tensor viewed as `rows` rows of its last dim: (rows, last). A scalar is one row of one
@@ -19,21 +15,13 @@ fn rows_of(x: &Tensor) -> (usize, usize) {
 }
 
 fn stat(x: &Tensor, data: Vec<f64>) -> Tensor {
-    Tensor {
-        dtype: x.dtype,
-        shape: x.shape[..x.shape.len() - 1].to_vec(),
-        data,
-    }
+    Tensor { dtype: x.dtype, shape: x.shape[..x.shape.len() - 1].to_vec(), data }
 }
 
 /// `(y, mean, rstd)` with biased variance: `rstd = 1/sqrt(var + eps)`, `y = (x-mean)*rstd*w + b`.
 pub(super) fn layernorm(x: &Tensor, w: &Tensor, b: &Tensor, eps: f64) -> Vec<Tensor> {
     let (rows, c) = rows_of(x);
-    let (mut y, mut means, mut rstds) = (
-        Vec::with_capacity(x.data.len()),
-        Vec::with_capacity(rows),
-        Vec::with_capacity(rows),
-    );
+    let (mut y, mut means, mut rstds) = (Vec::with_capacity(x.data.len()), Vec::with_capacity(rows), Vec::with_capacity(rows));
     for r in 0..rows {
         let xr = &x.data[r * c..(r + 1) * c];
         let mean = xr.iter().sum::<f64>() / c as f64;
@@ -47,13 +35,7 @@ pub(super) fn layernorm(x: &Tensor, w: &Tensor, b: &Tensor, eps: f64) -> Vec<Ten
 }
 
 /// llm.c's `layernorm_backward` from the saved statistics: `(dx, dw, db)`.
-pub(super) fn layernorm_grad(
-    dy: &Tensor,
-    x: &Tensor,
-    w: &Tensor,
-    mean: &Tensor,
-    rstd: &Tensor,
-) -> Vec<Tensor> {
+pub(super) fn layernorm_grad(dy: &Tensor, x: &Tensor, w: &Tensor, mean: &Tensor, rstd: &Tensor) -> Vec<Tensor> {
     let (rows, c) = rows_of(x);
     let mut dx = Vec::with_capacity(x.data.len());
     let (mut dw, mut db) = (vec![0.0; c], vec![0.0; c]);
@@ -123,18 +105,12 @@ fn target(t: f64, row: usize, vocab: usize) -> Result<usize, String> {
     if t >= 0.0 && (t as usize) < vocab {
         Ok(t as usize)
     } else {
-        Err(format!(
-            "target {t} at position {row} is out of range 0..{vocab}"
-        ))
+        Err(format!("target {t} at position {row} is out of range 0..{vocab}"))
     }
 }
 
 /// `logsumexp(logits[.., :vocab]) - logits[target]` per row.
-pub(super) fn cross_entropy(
-    logits: &Tensor,
-    targets: &Tensor,
-    vocab: usize,
-) -> Result<Tensor, String> {
+pub(super) fn cross_entropy(logits: &Tensor, targets: &Tensor, vocab: usize) -> Result<Tensor, String> {
     let (rows, vp) = rows_of(logits);
     let mut loss = Vec::with_capacity(rows);
     for r in 0..rows {
@@ -146,12 +122,7 @@ pub(super) fn cross_entropy(
 }
 
 /// `(softmax(logits[:vocab]) - onehot(target)) * dloss`, zero in the padding columns.
-pub(super) fn cross_entropy_grad(
-    logits: &Tensor,
-    targets: &Tensor,
-    dloss: &Tensor,
-    vocab: usize,
-) -> Result<Tensor, String> {
+pub(super) fn cross_entropy_grad(logits: &Tensor, targets: &Tensor, dloss: &Tensor, vocab: usize) -> Result<Tensor, String> {
     let (rows, vp) = rows_of(logits);
     let mut d = Vec::with_capacity(logits.data.len());
     for r in 0..rows {
@@ -212,11 +183,7 @@ fn attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Vec<Tensor> {
 fn attention_grad(ins: &[&Tensor], scale: f64) -> Vec<Tensor> {
     let (q, k, v, out, lse, dout) = (ins[0], ins[1], ins[2], ins[3], ins[4], ins[5]);
     let (heads, t, d) = attn_dims(q);
-    let (mut dq, mut dk, mut dv) = (
-        vec![0.0; q.data.len()],
-        vec![0.0; q.data.len()],
-        vec![0.0; q.data.len()],
-    );
+    let (mut dq, mut dk, mut dv) = (vec![0.0; q.data.len()], vec![0.0; q.data.len()], vec![0.0; q.data.len()]);
     for h in 0..heads {
         let base = h * t * d;
         let r = |i: usize| base + i * d..base + (i + 1) * d;
@@ -251,11 +218,7 @@ pub(super) fn adamw(ins: &[&Tensor], [b1, b2, eps, wd]: [f64; 4], prec: Precisio
         }
     };
     let n = p.data.len();
-    let (mut np, mut nm, mut nv) = (
-        Vec::with_capacity(n),
-        Vec::with_capacity(n),
-        Vec::with_capacity(n),
-    );
+    let (mut np, mut nm, mut nv) = (Vec::with_capacity(n), Vec::with_capacity(n), Vec::with_capacity(n));
     for i in 0..n {
         let gi = g.data[i];
         let mi = rnd(b1 * m.data[i] + (1.0 - b1) * gi);
@@ -287,11 +250,7 @@ fn unpack_qkv(qkv: &Tensor, heads: usize) -> [Tensor; 3] {
                 }
             }
         }
-        Tensor {
-            dtype: qkv.dtype,
-            shape: shape.clone(),
-            data,
-        }
+        Tensor { dtype: qkv.dtype, shape: shape.clone(), data }
     })
 }
 
@@ -322,14 +281,7 @@ pub(super) fn attention_packed(qkv: &Tensor, heads: usize, scale: f64) -> Vec<Te
     shape[r - 1] = c;
     let mut out = vec![0.0; qkv.data.len() / 3];
     pack_heads(&out_h, &mut out, c, 0);
-    vec![
-        Tensor {
-            dtype: qkv.dtype,
-            shape,
-            data: out,
-        },
-        lse,
-    ]
+    vec![Tensor { dtype: qkv.dtype, shape, data: out }, lse]
 }
 
 /// Gradient of packed attention from `(qkv, out, lse, dout)`: `dqkv: [S, T, 3C]`.
@@ -346,14 +298,7 @@ pub(super) fn attention_grad_packed(ins: &[&Tensor], heads: usize, scale: f64) -
         for (row, chunk) in x.data.chunks(c).enumerate() {
             data[row * 3 * c + 2 * c..(row + 1) * 3 * c].copy_from_slice(chunk);
         }
-        let [_, _, h] = unpack_qkv(
-            &Tensor {
-                dtype: x.dtype,
-                shape: padded,
-                data,
-            },
-            heads,
-        );
+        let [_, _, h] = unpack_qkv(&Tensor { dtype: x.dtype, shape: padded, data }, heads);
         h
     };
     let grads = attention_grad(&[&q, &k, &v, &per_head(out), lse, &per_head(dout)], scale);
@@ -362,9 +307,5 @@ pub(super) fn attention_grad_packed(ins: &[&Tensor], heads: usize, scale: f64) -
     for (part, gh) in grads.iter().enumerate() {
         pack_heads(gh, &mut dqkv, 3 * c, part * c);
     }
-    Tensor {
-        dtype: qkv.dtype,
-        shape: qkv.shape.clone(),
-        data: dqkv,
-    }
+    Tensor { dtype: qkv.dtype, shape: qkv.shape.clone(), data: dqkv }
 }

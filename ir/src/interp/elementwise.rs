@@ -7,28 +7,18 @@ use crate::{BinaryOp, CmpOp, DType, UnaryOp};
 const GELU_SCALE: f64 = 0.797_884_560_802_865_4;
 
 fn map(x: &Tensor, dtype: DType, f: impl Fn(f64) -> f64) -> Tensor {
-    Tensor {
-        dtype,
-        shape: x.shape.clone(),
-        data: x.data.iter().map(|&v| f(v)).collect(),
-    }
+    Tensor { dtype, shape: x.shape.clone(), data: x.data.iter().map(|&v| f(v)).collect() }
 }
 
 fn zip(a: &Tensor, b: &Tensor, dtype: DType, f: impl Fn(f64, f64) -> f64) -> Tensor {
-    Tensor {
-        dtype,
-        shape: a.shape.clone(),
-        data: a.data.iter().zip(&b.data).map(|(&x, &y)| f(x, y)).collect(),
-    }
+    Tensor { dtype, shape: a.shape.clone(), data: a.data.iter().zip(&b.data).map(|(&x, &y)| f(x, y)).collect() }
 }
 
 /// Element `[i0, .., in]` is `i_axis`.
 pub(super) fn iota(axis: usize, (dtype, shape): (DType, Vec<usize>)) -> Tensor {
     let st = strides(&shape);
     let n: usize = shape.iter().product();
-    let data = (0..n)
-        .map(|k| ((k / st[axis]) % shape[axis]) as f64)
-        .collect();
+    let data = (0..n).map(|k| ((k / st[axis]) % shape[axis]) as f64).collect();
     Tensor { dtype, shape, data }
 }
 
@@ -107,17 +97,8 @@ pub(super) fn compare(c: CmpOp, a: &Tensor, b: &Tensor) -> Tensor {
 
 /// `cond != 0 ? a : b`.
 pub(super) fn select(cond: &Tensor, a: &Tensor, b: &Tensor) -> Tensor {
-    let data = cond
-        .data
-        .iter()
-        .zip(a.data.iter().zip(&b.data))
-        .map(|(&c, (&x, &y))| if c != 0.0 { x } else { y })
-        .collect();
-    Tensor {
-        dtype: a.dtype,
-        shape: a.shape.clone(),
-        data,
-    }
+    let data = cond.data.iter().zip(a.data.iter().zip(&b.data)).map(|(&c, (&x, &y))| if c != 0.0 { x } else { y }).collect();
+    Tensor { dtype: a.dtype, shape: a.shape.clone(), data }
 }
 
 /// Conversion. To a float dtype the run loop does the rounding (in F32 mode); to i32, floats
@@ -134,18 +115,12 @@ pub(super) fn cast(x: &Tensor, to: DType) -> Result<Tensor, String> {
         }
         data.push(t);
     }
-    Ok(Tensor {
-        dtype: to,
-        shape: x.shape.clone(),
-        data,
-    })
+    Ok(Tensor { dtype: to, shape: x.shape.clone(), data })
 }
 
 /// GELU, tanh form: `0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`.
 pub(super) fn gelu(x: &Tensor) -> Tensor {
-    map(x, x.dtype, |v| {
-        0.5 * v * (1.0 + (GELU_SCALE * (v + 0.044715 * v * v * v)).tanh())
-    })
+    map(x, x.dtype, |v| 0.5 * v * (1.0 + (GELU_SCALE * (v + 0.044715 * v * v * v)).tanh()))
 }
 
 /// `dy` times the derivative of the tanh-form GELU at `x` (llm.c's `gelu_backward`).
@@ -154,8 +129,7 @@ pub(super) fn gelu_grad(x: &Tensor, dy: &Tensor) -> Tensor {
         let arg = GELU_SCALE * (v + 0.044715 * v * v * v);
         let th = arg.tanh();
         let sech2 = 1.0 / (arg.cosh() * arg.cosh());
-        let local =
-            0.5 * (1.0 + th) + v * 0.5 * sech2 * GELU_SCALE * (1.0 + 3.0 * 0.044715 * v * v);
+        let local = 0.5 * (1.0 + th) + v * 0.5 * sech2 * GELU_SCALE * (1.0 + 3.0 * 0.044715 * v * v);
         local * d
     })
 }

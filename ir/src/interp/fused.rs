@@ -19,17 +19,9 @@ fn rounded(mut t: Tensor, prec: Precision) -> Tensor {
 /// `gemm`: `y = op(a) op(b)`, then `+ bias` over the last axis, then GELU (keeping the value
 /// before it as the second result), then a cast to `out`, then `acc + y`, each step rounded
 /// like the result of the corresponding unfused node. Results: `y`, then `pre_gelu` if `gelu`.
-pub(super) fn gemm(
-    gm: &Gemm,
-    ins: &[&Tensor],
-    outs: &[(DType, Vec<usize>)],
-    prec: Precision,
-) -> Result<Vec<Tensor>, String> {
+pub(super) fn gemm(gm: &Gemm, ins: &[&Tensor], outs: &[(DType, Vec<usize>)], prec: Precision) -> Result<Vec<Tensor>, String> {
     let shape = outs[0].1.clone();
-    let mut y = rounded(
-        reduce::matmul(ins[0], ins[1], gm.trans_a, gm.trans_b, shape),
-        prec,
-    );
+    let mut y = rounded(reduce::matmul(ins[0], ins[1], gm.trans_a, gm.trans_b, shape), prec);
     let mut next = 2;
     if gm.bias {
         // `add(y, broadcast(bias))`.
@@ -56,12 +48,6 @@ pub(super) fn gemm(
 
 /// `kernel`: its body run on the operands (the `k`-th `input` node receives operand `k`) with
 /// the same bindings and precision; the results are the body's outputs in order.
-pub(super) fn kernel(
-    k: &Kernel,
-    ins: &[&Tensor],
-    bindings: &Bindings,
-    prec: Precision,
-) -> Result<Vec<Tensor>, String> {
-    run_body(&k.body, bindings, ins, prec)
-        .map_err(|e| format!("in the body of kernel `{}`: {e}", k.name))
+pub(super) fn kernel(k: &Kernel, ins: &[&Tensor], bindings: &Bindings, prec: Precision) -> Result<Vec<Tensor>, String> {
+    run_body(&k.body, bindings, ins, prec).map_err(|e| format!("in the body of kernel `{}`: {e}", k.name))
 }

@@ -13,11 +13,7 @@ pub(super) fn broadcast(x: &Tensor, dims: &[usize], shape: Vec<usize>) -> Tensor
         }
     }
     let data = strided_copy(&shape, &st, 0, &x.data);
-    Tensor {
-        dtype: x.dtype,
-        shape,
-        data,
-    }
+    Tensor { dtype: x.dtype, shape, data }
 }
 
 /// Result axis `i` is operand axis `perm[i]`.
@@ -26,11 +22,7 @@ pub(super) fn permute(x: &Tensor, perm: &[usize]) -> Tensor {
     let shape: Vec<usize> = perm.iter().map(|&p| x.shape[p]).collect();
     let st: Vec<usize> = perm.iter().map(|&p| xs[p]).collect();
     let data = strided_copy(&shape, &st, 0, &x.data);
-    Tensor {
-        dtype: x.dtype,
-        shape,
-        data,
-    }
+    Tensor { dtype: x.dtype, shape, data }
 }
 
 /// Elements `start..end` along `axis`.
@@ -39,11 +31,7 @@ pub(super) fn slice(x: &Tensor, axis: usize, start: usize, end: usize) -> Tensor
     let mut shape = x.shape.clone();
     shape[axis] = end - start;
     let data = strided_copy(&shape, &st, start * st[axis], &x.data);
-    Tensor {
-        dtype: x.dtype,
-        shape,
-        data,
-    }
+    Tensor { dtype: x.dtype, shape, data }
 }
 
 /// Operands joined along `axis`.
@@ -60,11 +48,7 @@ pub(super) fn concat(xs: &[&Tensor], axis: usize) -> Tensor {
             data.extend_from_slice(&t.data[o * chunk..(o + 1) * chunk]);
         }
     }
-    Tensor {
-        dtype: first.dtype,
-        shape,
-        data,
-    }
+    Tensor { dtype: first.dtype, shape, data }
 }
 
 /// Checks an index against `0..n`.
@@ -72,9 +56,7 @@ fn index(v: f64, pos: usize, n: usize, what: &str) -> Result<usize, String> {
     if v >= 0.0 && (v as usize) < n {
         Ok(v as usize)
     } else {
-        Err(format!(
-            "{what} index {v} at position {pos} is out of range 0..{n}"
-        ))
+        Err(format!("{what} index {v} at position {pos} is out of range 0..{n}"))
     }
 }
 
@@ -88,11 +70,7 @@ pub(super) fn gather(table: &Tensor, idx: &Tensor) -> Result<Tensor, String> {
     }
     let mut shape = idx.shape.clone();
     shape.push(c);
-    Ok(Tensor {
-        dtype: table.dtype,
-        shape,
-        data,
-    })
+    Ok(Tensor { dtype: table.dtype, shape, data })
 }
 
 /// Zeros plus `out[idx[s], c] += src[s, c]` in increasing `s` (f64 accumulation for floats,
@@ -104,16 +82,8 @@ pub(super) fn scatter_add(src: &Tensor, idx: &Tensor, rows: usize) -> Result<Ten
         let r = index(i, s, rows, "scatter_add")?;
         let (dst, from) = (&mut data[r * c..(r + 1) * c], &src.data[s * c..(s + 1) * c]);
         for (d, &x) in dst.iter_mut().zip(from) {
-            *d = if src.dtype == DType::I32 {
-                (*d as i32).wrapping_add(x as i32) as f64
-            } else {
-                *d + x
-            };
+            *d = if src.dtype == DType::I32 { (*d as i32).wrapping_add(x as i32) as f64 } else { *d + x };
         }
     }
-    Ok(Tensor {
-        dtype: src.dtype,
-        shape: vec![rows, c],
-        data,
-    })
+    Ok(Tensor { dtype: src.dtype, shape: vec![rows, c], data })
 }

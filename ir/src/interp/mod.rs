@@ -49,29 +49,17 @@ pub struct Tensor {
 impl Tensor {
     /// A tensor from its parts; panics if `data` does not have the shape's element count.
     pub fn new(dtype: DType, shape: Vec<usize>, data: Vec<f64>) -> Tensor {
-        assert_eq!(
-            shape.iter().product::<usize>(),
-            data.len(),
-            "tensor data does not match shape {shape:?}"
-        );
+        assert_eq!(shape.iter().product::<usize>(), data.len(), "tensor data does not match shape {shape:?}");
         Tensor { dtype, shape, data }
     }
     /// All zeros.
     pub fn zeros(dtype: DType, shape: Vec<usize>) -> Tensor {
         let n = shape.iter().product();
-        Tensor {
-            dtype,
-            shape,
-            data: vec![0.0; n],
-        }
+        Tensor { dtype, shape, data: vec![0.0; n] }
     }
     /// A rank-0 tensor holding `v`.
     pub fn scalar(dtype: DType, v: f64) -> Tensor {
-        Tensor {
-            dtype,
-            shape: vec![],
-            data: vec![v],
-        }
+        Tensor { dtype, shape: vec![], data: vec![v] }
     }
     /// An f32 tensor from f32 values.
     pub fn from_f32(shape: Vec<usize>, v: &[f32]) -> Tensor {
@@ -97,35 +85,20 @@ impl Tensor {
     /// `0..int_hi` for i32 (`int_hi` ≥ 1; e.g. the table size for gather indices).
     pub fn random(rng: &mut Rng, shape: Vec<usize>, dtype: DType, int_hi: u64) -> Tensor {
         let n = shape.iter().product();
-        let data = (0..n)
-            .map(|_| {
-                if dtype.is_float() {
-                    round_to(dtype, rng.normal())
-                } else {
-                    rng.below(int_hi.max(1)) as f64
-                }
-            })
-            .collect();
+        let data = (0..n).map(|_| if dtype.is_float() { round_to(dtype, rng.normal()) } else { rng.below(int_hi.max(1)) as f64 }).collect();
         Tensor { dtype, shape, data }
     }
     /// Checks `|self - reference| <= atol + rtol * |reference|` elementwise (NaN never passes,
     /// equal infinities do); the error names the worst element.
     pub fn check_close(&self, reference: &Tensor, atol: f64, rtol: f64) -> Result<(), String> {
         if self.shape != reference.shape || self.dtype != reference.dtype {
-            return Err(format!(
-                "type {}{:?} differs from reference {}{:?}",
-                self.dtype, self.shape, reference.dtype, reference.shape
-            ));
+            return Err(format!("type {}{:?} differs from reference {}{:?}", self.dtype, self.shape, reference.dtype, reference.shape));
         }
         let mut worst: Option<(usize, f64)> = None;
         for (i, (&a, &r)) in self.data.iter().zip(&reference.data).enumerate() {
             let ok = a == r || (a - r).abs() <= atol + rtol * r.abs();
             if !ok {
-                let excess = if (a - r).is_nan() {
-                    f64::INFINITY
-                } else {
-                    (a - r).abs() / (atol + rtol * r.abs())
-                };
+                let excess = if (a - r).is_nan() { f64::INFINITY } else { (a - r).abs() / (atol + rtol * r.abs()) };
                 if worst.is_none_or(|(_, w)| excess > w) {
                     worst = Some((i, excess));
                 }
@@ -133,10 +106,9 @@ impl Tensor {
         }
         match worst {
             None => Ok(()),
-            Some((i, _)) => Err(format!(
-                "element {i} is {} but the reference is {} (atol {atol}, rtol {rtol})",
-                self.data[i], reference.data[i]
-            )),
+            Some((i, _)) => {
+                Err(format!("element {i} is {} but the reference is {} (atol {atol}, rtol {rtol})", self.data[i], reference.data[i]))
+            }
         }
     }
 }
@@ -163,30 +135,17 @@ impl std::error::Error for InterpError {}
 
 /// Runs `g` and returns its outputs in `g.outputs` order. `feeds` holds every `Param` and
 /// `Input` by name, each exactly of its declared dtype and (bound) shape.
-pub fn run(
-    g: &Graph,
-    bindings: &Bindings,
-    feeds: &HashMap<String, Tensor>,
-    prec: Precision,
-) -> Result<Vec<Tensor>, InterpError> {
+pub fn run(g: &Graph, bindings: &Bindings, feeds: &HashMap<String, Tensor>, prec: Precision) -> Result<Vec<Tensor>, InterpError> {
     check_graph(g)?;
     run_outputs(g, bindings, Feeds::Named(feeds), prec)
 }
 
 /// Runs `g` and returns every value, indexed by [`crate::ValueId`] (for debugging and for
 /// comparing graphs before and after a pass).
-pub fn run_all(
-    g: &Graph,
-    bindings: &Bindings,
-    feeds: &HashMap<String, Tensor>,
-    prec: Precision,
-) -> Result<Vec<Tensor>, InterpError> {
+pub fn run_all(g: &Graph, bindings: &Bindings, feeds: &HashMap<String, Tensor>, prec: Precision) -> Result<Vec<Tensor>, InterpError> {
     check_graph(g)?;
     let vals = execute(g, bindings, Feeds::Named(feeds), prec, |_, _| {})?;
-    Ok(vals
-        .into_iter()
-        .map(|v| v.expect("every value was computed"))
-        .collect())
+    Ok(vals.into_iter().map(|v| v.expect("every value was computed")).collect())
 }
 
 /// Where the sources of a graph get their values.
@@ -199,12 +158,7 @@ enum Feeds<'a> {
 }
 
 /// Runs a verified graph, dropping each value after its last use; returns the outputs.
-fn run_outputs(
-    g: &Graph,
-    bindings: &Bindings,
-    feeds: Feeds,
-    prec: Precision,
-) -> Result<Vec<Tensor>, InterpError> {
+fn run_outputs(g: &Graph, bindings: &Bindings, feeds: Feeds, prec: Precision) -> Result<Vec<Tensor>, InterpError> {
     let mut last_use = vec![usize::MAX; g.values.len()];
     for (i, n) in g.nodes.iter().enumerate() {
         for v in &n.inputs {
@@ -223,37 +177,21 @@ fn run_outputs(
             }
         }
     })?;
-    Ok(g.outputs
-        .iter()
-        .map(|(_, v)| vals[v.0 as usize].clone().expect("output was computed"))
-        .collect())
+    Ok(g.outputs.iter().map(|(_, v)| vals[v.0 as usize].clone().expect("output was computed")).collect())
 }
 
 /// Runs the body of a kernel on its operands (the body was verified with its kernel).
-pub(super) fn run_body(
-    body: &Graph,
-    bindings: &Bindings,
-    ins: &[&Tensor],
-    prec: Precision,
-) -> Result<Vec<Tensor>, InterpError> {
+pub(super) fn run_body(body: &Graph, bindings: &Bindings, ins: &[&Tensor], prec: Precision) -> Result<Vec<Tensor>, InterpError> {
     run_outputs(body, bindings, Feeds::Ordered(ins), prec)
 }
 
 /// Random feeds for every `Param` and `Input` of `g` (see [`Tensor::random`]; i32 values lie in
 /// `0..int_hi`).
-pub fn random_feeds(
-    g: &Graph,
-    bindings: &Bindings,
-    rng: &mut Rng,
-    int_hi: u64,
-) -> Result<HashMap<String, Tensor>, String> {
+pub fn random_feeds(g: &Graph, bindings: &Bindings, rng: &mut Rng, int_hi: u64) -> Result<HashMap<String, Tensor>, String> {
     let mut feeds = HashMap::new();
     for n in &g.nodes {
         if let Op::Param { name, ty } | Op::Input { name, ty } = &n.op {
-            feeds.insert(
-                name.clone(),
-                Tensor::random(rng, concrete_shape(ty, bindings)?, ty.dtype, int_hi),
-            );
+            feeds.insert(name.clone(), Tensor::random(rng, concrete_shape(ty, bindings)?, ty.dtype, int_hi));
         }
     }
     Ok(feeds)
@@ -266,27 +204,18 @@ const MAX_NUMEL: usize = 1 << 31;
 pub fn concrete_shape(ty: &Type, b: &Bindings) -> Result<Vec<usize>, String> {
     let s = ty.shape.eval(b)?;
     if s.contains(&0) {
-        return Err(format!(
-            "type {} has a zero dim under the bindings (zero-size tensors are not allowed)",
-            ty.shape.bind(b)
-        ));
+        return Err(format!("type {} has a zero dim under the bindings (zero-size tensors are not allowed)", ty.shape.bind(b)));
     }
     let n = s.iter().try_fold(1usize, |a, &d| a.checked_mul(d));
     match n {
         Some(n) if n <= MAX_NUMEL => Ok(s),
-        _ => Err(format!(
-            "type {} is too large under the bindings ({s:?})",
-            ty.shape.bind(b)
-        )),
+        _ => Err(format!("type {} is too large under the bindings ({s:?})", ty.shape.bind(b))),
     }
 }
 
 /// The interpreter only runs graphs that verify.
 fn check_graph(g: &Graph) -> Result<(), InterpError> {
-    verify(g).map_err(|e| InterpError {
-        node: e.node,
-        msg: format!("graph does not verify: {e}"),
-    })
+    verify(g).map_err(|e| InterpError { node: e.node, msg: format!("graph does not verify: {e}") })
 }
 
 /// Evaluates the nodes of a verified graph in order; `after_node` may drop dead values.
@@ -300,10 +229,7 @@ fn execute(
     let mut vals: Vec<Option<Tensor>> = vec![None; g.values.len()];
     let mut next_input = 0usize;
     for (i, node) in g.nodes.iter().enumerate() {
-        let err = |msg: String| InterpError {
-            node: Some(i),
-            msg: format!("`{}`: {msg}", node.op.mnemonic()),
-        };
+        let err = |msg: String| InterpError { node: Some(i), msg: format!("`{}`: {msg}", node.op.mnemonic()) };
         let outs: Vec<(DType, Vec<usize>)> = node
             .results
             .iter()
@@ -327,11 +253,7 @@ fn execute(
                 vec![check_feed(name, t, &outs[0], prec).map_err(&err)?]
             }
             op => {
-                let ins: Vec<&Tensor> = node
-                    .inputs
-                    .iter()
-                    .map(|v| vals[v.0 as usize].as_ref().expect("operand computed"))
-                    .collect();
+                let ins: Vec<&Tensor> = node.inputs.iter().map(|v| vals[v.0 as usize].as_ref().expect("operand computed")).collect();
                 match op {
                     Op::Kernel(k) => fused::kernel(k, &ins, bindings, prec).map_err(&err)?,
                     _ => eval(op, &ins, &outs, prec).map_err(&err)?,
@@ -340,10 +262,7 @@ fn execute(
         };
         for (j, (mut t, (dtype, shape))) in results.into_iter().zip(outs).enumerate() {
             if t.shape != shape || t.dtype != dtype || t.data.len() != t.numel() {
-                return Err(err(format!(
-                    "internal error: result {j} is {}{:?}, declared {dtype}{shape:?}",
-                    t.dtype, t.shape
-                )));
+                return Err(err(format!("internal error: result {j} is {}{:?}, declared {dtype}{shape:?}", t.dtype, t.shape)));
             }
             if prec == Precision::F32 && dtype.is_float() {
                 round_slice(dtype, &mut t.data);
@@ -355,31 +274,15 @@ fn execute(
     Ok(vals)
 }
 
-fn check_feed(
-    name: &str,
-    t: &Tensor,
-    (dtype, shape): &(DType, Vec<usize>),
-    prec: Precision,
-) -> Result<Tensor, String> {
+fn check_feed(name: &str, t: &Tensor, (dtype, shape): &(DType, Vec<usize>), prec: Precision) -> Result<Tensor, String> {
     if t.dtype != *dtype || t.shape != *shape {
-        return Err(format!(
-            "feed `{name}` is {}{:?} but is declared {dtype}{shape:?}",
-            t.dtype, t.shape
-        ));
+        return Err(format!("feed `{name}` is {}{:?} but is declared {dtype}{shape:?}", t.dtype, t.shape));
     }
     if t.data.len() != t.numel() {
-        return Err(format!(
-            "feed `{name}` holds {} elements for shape {:?}",
-            t.data.len(),
-            t.shape
-        ));
+        return Err(format!("feed `{name}` holds {} elements for shape {:?}", t.data.len(), t.shape));
     }
     if *dtype == DType::I32 {
-        if let Some(x) = t
-            .data
-            .iter()
-            .find(|x| x.fract() != 0.0 || **x < i32::MIN as f64 || **x > i32::MAX as f64)
-        {
+        if let Some(x) = t.data.iter().find(|x| x.fract() != 0.0 || **x < i32::MIN as f64 || **x > i32::MAX as f64) {
             return Err(format!("feed `{name}` holds {x}, which is not an i32"));
         }
     }
@@ -392,12 +295,7 @@ fn check_feed(
 
 /// Evaluates one non-feed op on concrete inputs; `outs` are the declared result dtypes and
 /// shapes. Results are not yet rounded.
-fn eval(
-    op: &Op,
-    ins: &[&Tensor],
-    outs: &[(DType, Vec<usize>)],
-    prec: Precision,
-) -> Result<Vec<Tensor>, String> {
+fn eval(op: &Op, ins: &[&Tensor], outs: &[(DType, Vec<usize>)], prec: Precision) -> Result<Vec<Tensor>, String> {
     use Op::*;
     let out = |k: usize| outs[k].clone();
     let one = |t: Tensor| Ok(vec![t]);
@@ -405,17 +303,9 @@ fn eval(
         Param { .. } | Input { .. } => unreachable!("sources are fed"),
         Const { value, .. } => {
             let (dtype, shape) = out(0);
-            let v = if prec == Precision::F32 || dtype == DType::I32 {
-                round_to(dtype, *value)
-            } else {
-                *value
-            };
+            let v = if prec == Precision::F32 || dtype == DType::I32 { round_to(dtype, *value) } else { *value };
             let n = shape.iter().product();
-            one(Tensor {
-                dtype,
-                shape,
-                data: vec![v; n],
-            })
+            one(Tensor { dtype, shape, data: vec![v; n] })
         }
         Iota { axis, .. } => one(elementwise::iota(*axis, out(0))),
         Unary(u) => one(elementwise::unary(*u, ins[0])),
@@ -425,53 +315,24 @@ fn eval(
         Cast { to } => elementwise::cast(ins[0], *to).map(|t| vec![t]),
         Gelu => one(elementwise::gelu(ins[0])),
         GeluGrad => one(elementwise::gelu_grad(ins[0], ins[1])),
-        Reshape { .. } => one(Tensor {
-            dtype: ins[0].dtype,
-            shape: out(0).1,
-            data: ins[0].data.clone(),
-        }),
+        Reshape { .. } => one(Tensor { dtype: ins[0].dtype, shape: out(0).1, data: ins[0].data.clone() }),
         Broadcast { dims, .. } => one(layout::broadcast(ins[0], dims, out(0).1)),
         Permute { perm } => one(layout::permute(ins[0], perm)),
-        Slice { axis, start, end } => {
-            one(layout::slice(ins[0], *axis, *start as usize, *end as usize))
-        }
+        Slice { axis, start, end } => one(layout::slice(ins[0], *axis, *start as usize, *end as usize)),
         Concat { axis } => one(layout::concat(ins, *axis)),
         Gather => layout::gather(ins[0], ins[1]).map(|t| vec![t]),
         ScatterAdd { .. } => layout::scatter_add(ins[0], ins[1], out(0).1[0]).map(|t| vec![t]),
         Reduce { op, axes } => one(reduce::reduce(*op, ins[0], axes)),
-        MatMul { trans_a, trans_b } => {
-            one(reduce::matmul(ins[0], ins[1], *trans_a, *trans_b, out(0).1))
-        }
+        MatMul { trans_a, trans_b } => one(reduce::matmul(ins[0], ins[1], *trans_a, *trans_b, out(0).1)),
         LayerNorm { eps } => Ok(composite::layernorm(ins[0], ins[1], ins[2], *eps)),
-        LayerNormGrad => Ok(composite::layernorm_grad(
-            ins[0], ins[1], ins[2], ins[3], ins[4],
-        )),
+        LayerNormGrad => Ok(composite::layernorm_grad(ins[0], ins[1], ins[2], ins[3], ins[4])),
         Softmax => one(composite::softmax(ins[0])),
         SoftmaxGrad => one(composite::softmax_grad(ins[0], ins[1])),
-        CrossEntropy { vocab } => {
-            composite::cross_entropy(ins[0], ins[1], *vocab as usize).map(|t| vec![t])
-        }
-        CrossEntropyGrad { vocab } => {
-            composite::cross_entropy_grad(ins[0], ins[1], ins[2], *vocab as usize).map(|t| vec![t])
-        }
-        Attention { heads, scale } => {
-            Ok(composite::attention_packed(ins[0], *heads as usize, *scale))
-        }
-        AttentionGrad { heads, scale } => Ok(vec![composite::attention_grad_packed(
-            ins,
-            *heads as usize,
-            *scale,
-        )]),
-        AdamW {
-            beta1,
-            beta2,
-            eps,
-            weight_decay,
-        } => Ok(composite::adamw(
-            ins,
-            [*beta1, *beta2, *eps, *weight_decay],
-            prec,
-        )),
+        CrossEntropy { vocab } => composite::cross_entropy(ins[0], ins[1], *vocab as usize).map(|t| vec![t]),
+        CrossEntropyGrad { vocab } => composite::cross_entropy_grad(ins[0], ins[1], ins[2], *vocab as usize).map(|t| vec![t]),
+        Attention { heads, scale } => Ok(composite::attention_packed(ins[0], *heads as usize, *scale)),
+        AttentionGrad { heads, scale } => Ok(vec![composite::attention_grad_packed(ins, *heads as usize, *scale)]),
+        AdamW { beta1, beta2, eps, weight_decay } => Ok(composite::adamw(ins, [*beta1, *beta2, *eps, *weight_decay], prec)),
         Gemm(gm) => fused::gemm(gm, ins, outs, prec),
         Kernel(_) => unreachable!("kernels are run by `execute`"),
     }
@@ -524,12 +385,7 @@ pub(crate) fn strides(shape: &[usize]) -> Vec<usize> {
 }
 
 /// Gathers `src[base + Σ idx_i * strides[i]]` for every index of `shape` in row-major order.
-pub(crate) fn strided_copy(
-    shape: &[usize],
-    strides: &[usize],
-    base: usize,
-    src: &[f64],
-) -> Vec<f64> {
+pub(crate) fn strided_copy(shape: &[usize], strides: &[usize], base: usize, src: &[f64]) -> Vec<f64> {
     let n: usize = shape.iter().product();
     let mut out = Vec::with_capacity(n);
     if n == 0 {

@@ -6,13 +6,7 @@ use crate::{DType, ReduceOp};
 
 /// Reduces over `axes` (sorted, distinct), removing them.
 pub(super) fn reduce(op: ReduceOp, x: &Tensor, axes: &[usize]) -> Tensor {
-    let shape: Vec<usize> = x
-        .shape
-        .iter()
-        .enumerate()
-        .filter(|(i, _)| !axes.contains(i))
-        .map(|(_, &d)| d)
-        .collect();
+    let shape: Vec<usize> = x.shape.iter().enumerate().filter(|(i, _)| !axes.contains(i)).map(|(_, &d)| d).collect();
     // Stride in the output of each input axis (0 for reduced axes).
     let os = strides(&shape);
     let mut st = vec![0usize; x.shape.len()];
@@ -51,34 +45,16 @@ pub(super) fn reduce(op: ReduceOp, x: &Tensor, axes: &[usize]) -> Tensor {
             idx[ax] = 0;
         }
     }
-    Tensor {
-        dtype: x.dtype,
-        shape,
-        data: acc,
-    }
+    Tensor { dtype: x.dtype, shape, data: acc }
 }
 
 /// Batched `op(a) @ op(b)` over the last two axes; `b` of rank 2 is shared across the batch.
 /// Each product is a dot product of a row of `op(a)` and a column of `op(b)`, both first copied
 /// to contiguous rows (so the inner loop is a plain dot product).
-pub(super) fn matmul(
-    a: &Tensor,
-    b: &Tensor,
-    trans_a: bool,
-    trans_b: bool,
-    shape: Vec<usize>,
-) -> Tensor {
+pub(super) fn matmul(a: &Tensor, b: &Tensor, trans_a: bool, trans_b: bool, shape: Vec<usize>) -> Tensor {
     let (ra, rb) = (a.shape.len(), b.shape.len());
-    let (m, k) = if trans_a {
-        (a.shape[ra - 1], a.shape[ra - 2])
-    } else {
-        (a.shape[ra - 2], a.shape[ra - 1])
-    };
-    let n = if trans_b {
-        b.shape[rb - 2]
-    } else {
-        b.shape[rb - 1]
-    };
+    let (m, k) = if trans_a { (a.shape[ra - 1], a.shape[ra - 2]) } else { (a.shape[ra - 2], a.shape[ra - 1]) };
+    let n = if trans_b { b.shape[rb - 2] } else { b.shape[rb - 1] };
     let batch: usize = a.shape[..ra - 2].iter().product();
     let b_batch = if rb == 2 { 0 } else { k * n };
     let mut data = Vec::with_capacity(batch * m * n);
@@ -97,11 +73,7 @@ pub(super) fn matmul(
             }
         }
     }
-    Tensor {
-        dtype: a.dtype,
-        shape,
-        data,
-    }
+    Tensor { dtype: a.dtype, shape, data }
 }
 
 /// `x` as an `[r, c]` row-major matrix: a copy of `x` if it is stored `[r, c]` (`transposed`

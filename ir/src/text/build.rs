@@ -45,108 +45,50 @@ impl Parser<'_> {
     /// Builds the op from what was read of its node: kind, attributes, the declared result
     /// types (for implied attributes) and, for a kernel, its body.
     pub(super) fn build_op(&self, parts: NodeParts) -> R<Op> {
-        let NodeParts {
-            kind,
-            m,
-            op_pos,
-            name,
-            value,
-            attrs: a,
-            types,
-            body,
-        } = parts;
+        let NodeParts { kind, m, op_pos, name, value, attrs: a, types, body } = parts;
         let m = m.as_str();
         let allowed = attr_names(kind);
         for (k, pos, _, _) in &a.items {
             if !allowed.contains(&k.as_str()) {
-                let takes = if allowed.is_empty() {
-                    "it takes none".to_string()
-                } else {
-                    format!("expected: {}", allowed.join(", "))
-                };
-                return self.err(
-                    *pos,
-                    format!("unknown attribute `{}` for `{m}` ({takes})", clip(k)),
-                );
+                let takes = if allowed.is_empty() { "it takes none".to_string() } else { format!("expected: {}", allowed.join(", ")) };
+                return self.err(*pos, format!("unknown attribute `{}` for `{m}` ({takes})", clip(k)));
             }
         }
         let (ty, ty_pos) = (types[0].0.clone(), types[0].1);
-        let mut out = OpBuilder {
-            p: self,
-            m,
-            items: a.items,
-            missing_at: op_pos,
-        };
+        let mut out = OpBuilder { p: self, m, items: a.items, missing_at: op_pos };
         use Kind::*;
         Ok(match kind {
             Param => Op::Param { name, ty },
             Input => Op::Input { name, ty },
             Const => Op::Const { value, ty },
-            Iota => Op::Iota {
-                axis: out.usize("axis")?,
-                ty,
-            },
+            Iota => Op::Iota { axis: out.usize("axis")?, ty },
             Unary(u) => Op::Unary(u),
             Binary(b) => Op::Binary(b),
             Compare(c) => Op::Compare(c),
             Select => Op::Select,
             Cast => Op::Cast { to: ty.dtype },
             Reshape => Op::Reshape { shape: ty.shape },
-            Broadcast => Op::Broadcast {
-                dims: out.list("dims")?,
-                shape: ty.shape,
-            },
-            Permute => Op::Permute {
-                perm: out.list("perm")?,
-            },
-            Slice => Op::Slice {
-                axis: out.usize("axis")?,
-                start: out.int("start")?,
-                end: out.int("end")?,
-            },
-            Concat => Op::Concat {
-                axis: out.usize("axis")?,
-            },
-            Reduce(op) => Op::Reduce {
-                op,
-                axes: out.list("axes")?,
-            },
-            MatMul => Op::MatMul {
-                trans_a: out.bool("trans_a")?,
-                trans_b: out.bool("trans_b")?,
-            },
+            Broadcast => Op::Broadcast { dims: out.list("dims")?, shape: ty.shape },
+            Permute => Op::Permute { perm: out.list("perm")? },
+            Slice => Op::Slice { axis: out.usize("axis")?, start: out.int("start")?, end: out.int("end")? },
+            Concat => Op::Concat { axis: out.usize("axis")? },
+            Reduce(op) => Op::Reduce { op, axes: out.list("axes")? },
+            MatMul => Op::MatMul { trans_a: out.bool("trans_a")?, trans_b: out.bool("trans_b")? },
             Gather => Op::Gather,
             ScatterAdd => match ty.shape.0.first() {
                 Some(rows) => Op::ScatterAdd { rows: rows.clone() },
-                None => {
-                    return self.err(
-                        ty_pos,
-                        format!("`scatter_add` produces a rank-2 type, found declared {ty}"),
-                    )
-                }
+                None => return self.err(ty_pos, format!("`scatter_add` produces a rank-2 type, found declared {ty}")),
             },
             Gelu => Op::Gelu,
             GeluGrad => Op::GeluGrad,
-            LayerNorm => Op::LayerNorm {
-                eps: out.float("eps")?,
-            },
+            LayerNorm => Op::LayerNorm { eps: out.float("eps")? },
             LayerNormGrad => Op::LayerNormGrad,
             Softmax => Op::Softmax,
             SoftmaxGrad => Op::SoftmaxGrad,
-            CrossEntropy => Op::CrossEntropy {
-                vocab: out.int("vocab")?,
-            },
-            CrossEntropyGrad => Op::CrossEntropyGrad {
-                vocab: out.int("vocab")?,
-            },
-            Attention => Op::Attention {
-                heads: out.int("heads")?,
-                scale: out.float("scale")?,
-            },
-            AttentionGrad => Op::AttentionGrad {
-                heads: out.int("heads")?,
-                scale: out.float("scale")?,
-            },
+            CrossEntropy => Op::CrossEntropy { vocab: out.int("vocab")? },
+            CrossEntropyGrad => Op::CrossEntropyGrad { vocab: out.int("vocab")? },
+            Attention => Op::Attention { heads: out.int("heads")?, scale: out.float("scale")? },
+            AttentionGrad => Op::AttentionGrad { heads: out.int("heads")?, scale: out.float("scale")? },
             Gemm => Op::Gemm(crate::Gemm {
                 trans_a: out.bool("trans_a")?,
                 trans_b: out.bool("trans_b")?,
@@ -157,9 +99,7 @@ impl Parser<'_> {
             }),
             Kernel => match body {
                 Some(body) => Op::Kernel(Box::new(crate::Kernel { name, body })),
-                None => {
-                    return self.err(op_pos, "internal error: kernel without a body".to_string())
-                }
+                None => return self.err(op_pos, "internal error: kernel without a body".to_string()),
             },
             AdamW => Op::AdamW {
                 beta1: out.float("beta1")?,
@@ -187,10 +127,7 @@ impl OpBuilder<'_, '_> {
                 let (_, _, p, v) = self.items.swap_remove(i);
                 Ok((p, v))
             }
-            None => self.p.err(
-                self.missing_at,
-                format!("`{}` is missing attribute `{key}`", self.m),
-            ),
+            None => self.p.err(self.missing_at, format!("`{}` is missing attribute `{key}`", self.m)),
         }
     }
 
@@ -200,13 +137,7 @@ impl OpBuilder<'_, '_> {
             AttrVal::Bool(b) => format!("`{b}`"),
             AttrVal::List(_) => "a list".to_string(),
         };
-        self.p.err(
-            p,
-            format!(
-                "attribute `{key}` of `{}` must be {want}, found {found}",
-                self.m
-            ),
-        )
+        self.p.err(p, format!("attribute `{key}` of `{}` must be {want}, found {found}", self.m))
     }
 
     fn int(&mut self, key: &str) -> R<u64> {
@@ -217,18 +148,9 @@ impl OpBuilder<'_, '_> {
     }
 
     fn usize(&mut self, key: &str) -> R<usize> {
-        let at = self
-            .items
-            .iter()
-            .find(|(k, _, _, _)| k == key)
-            .map_or(self.missing_at, |(_, _, p, _)| *p);
+        let at = self.items.iter().find(|(k, _, _, _)| k == key).map_or(self.missing_at, |(_, _, p, _)| *p);
         let n = self.int(key)?;
-        usize::try_from(n).or_else(|_| {
-            self.p.err(
-                at,
-                format!("attribute `{key}` of `{}` is too large", self.m),
-            )
-        })
+        usize::try_from(n).or_else(|_| self.p.err(at, format!("attribute `{key}` of `{}` is too large", self.m)))
     }
 
     fn float(&mut self, key: &str) -> R<f64> {
@@ -249,12 +171,7 @@ impl OpBuilder<'_, '_> {
         match self.get(key)? {
             (p, AttrVal::List(xs)) => xs
                 .into_iter()
-                .map(|x| {
-                    usize::try_from(x).or_else(|_| {
-                        self.p
-                            .err(p, format!("attribute `{key}` entry {x} is too large"))
-                    })
-                })
+                .map(|x| usize::try_from(x).or_else(|_| self.p.err(p, format!("attribute `{key}` entry {x} is too large"))))
                 .collect(),
             (p, v) => self.wrong(p, key, "a list `[...]`", &v),
         }

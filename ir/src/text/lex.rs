@@ -97,12 +97,7 @@ impl<'a> Lexer<'a> {
     }
 
     fn err(&self, pos: Pos, msg: String) -> Diagnostic {
-        Diagnostic {
-            file: self.file.to_string(),
-            line: pos.line,
-            col: pos.col,
-            msg,
-        }
+        Diagnostic { file: self.file.to_string(), line: pos.line, col: pos.col, msg }
     }
 
     fn take_while(&mut self, out: &mut String, f: impl Fn(char) -> bool) {
@@ -133,18 +128,12 @@ impl<'a> Lexer<'a> {
             let before = out.len();
             self.take_while(out, |c| c.is_ascii_digit());
             if out.len() == before {
-                return Err(self.err(
-                    start,
-                    format!("expected digits in the exponent of `{}`", clip(out)),
-                ));
+                return Err(self.err(start, format!("expected digits in the exponent of `{}`", clip(out))));
             }
         }
         if let Some(c) = self.peek() {
             if ident_char(c) {
-                return Err(self.err(
-                    self.pos,
-                    format!("unexpected character `{c}` after number `{}`", clip(out)),
-                ));
+                return Err(self.err(self.pos, format!("unexpected character `{c}` after number `{}`", clip(out))));
             }
         }
         Ok(())
@@ -156,10 +145,7 @@ impl<'a> Lexer<'a> {
             let here = self.pos;
             match self.bump() {
                 None | Some('\n') => {
-                    return Err(self.err(
-                        start,
-                        "unterminated string: expected a closing `\"` on the same line".to_string(),
-                    ))
+                    return Err(self.err(start, "unterminated string: expected a closing `\"` on the same line".to_string()))
                 }
                 Some('"') => return Ok(s),
                 Some('\\') => match self.bump() {
@@ -167,19 +153,10 @@ impl<'a> Lexer<'a> {
                     Some('\\') => s.push('\\'),
                     Some('n') => s.push('\n'),
                     Some('t') => s.push('\t'),
-                    Some(c) if c != '\n' => return Err(self.err(
-                        here,
-                        format!(
-                            "unknown escape `\\{c}` in string (expected one of \\\" \\\\ \\n \\t)"
-                        ),
-                    )),
-                    _ => {
-                        return Err(self.err(
-                            start,
-                            "unterminated string: expected a closing `\"` on the same line"
-                                .to_string(),
-                        ))
+                    Some(c) if c != '\n' => {
+                        return Err(self.err(here, format!("unknown escape `\\{c}` in string (expected one of \\\" \\\\ \\n \\t)")))
                     }
+                    _ => return Err(self.err(start, "unterminated string: expected a closing `\"` on the same line".to_string())),
                 },
                 Some(c) => s.push(c),
             }
@@ -222,13 +199,8 @@ impl<'a> Lexer<'a> {
                 let mut d = String::new();
                 self.take_while(&mut d, |c| c.is_ascii_digit());
                 if d.is_empty() {
-                    let found = self
-                        .peek()
-                        .map_or("end of input".to_string(), |c| format!("`{c}`"));
-                    return Err(self.err(
-                        pos,
-                        format!("expected a value number after `%`, found {found}"),
-                    ));
+                    let found = self.peek().map_or("end of input".to_string(), |c| format!("`{c}`"));
+                    return Err(self.err(pos, format!("expected a value number after `%`, found {found}")));
                 }
                 Tok::Value(d)
             }
@@ -240,17 +212,12 @@ impl<'a> Lexer<'a> {
                     Some(c) if ident_start(c) => {
                         self.take_while(&mut s, ident_char);
                         if s != "-inf" {
-                            return Err(self.err(
-                                pos,
-                                format!("expected a number after `-`, found `{}`", clip(&s[1..])),
-                            ));
+                            return Err(self.err(pos, format!("expected a number after `-`, found `{}`", clip(&s[1..]))));
                         }
                     }
                     other => {
                         let found = other.map_or("end of input".to_string(), |c| format!("`{c}`"));
-                        return Err(
-                            self.err(pos, format!("expected a number after `-`, found {found}"))
-                        );
+                        return Err(self.err(pos, format!("expected a number after `-`, found {found}")));
                     }
                 }
                 Tok::Num(s)
@@ -273,11 +240,7 @@ impl<'a> Lexer<'a> {
 
 /// Splits `src` into tokens, ending with one [`Tok::Eof`].
 pub(crate) fn tokenize(src: &str, file: &str) -> Result<Vec<Token>, Diagnostic> {
-    let mut lx = Lexer {
-        chars: src.chars().peekable(),
-        pos: Pos { line: 1, col: 1 },
-        file,
-    };
+    let mut lx = Lexer { chars: src.chars().peekable(), pos: Pos { line: 1, col: 1 }, file };
     let mut out = Vec::with_capacity(src.len() / 3 + 1);
     loop {
         let t = lx.next()?;

@@ -226,21 +226,11 @@ fn print_attrs(out: &mut String, op: &Op) {
         Op::Broadcast { dims, .. } => vec![("dims", list(dims))],
         Op::Permute { perm } => vec![("perm", list(perm))],
         Op::Slice { axis, start, end } => {
-            vec![
-                ("axis", axis.to_string()),
-                ("start", start.to_string()),
-                ("end", end.to_string()),
-            ]
+            vec![("axis", axis.to_string()), ("start", start.to_string()), ("end", end.to_string())]
         }
         Op::Concat { axis } => vec![("axis", axis.to_string())],
-        Op::Reduce {
-            op: ReduceOp::Sum | ReduceOp::Max,
-            axes,
-        } => vec![("axes", list(axes))],
-        Op::MatMul { trans_a, trans_b } => vec![
-            ("trans_a", trans_a.to_string()),
-            ("trans_b", trans_b.to_string()),
-        ],
+        Op::Reduce { op: ReduceOp::Sum | ReduceOp::Max, axes } => vec![("axes", list(axes))],
+        Op::MatMul { trans_a, trans_b } => vec![("trans_a", trans_a.to_string()), ("trans_b", trans_b.to_string())],
         Op::Gemm(gm) => vec![
             ("trans_a", gm.trans_a.to_string()),
             ("trans_b", gm.trans_b.to_string()),
@@ -255,17 +245,9 @@ fn print_attrs(out: &mut String, op: &Op) {
         Op::Attention { heads, scale } | Op::AttentionGrad { heads, scale } => {
             vec![("heads", heads.to_string()), ("scale", f(*scale))]
         }
-        Op::AdamW {
-            beta1,
-            beta2,
-            eps,
-            weight_decay,
-        } => vec![
-            ("beta1", f(*beta1)),
-            ("beta2", f(*beta2)),
-            ("eps", f(*eps)),
-            ("weight_decay", f(*weight_decay)),
-        ],
+        Op::AdamW { beta1, beta2, eps, weight_decay } => {
+            vec![("beta1", f(*beta1)), ("beta2", f(*beta2)), ("eps", f(*eps)), ("weight_decay", f(*weight_decay))]
+        }
         _ => return,
     };
     out.push_str(" {");

@@ -24,14 +24,7 @@ pub const MAX_KERNEL_DEPTH: usize = 8;
 /// declared result type is what the op produces.
 pub fn parse(src: &str, file: &str) -> Result<Graph, Diagnostic> {
     let toks = tokenize(src, file)?;
-    let mut p = Parser {
-        toks,
-        i: 0,
-        file,
-        syms: HashSet::new(),
-        g: Graph::default(),
-        depth: 0,
-    };
+    let mut p = Parser { toks, i: 0, file, syms: HashSet::new(), g: Graph::default(), depth: 0 };
     p.graph()?;
     Ok(p.g)
 }
@@ -67,21 +60,13 @@ impl<'a> Parser<'a> {
 
     /// An error at `pos`.
     pub(super) fn err<T>(&self, pos: Pos, msg: String) -> R<T> {
-        Err(Diagnostic {
-            file: self.file.to_string(),
-            line: pos.line,
-            col: pos.col,
-            msg,
-        })
+        Err(Diagnostic { file: self.file.to_string(), line: pos.line, col: pos.col, msg })
     }
 
     /// An error at the next token: "expected {what}, found {token}".
     fn expected<T>(&self, what: &str) -> R<T> {
         let t = self.peek();
-        self.err(
-            t.pos,
-            format!("expected {what}, found {}", t.tok.describe()),
-        )
+        self.err(t.pos, format!("expected {what}, found {}", t.tok.describe()))
     }
 
     fn is_punct(&self, c: char) -> bool {
@@ -107,10 +92,7 @@ impl<'a> Parser<'a> {
     fn ident(&mut self, what: &str) -> R<(String, Pos)> {
         match &self.peek().tok {
             Tok::Ident(_) => match self.bump() {
-                Token {
-                    tok: Tok::Ident(s),
-                    pos,
-                } => Ok((s, pos)),
+                Token { tok: Tok::Ident(s), pos } => Ok((s, pos)),
                 t => self.err(t.pos, format!("expected {what}")),
             },
             _ => self.expected(what),
@@ -130,17 +112,11 @@ impl<'a> Parser<'a> {
     /// A non-negative integer literal.
     pub(super) fn int_of(&self, lexeme: &str, pos: Pos) -> R<u64> {
         if !lexeme.bytes().all(|b| b.is_ascii_digit()) {
-            return self.err(
-                pos,
-                format!("expected a non-negative integer, found `{}`", clip(lexeme)),
-            );
+            return self.err(pos, format!("expected a non-negative integer, found `{}`", clip(lexeme)));
         }
         match lexeme.parse::<u64>() {
             Ok(n) => Ok(n),
-            Err(_) => self.err(
-                pos,
-                format!("integer `{}` does not fit in 64 bits", clip(lexeme)),
-            ),
+            Err(_) => self.err(pos, format!("integer `{}` does not fit in 64 bits", clip(lexeme))),
         }
     }
 
@@ -166,13 +142,7 @@ impl<'a> Parser<'a> {
         };
         match x {
             Ok(x) if x.is_finite() => Ok(x),
-            Ok(_) => self.err(
-                pos,
-                format!(
-                    "float `{}` is out of range (write `inf` for infinity)",
-                    clip(lexeme)
-                ),
-            ),
+            Ok(_) => self.err(pos, format!("float `{}` is out of range (write `inf` for infinity)", clip(lexeme))),
             Err(_) => self.err(pos, format!("expected a float, found `{}`", clip(lexeme))),
         }
     }
@@ -200,19 +170,13 @@ impl<'a> Parser<'a> {
         let Tok::Value(d) = &t.tok else {
             return self.expected(what);
         };
-        let n = d
-            .parse::<u64>()
-            .ok()
-            .filter(|&n| n < self.g.values.len() as u64);
+        let n = d.parse::<u64>().ok().filter(|&n| n < self.g.values.len() as u64);
         match n {
             Some(n) => {
                 self.bump();
                 Ok(ValueId(n as u32))
             }
-            None => self.err(
-                t.pos,
-                format!("value %{} used before it is defined", clip(d)),
-            ),
+            None => self.err(t.pos, format!("value %{} used before it is defined", clip(d))),
         }
     }
 
@@ -270,16 +234,9 @@ impl<'a> Parser<'a> {
     /// `%0`, over the enclosing graph's symbols, named after the kernel.
     fn kernel_body(&mut self, name: &str, open: Pos) -> R<Graph> {
         if self.depth >= MAX_KERNEL_DEPTH {
-            return self.err(
-                open,
-                format!("kernel bodies nest more than {MAX_KERNEL_DEPTH} deep"),
-            );
+            return self.err(open, format!("kernel bodies nest more than {MAX_KERNEL_DEPTH} deep"));
         }
-        let body = Graph {
-            name: name.to_string(),
-            syms: self.g.syms.clone(),
-            ..Graph::default()
-        };
+        let body = Graph { name: name.to_string(), syms: self.g.syms.clone(), ..Graph::default() };
         let outer = std::mem::replace(&mut self.g, body);
         self.depth += 1;
         let r = self.statements("the kernel body");
@@ -307,10 +264,8 @@ impl<'a> Parser<'a> {
             match &t.tok {
                 Tok::Value(d) if d.parse::<u64>().ok() == Some(want) => {}
                 Tok::Value(d) => {
-                    return self.err(
-                        t.pos,
-                        format!("expected `%{want}` (values are numbered in order of definition), found `%{}`", clip(d)),
-                    )
+                    return self
+                        .err(t.pos, format!("expected `%{want}` (values are numbered in order of definition), found `%{}`", clip(d)))
                 }
                 _ => return self.expected("a result name `%N` after `,`"),
             }
@@ -331,15 +286,11 @@ impl<'a> Parser<'a> {
         let mut value = 0.0;
         let mut inputs: Vec<ValueId> = Vec::new();
         match kind {
-            Kind::Param | Kind::Input | Kind::Kernel => {
-                name = self.string(&format!("the quoted name of the {m}"))?
-            }
+            Kind::Param | Kind::Input | Kind::Kernel => name = self.string(&format!("the quoted name of the {m}"))?,
             Kind::Const => value = self.float("the constant's value (a float)")?,
             _ => {}
         }
-        if !matches!(kind, Kind::Param | Kind::Input | Kind::Const)
-            && matches!(self.peek().tok, Tok::Value(_))
-        {
+        if !matches!(kind, Kind::Param | Kind::Input | Kind::Const) && matches!(self.peek().tok, Tok::Value(_)) {
             loop {
                 inputs.push(self.value_ref("an operand `%N`")?);
                 if !self.eat_punct(',') {
@@ -348,11 +299,7 @@ impl<'a> Parser<'a> {
             }
         }
         // A kernel takes no attributes: its `{` opens the body, after the result types.
-        let attrs = if kind != Kind::Kernel && self.is_punct('{') {
-            self.attrs()?
-        } else {
-            Attrs { items: Vec::new() }
-        };
+        let attrs = if kind != Kind::Kernel && self.is_punct('{') { self.attrs()? } else { Attrs { items: Vec::new() } };
         self.expect_punct(':', "before the result type")?;
         let mut types: Vec<(Type, Pos)> = Vec::new();
         loop {
@@ -368,40 +315,20 @@ impl<'a> Parser<'a> {
         } else {
             None
         };
-        let op = self.build_op(NodeParts {
-            kind,
-            m: m.clone(),
-            op_pos,
-            name,
-            value,
-            attrs,
-            types: types.clone(),
-            body,
-        })?;
+        let op = self.build_op(NodeParts { kind, m: m.clone(), op_pos, name, value, attrs, types: types.clone(), body })?;
         if types.len() as u64 != n_results {
-            let msg = format!(
-                "{n_results} result name(s) but {} result type(s)",
-                types.len()
-            );
+            let msg = format!("{n_results} result name(s) but {} result type(s)", types.len());
             return self.err(node_pos, msg);
         }
-        let ins: Vec<&Type> = inputs
-            .iter()
-            .map(|v| &self.g.values[v.0 as usize].ty)
-            .collect();
+        let ins: Vec<&Type> = inputs.iter().map(|v| &self.g.values[v.0 as usize].ty).collect();
         if let Op::Concat { axis } = &op {
             // Guard the element-count sum that `result_types` adds up unchecked.
-            let total = ins.iter().try_fold(0u64, |acc, t| {
-                match t.shape.0.get(*axis).and_then(Dim::as_lit) {
-                    Some(n) => acc.checked_add(n).ok_or(()),
-                    None => Ok(acc),
-                }
+            let total = ins.iter().try_fold(0u64, |acc, t| match t.shape.0.get(*axis).and_then(Dim::as_lit) {
+                Some(n) => acc.checked_add(n).ok_or(()),
+                None => Ok(acc),
             });
             if total.is_err() {
-                return self.err(
-                    op_pos,
-                    "concat result dimension overflows 64 bits".to_string(),
-                );
+                return self.err(op_pos, "concat result dimension overflows 64 bits".to_string());
             }
         }
         let produced = match result_types(&op, &ins) {
@@ -409,24 +336,13 @@ impl<'a> Parser<'a> {
             Err(e) => return self.err(op_pos, e),
         };
         if produced.len() != types.len() {
-            let msg = format!(
-                "`{m}` produces {} result(s), found {} declared",
-                produced.len(),
-                types.len()
-            );
+            let msg = format!("`{m}` produces {} result(s), found {} declared", produced.len(), types.len());
             return self.err(node_pos, msg);
         }
         for (i, (want, (got, pos))) in produced.iter().zip(&types).enumerate() {
             if want != got {
-                let which = if types.len() > 1 {
-                    format!(" for result {i}")
-                } else {
-                    String::new()
-                };
-                return self.err(
-                    *pos,
-                    format!("declared type {got}{which} but `{m}` produces {want}"),
-                );
+                let which = if types.len() > 1 { format!(" for result {i}") } else { String::new() };
+                return self.err(*pos, format!("declared type {got}{which} but `{m}` produces {want}"));
             }
         }
         let tys = types.into_iter().map(|(t, _)| t).collect();
@@ -468,10 +384,7 @@ impl<'a> Parser<'a> {
                     }
                     AttrVal::List(xs)
                 }
-                _ => {
-                    return self
-                        .expected("an attribute value (a number, `true`, `false` or `[...]`)")
-                }
+                _ => return self.expected("an attribute value (a number, `true`, `false` or `[...]`)"),
             };
             self.bump();
             items.push((k, pos, vpos, v));
@@ -486,13 +399,7 @@ impl<'a> Parser<'a> {
     fn ty(&mut self) -> R<(Type, Pos)> {
         let (d, pos) = self.ident("a result type such as `f32[B, 4]`")?;
         let Some(dtype) = DType::from_name(&d) else {
-            return self.err(
-                pos,
-                format!(
-                    "unknown dtype `{}` (expected f32, bf16, f16 or i32)",
-                    clip(&d)
-                ),
-            );
+            return self.err(pos, format!("unknown dtype `{}` (expected f32, bf16, f16 or i32)", clip(&d)));
         };
         self.expect_punct('[', &format!("after dtype `{d}`"))?;
         let mut dims = Vec::new();
@@ -523,17 +430,12 @@ impl<'a> Parser<'a> {
                 }
                 Tok::Ident(s) => {
                     if !self.syms.contains(s) {
-                        let mut declared: Vec<&str> =
-                            self.g.syms.iter().map(|s| s.as_str()).collect();
+                        let mut declared: Vec<&str> = self.g.syms.iter().map(|s| s.as_str()).collect();
                         declared.truncate(8);
                         let msg = format!(
                             "symbol `{}` is not declared in the graph header (declared: {})",
                             clip(s),
-                            if declared.is_empty() {
-                                "none".to_string()
-                            } else {
-                                declared.join(", ")
-                            }
+                            if declared.is_empty() { "none".to_string() } else { declared.join(", ") }
                         );
                         return self.err(t.pos, msg);
                     }

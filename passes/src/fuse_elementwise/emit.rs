@@ -21,12 +21,7 @@ pub(super) fn emit(cx: &Ctx, gr: &Grouping) -> Result<Graph, String> {
     let exported = exports(cx, gr);
     let mut out = Graph::new(&g.name, &[]);
     out.syms = g.syms.clone();
-    let mut e = Emitter {
-        cx,
-        gr,
-        out,
-        map: vec![None; g.values.len()],
-    };
+    let mut e = Emitter { cx, gr, out, map: vec![None; g.values.len()] };
 
     // Units in order of their last node; each is emitted after what it reads (it always is when
     // groups close on escape, but the search keeps the output valid regardless).
@@ -113,11 +108,7 @@ fn exports(cx: &Ctx, gr: &Grouping) -> Vec<bool> {
     };
     for (_, v) in &cx.g.outputs {
         let p = cx.prod(*v);
-        let root = if cx.class[p] == Class::Absorb {
-            cx.chain_root[p]
-        } else {
-            Some(*v)
-        };
+        let root = if cx.class[p] == Class::Absorb { cx.chain_root[p] } else { Some(*v) };
         if let Some(r) = root {
             mark(r, NONE);
         }
@@ -149,10 +140,7 @@ impl Emitter<'_, '_> {
         }
         let p = self.cx.prod(v);
         if self.cx.class[p] != Class::Absorb {
-            return Err(format!(
-                "internal error: %{} is used before it is emitted",
-                self.cx.names[v.0 as usize]
-            ));
+            return Err(format!("internal error: %{} is used before it is emitted", self.cx.names[v.0 as usize]));
         }
         self.copy_node(p)?;
         Ok(self.map[v.0 as usize].expect("copied nodes map their results"))
@@ -161,16 +149,8 @@ impl Emitter<'_, '_> {
     /// Copies node `n` of the input graph as it is.
     fn copy_node(&mut self, n: usize) -> Result<(), String> {
         let node = &self.cx.g.nodes[n];
-        let ins = node
-            .inputs
-            .iter()
-            .map(|&v| self.ensure(v))
-            .collect::<Result<Vec<_>, _>>()?;
-        let tys = node
-            .results
-            .iter()
-            .map(|r| self.cx.g.ty(*r).clone())
-            .collect();
+        let ins = node.inputs.iter().map(|&v| self.ensure(v)).collect::<Result<Vec<_>, _>>()?;
+        let tys = node.results.iter().map(|r| self.cx.g.ty(*r).clone()).collect();
         let res = self.out.push_unchecked(node.op.clone(), &ins, tys);
         for (old, new) in node.results.iter().zip(res) {
             self.map[old.0 as usize] = Some(new);
@@ -199,19 +179,10 @@ impl Emitter<'_, '_> {
             }
             return Ok(());
         }
-        let ins = operands
-            .iter()
-            .map(|&v| self.ensure(v))
-            .collect::<Result<Vec<_>, _>>()?;
+        let ins = operands.iter().map(|&v| self.ensure(v)).collect::<Result<Vec<_>, _>>()?;
         let res = self
             .out
-            .try_add(
-                Op::Kernel(Box::new(Kernel {
-                    name: name.clone(),
-                    body,
-                })),
-                &ins,
-            )
+            .try_add(Op::Kernel(Box::new(Kernel { name: name.clone(), body })), &ins)
             .map_err(|e| format!("internal error: kernel `{name}`: {e}"))?;
         for (old, new) in results.iter().zip(res) {
             self.map[old.0 as usize] = Some(new);
@@ -236,11 +207,7 @@ fn kernel_name(cx: &Ctx, members: &[u32], core: &Core) -> String {
     }
     let mut name = String::new();
     for p in parts {
-        let extra = if name.is_empty() {
-            p.len()
-        } else {
-            p.len() + 1
-        };
+        let extra = if name.is_empty() { p.len() } else { p.len() + 1 };
         if name.len() + extra > MAX_NAME {
             break;
         }
@@ -272,13 +239,7 @@ fn build_body(
     for &m in members {
         for r in cx.reads(m as usize) {
             if gr.group_of[cx.prod(r.root)] != gid && !map.contains_key(&r.root) {
-                let iv = body.add1(
-                    Op::Input {
-                        name: format!("in{}", operands.len()),
-                        ty: g.ty(r.root).clone(),
-                    },
-                    &[],
-                );
+                let iv = body.add1(Op::Input { name: format!("in{}", operands.len()), ty: g.ty(r.root).clone() }, &[]);
                 map.insert(r.root, iv);
                 operands.push(r.root);
             }
@@ -287,12 +248,7 @@ fn build_body(
     let err = |e: String| format!("internal error: body of kernel `{name}`: {e}");
     for &m in members {
         let node = &g.nodes[m as usize];
-        let ins = node
-            .inputs
-            .iter()
-            .map(|&v| body_value(cx, &mut body, &mut map, v))
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(err)?;
+        let ins = node.inputs.iter().map(|&v| body_value(cx, &mut body, &mut map, v)).collect::<Result<Vec<_>, _>>().map_err(err)?;
         let res = body.try_add(node.op.clone(), &ins).map_err(err)?;
         for (old, new) in node.results.iter().zip(res) {
             map.insert(*old, new);
@@ -311,28 +267,16 @@ fn build_body(
 }
 
 /// The body value of old `v`: a mapped operand or member value, or an absorbed chain copied in.
-fn body_value(
-    cx: &Ctx,
-    body: &mut Graph,
-    map: &mut HashMap<ValueId, ValueId>,
-    v: ValueId,
-) -> Result<ValueId, String> {
+fn body_value(cx: &Ctx, body: &mut Graph, map: &mut HashMap<ValueId, ValueId>, v: ValueId) -> Result<ValueId, String> {
     if let Some(&bv) = map.get(&v) {
         return Ok(bv);
     }
     let p = cx.prod(v);
     let node = &cx.g.nodes[p];
     if cx.class[p] != Class::Absorb {
-        return Err(format!(
-            "%{} is neither an operand nor a member",
-            cx.names[v.0 as usize]
-        ));
+        return Err(format!("%{} is neither an operand nor a member", cx.names[v.0 as usize]));
     }
-    let ins = node
-        .inputs
-        .iter()
-        .map(|&u| body_value(cx, body, map, u))
-        .collect::<Result<Vec<_>, _>>()?;
+    let ins = node.inputs.iter().map(|&u| body_value(cx, body, map, u)).collect::<Result<Vec<_>, _>>()?;
     let res = body.try_add(node.op.clone(), &ins)?;
     for (old, new) in node.results.iter().zip(res) {
         map.insert(*old, new);

@@ -93,10 +93,7 @@ pub(super) fn group(cx: &Ctx, log: &mut FusionLog) -> Grouping {
             Class::Pointwise | Class::Reduce | Class::Composite => st.join(i),
         }
     }
-    Grouping {
-        groups: st.groups,
-        group_of: st.group_of,
-    }
+    Grouping { groups: st.groups, group_of: st.group_of }
 }
 
 struct State<'a, 'g> {
@@ -139,16 +136,9 @@ impl State<'_, '_> {
         for r in reads {
             let p = cx.prod(r.root);
             let op = &cx.g.nodes[p].op;
-            if cx.class[p] == Class::Fixed
-                && !matches!(op, Op::Param { .. } | Op::Input { .. })
-                && !self.logged_fixed[p]
-            {
+            if cx.class[p] == Class::Fixed && !matches!(op, Op::Param { .. } | Op::Input { .. }) && !self.logged_fixed[p] {
                 self.logged_fixed[p] = true;
-                let detail = format!(
-                    "`{}` is never fused: {} reads it as a kernel operand",
-                    op.mnemonic(),
-                    cx.node_name(n)
-                );
+                let detail = format!("`{}` is never fused: {} reads it as a kernel operand", op.mnemonic(), cx.node_name(n));
                 self.log.refuse(PASS, cx.at(r.root), "not-fusible", detail);
             }
         }
@@ -186,9 +176,7 @@ impl State<'_, '_> {
         }
         let m = match merged {
             Some(m) => m,
-            None => self
-                .check(&[], n, &reads)
-                .unwrap_or_else(|_| self.alone(n, &reads)),
+            None => self.check(&[], n, &reads).unwrap_or_else(|_| self.alone(n, &reads)),
         };
         for &gid in &m.to_post {
             for &x in &self.groups[gid as usize].members {
@@ -247,13 +235,7 @@ impl State<'_, '_> {
         let mut rs: Vec<ValueId> = reads.iter().map(|r| r.root).collect();
         rs.sort();
         rs.dedup();
-        Merged {
-            post: core != Core::None,
-            core,
-            domain,
-            reads: rs,
-            to_post: Vec::new(),
-        }
+        Merged { post: core != Core::None, core, domain, reads: rs, to_post: Vec::new() }
     }
 
     /// The core that node `n` brings, and its pre-core domain.
@@ -263,13 +245,7 @@ impl State<'_, '_> {
         match &node.op {
             Op::Reduce { axes, .. } => {
                 let input = g.ty(node.inputs[0]).shape.clone();
-                (
-                    Core::Reduce {
-                        input: Box::new(input.clone()),
-                        axes: axes.clone(),
-                    },
-                    Some(input),
-                )
+                (Core::Reduce { input: Box::new(input.clone()), axes: axes.clone() }, Some(input))
             }
             _ if self.cx.class[n] == Class::Composite => (Core::Composite(n as u32), None),
             _ => (Core::None, Some(g.ty(node.results[0]).shape.clone())),
@@ -286,32 +262,19 @@ impl State<'_, '_> {
         if let Some(&gid) = set.last() {
             let gr = &self.groups[gid as usize];
             if gr.core == Core::AdamW {
-                return Err((
-                    "not-fusible",
-                    format!(
-                        "the multi-tensor `adamw` kernel takes no epilogue ({me} reads its result)"
-                    ),
-                ));
+                return Err(("not-fusible", format!("the multi-tensor `adamw` kernel takes no epilogue ({me} reads its result)")));
             }
             if let Some(r) = reads.iter().find(|r| r.layout && self.gof(r.root) == gid) {
-                let what = format!(
-                    "{me} reads {} through a broadcast or reshape",
-                    cx.at(r.root)
-                );
+                let what = format!("{me} reads {} through a broadcast or reshape", cx.at(r.root));
                 return Err(if self.post[cx.prod(r.root)] {
                     ("recompute-in-reduction", format!("{what}, after the kernel's reduction or composite: the kernel would have to finish or recompute it first, so the value is exported instead"))
                 } else {
-                    (
-                        "domain-mismatch",
-                        format!("{what}: a kernel does not change the shape of its own values"),
-                    )
+                    ("domain-mismatch", format!("{what}: a kernel does not change the shape of its own values"))
                 });
             }
         }
         let class = cx.class[n];
-        let reads_post = reads
-            .iter()
-            .any(|r| !r.layout && in_set(r.root) && self.post[cx.prod(r.root)]);
+        let reads_post = reads.iter().any(|r| !r.layout && in_set(r.root) && self.post[cx.prod(r.root)]);
         if class == Class::Reduce && reads_post {
             return Err(("recompute-in-reduction", format!("{me} reduces a value computed after the kernel's reduction or composite: chained row operations would need the first one recomputed, so the value is exported and reduced by a new kernel")));
         }
@@ -324,11 +287,17 @@ impl State<'_, '_> {
                 (_, Core::None) => {}
                 (Core::None, c) => core = c.clone(),
                 (Core::Composite(_), _) | (_, Core::Composite(_)) => {
-                    return Err(("one-composite-per-kernel", format!("{me} would put a composite and another composite or a reduction in one kernel")));
+                    return Err((
+                        "one-composite-per-kernel",
+                        format!("{me} would put a composite and another composite or a reduction in one kernel"),
+                    ));
                 }
                 (Core::Reduce { input: a, axes: x }, Core::Reduce { input: b, axes: y }) => {
                     if a != b || x != y {
-                        return Err(("domain-mismatch", format!("{me} would join reductions of {a} over axes {x:?} and of {b} over axes {y:?}")));
+                        return Err((
+                            "domain-mismatch",
+                            format!("{me} would join reductions of {a} over axes {x:?} and of {b} over axes {y:?}"),
+                        ));
                     }
                 }
                 (_, Core::AdamW) | (Core::AdamW, _) => {
@@ -340,12 +309,7 @@ impl State<'_, '_> {
         // when they are on a result shape: they are evaluated there.
         let mut to_post = Vec::new();
         let shape_n = &g.ty(g.nodes[n].results[0]).shape;
-        let mismatch = |have: &Shape, want: String| {
-            Err((
-                "domain-mismatch",
-                format!("{me} would join ops on {have} with ops on {want}"),
-            ))
-        };
+        let mismatch = |have: &Shape, want: String| Err(("domain-mismatch", format!("{me} would join ops on {have} with ops on {want}")));
         let domain = match &core {
             Core::None => {
                 let want = own_domain.expect("pointwise ops have a domain");
@@ -359,19 +323,11 @@ impl State<'_, '_> {
             }
             Core::Reduce { input, axes } => {
                 let r = reduced(input, axes);
-                for &gid in set
-                    .iter()
-                    .filter(|&&gid| self.groups[gid as usize].core == Core::None)
-                {
+                for &gid in set.iter().filter(|&&gid| self.groups[gid as usize].core == Core::None) {
                     match &self.groups[gid as usize].domain {
                         Some(d) if *d == **input => {}
                         Some(d) if *d == r => to_post.push(gid),
-                        Some(d) => {
-                            return mismatch(
-                                d,
-                                format!("{input} (before the reduction) or {r} (after it)"),
-                            )
-                        }
+                        Some(d) => return mismatch(d, format!("{input} (before the reduction) or {r} (after it)")),
                         None => {}
                     }
                 }
@@ -379,64 +335,37 @@ impl State<'_, '_> {
                 // reductions; otherwise it must be on `R`.
                 if class == Class::Pointwise && (post || *shape_n != **input) {
                     if *shape_n != r {
-                        return mismatch(
-                            shape_n,
-                            if post {
-                                r.to_string()
-                            } else {
-                                format!("{input} or {r}")
-                            },
-                        );
+                        return mismatch(shape_n, if post { r.to_string() } else { format!("{input} or {r}") });
                     }
                     post = true;
                 }
                 Some((**input).clone())
             }
             Core::Composite(c) => {
-                let outs: Vec<&Shape> = g.nodes[*c as usize]
-                    .results
-                    .iter()
-                    .map(|v| &g.ty(*v).shape)
-                    .collect();
-                let outs_text = || {
-                    outs.iter()
-                        .map(|s| s.to_string())
-                        .collect::<Vec<_>>()
-                        .join(" or ")
-                };
+                let outs: Vec<&Shape> = g.nodes[*c as usize].results.iter().map(|v| &g.ty(*v).shape).collect();
+                let outs_text = || outs.iter().map(|s| s.to_string()).collect::<Vec<_>>().join(" or ");
                 if class == Class::Composite {
                     for &gid in set {
                         if let Some(m) = self.member_not_feeding(gid, n) {
-                            return Err(("domain-mismatch", format!("{} does not feed the composite {me}: a composite's prologue holds only ops that feed it", cx.node_name(m))));
+                            return Err((
+                                "domain-mismatch",
+                                format!(
+                                    "{} does not feed the composite {me}: a composite's prologue holds only ops that feed it",
+                                    cx.node_name(m)
+                                ),
+                            ));
                         }
                     }
                 } else {
                     if !outs.contains(&shape_n) {
-                        return mismatch(
-                            shape_n,
-                            format!(
-                                "the results of composite {} ({})",
-                                cx.node_name(*c as usize),
-                                outs_text()
-                            ),
-                        );
+                        return mismatch(shape_n, format!("the results of composite {} ({})", cx.node_name(*c as usize), outs_text()));
                     }
                     post = true;
-                    for &gid in set
-                        .iter()
-                        .filter(|&&gid| self.groups[gid as usize].core == Core::None)
-                    {
+                    for &gid in set.iter().filter(|&&gid| self.groups[gid as usize].core == Core::None) {
                         match &self.groups[gid as usize].domain {
                             Some(d) if outs.contains(&d) => to_post.push(gid),
                             Some(d) => {
-                                return mismatch(
-                                    d,
-                                    format!(
-                                        "the results of composite {} ({})",
-                                        cx.node_name(*c as usize),
-                                        outs_text()
-                                    ),
-                                )
+                                return mismatch(d, format!("the results of composite {} ({})", cx.node_name(*c as usize), outs_text()))
                             }
                             None => {}
                         }
@@ -453,37 +382,24 @@ impl State<'_, '_> {
                 return Err(("cycle", self.cycle_detail(set, n, reads, k as usize, v)));
             }
         }
-        let nres: usize = set
-            .iter()
-            .map(|&gid| self.groups[gid as usize].nresults)
-            .sum::<usize>()
-            + g.nodes[n].results.len();
+        let nres: usize = set.iter().map(|&gid| self.groups[gid as usize].nresults).sum::<usize>() + g.nodes[n].results.len();
         if nres > MAX_RESULTS {
-            return Err(("result-count-limit", format!("with {me} the kernel's ops would have {nres} results (a node has at most {MAX_RESULTS})")));
+            return Err((
+                "result-count-limit",
+                format!("with {me} the kernel's ops would have {nres} results (a node has at most {MAX_RESULTS})"),
+            ));
         }
-        let mut rs: Vec<ValueId> = set
-            .iter()
-            .flat_map(|&gid| self.groups[gid as usize].reads.iter().copied())
-            .collect();
+        let mut rs: Vec<ValueId> = set.iter().flat_map(|&gid| self.groups[gid as usize].reads.iter().copied()).collect();
         rs.extend(reads.iter().filter(|r| !in_set(r.root)).map(|r| r.root));
         rs.sort();
         rs.dedup();
         if rs.len() > MAX_READS {
             return Err((
                 "read-count-limit",
-                format!(
-                    "with {me} the kernel would read {} distinct operands (at most {MAX_READS})",
-                    rs.len()
-                ),
+                format!("with {me} the kernel would read {} distinct operands (at most {MAX_READS})", rs.len()),
             ));
         }
-        Ok(Merged {
-            core,
-            domain,
-            reads: rs,
-            post,
-            to_post,
-        })
+        Ok(Merged { core, domain, reads: rs, post, to_post })
     }
 
     /// A member of group `gid` that does not feed node `n` through the group (a sink of the
@@ -491,19 +407,11 @@ impl State<'_, '_> {
     fn member_not_feeding(&self, gid: u32, n: usize) -> Option<usize> {
         let cx = self.cx;
         let inputs = &cx.g.nodes[n].inputs;
-        self.groups[gid as usize]
-            .members
-            .iter()
-            .map(|&m| m as usize)
-            .find(|&m| {
-                let results = &cx.g.nodes[m].results;
-                let is_sink = results.iter().all(|r| {
-                    cx.users[r.0 as usize]
-                        .iter()
-                        .all(|&u| self.group_of[u as usize] != gid)
-                });
-                is_sink && !results.iter().any(|r| inputs.contains(r))
-            })
+        self.groups[gid as usize].members.iter().map(|&m| m as usize).find(|&m| {
+            let results = &cx.g.nodes[m].results;
+            let is_sink = results.iter().all(|r| cx.users[r.0 as usize].iter().all(|&u| self.group_of[u as usize] != gid));
+            is_sink && !results.iter().any(|r| inputs.contains(r))
+        })
     }
 
     /// Why the closed group `set.last()` refuses `n` (joining the other, open, groups of `set`):
@@ -513,17 +421,16 @@ impl State<'_, '_> {
         let gid = *set.last().expect("a candidate");
         // What the merged group would read from outside (open groups have no outside readers,
         // so only `gid` can be reached).
-        let mut starts: Vec<ValueId> = reads
-            .iter()
-            .map(|r| r.root)
-            .filter(|&r| !set.contains(&self.gof(r)))
-            .collect();
+        let mut starts: Vec<ValueId> = reads.iter().map(|r| r.root).filter(|&r| !set.contains(&self.gof(r))).collect();
         for &h in &set[..set.len() - 1] {
             starts.extend(self.groups[h as usize].reads.iter().copied());
         }
         let (me, by, val) = (cx.node_name(n), cx.node_name(k), cx.at(v));
         if self.reaches(gid, starts) {
-            format!("merging {me} would create a cycle: the kernel's result {val} is read by {by} (`{}`) outside it, and {me} depends on that", cx.g.nodes[k].op.mnemonic())
+            format!(
+                "merging {me} would create a cycle: the kernel's result {val} is read by {by} (`{}`) outside it, and {me} depends on that",
+                cx.g.nodes[k].op.mnemonic()
+            )
         } else {
             format!("the kernel is closed: its result {val} is already read by {by} outside it (kernels close once a result escapes, so a merge can neither form a cycle nor move the kernel after that reader)")
         }
@@ -543,11 +450,7 @@ impl State<'_, '_> {
             if h == gid {
                 return true;
             }
-            let (unit, key) = if h == NONE {
-                ((false, p), p)
-            } else {
-                ((true, h as usize), self.groups[h as usize].maxpos as usize)
-            };
+            let (unit, key) = if h == NONE { ((false, p), p) } else { ((true, h as usize), self.groups[h as usize].maxpos as usize) };
             if key <= limit || !seen.insert(unit) {
                 continue;
             }
@@ -555,12 +458,7 @@ impl State<'_, '_> {
                 stack.extend(cx.reads(p).iter().map(|r| r.root));
             } else {
                 for &m in &self.groups[h as usize].members {
-                    stack.extend(
-                        cx.reads(m as usize)
-                            .iter()
-                            .map(|r| r.root)
-                            .filter(|&r| self.gof(r) != h),
-                    );
+                    stack.extend(cx.reads(m as usize).iter().map(|r| r.root).filter(|&r| self.gof(r) != h));
                 }
             }
         }
@@ -569,20 +467,8 @@ impl State<'_, '_> {
 
     /// Merges the groups `set` and node `n` into one group (the largest of `set`, or a new one)
     /// with the given facts; returns its id.
-    fn merge(
-        &mut self,
-        set: &[u32],
-        n: usize,
-        core: Core,
-        domain: Option<Shape>,
-        reads: Vec<ValueId>,
-    ) -> u32 {
-        let target = match set.iter().copied().max_by_key(|&gid| {
-            (
-                self.groups[gid as usize].members.len(),
-                std::cmp::Reverse(gid),
-            )
-        }) {
+    fn merge(&mut self, set: &[u32], n: usize, core: Core, domain: Option<Shape>, reads: Vec<ValueId>) -> u32 {
+        let target = match set.iter().copied().max_by_key(|&gid| (self.groups[gid as usize].members.len(), std::cmp::Reverse(gid))) {
             Some(t) => t,
             None => {
                 self.groups.push(Group {
@@ -605,8 +491,7 @@ impl State<'_, '_> {
                 self.group_of[m as usize] = target;
             }
             self.groups[target as usize].members.extend(moved);
-            self.groups[target as usize].nresults +=
-                std::mem::take(&mut self.groups[gid as usize].nresults);
+            self.groups[target as usize].nresults += std::mem::take(&mut self.groups[gid as usize].nresults);
         }
         let t = &mut self.groups[target as usize];
         t.members.push(n as u32);
@@ -630,18 +515,22 @@ impl State<'_, '_> {
         if let Some(s) = self.adamw_open {
             match self.groups[s as usize].closed_by {
                 Some((k, v)) => {
-                    let detail = format!("an earlier update's result {} is read by {} before {}, so this update starts a new `adamw` kernel", cx.at(v), cx.node_name(k as usize), cx.node_name(n));
+                    let detail = format!(
+                        "an earlier update's result {} is read by {} before {}, so this update starts a new `adamw` kernel",
+                        cx.at(v),
+                        cx.node_name(k as usize),
+                        cx.node_name(n)
+                    );
                     self.log.refuse(PASS, cx.at(v), "cycle", detail);
                     self.adamw_open = None;
                 }
                 None if self.groups[s as usize].nresults + node_results > MAX_RESULTS => {
-                    let detail = format!("the `adamw` kernel already has {} results (a node has at most {MAX_RESULTS}), so {} starts a new one", self.groups[s as usize].nresults, cx.node_name(n));
-                    self.log.refuse(
-                        PASS,
-                        cx.at(cx.g.nodes[n].results[0]),
-                        "result-count-limit",
-                        detail,
+                    let detail = format!(
+                        "the `adamw` kernel already has {} results (a node has at most {MAX_RESULTS}), so {} starts a new one",
+                        self.groups[s as usize].nresults,
+                        cx.node_name(n)
                     );
+                    self.log.refuse(PASS, cx.at(cx.g.nodes[n].results[0]), "result-count-limit", detail);
                     self.adamw_open = None;
                 }
                 None => set.push(s),
@@ -660,9 +549,7 @@ impl State<'_, '_> {
             }
         }
         // Only the updates' results leave the kernel (its prologue feeds nothing else).
-        let prev = self
-            .adamw_open
-            .map_or(0, |s| self.groups[s as usize].nresults);
+        let prev = self.adamw_open.map_or(0, |s| self.groups[s as usize].nresults);
         let gid = self.merge(&set, n, Core::AdamW, None, Vec::new());
         self.groups[gid as usize].nresults = prev + node_results;
         self.adamw_open = Some(gid);
@@ -676,35 +563,37 @@ impl State<'_, '_> {
         let g = &self.groups[gid as usize];
         let me = cx.node_name(n);
         if g.core == Core::AdamW {
-            return Some((
-                "cycle",
-                format!("{me} reads a result of another `adamw` kernel"),
-            ));
+            return Some(("cycle", format!("{me} reads a result of another `adamw` kernel")));
         }
         if let Some((k, v)) = g.closed_by {
-            let detail = format!("its result {} is already read by {} outside it, so it cannot move into the `adamw` kernel", cx.at(v), cx.node_name(k as usize));
+            let detail = format!(
+                "its result {} is already read by {} outside it, so it cannot move into the `adamw` kernel",
+                cx.at(v),
+                cx.node_name(k as usize)
+            );
             return Some(("cycle", detail));
         }
         if g.core != Core::None {
-            return Some(("not-fusible", format!("only pointwise ops join the `adamw` kernel; this kernel (feeding {me}) holds a reduction or composite")));
+            return Some((
+                "not-fusible",
+                format!("only pointwise ops join the `adamw` kernel; this kernel (feeding {me}) holds a reduction or composite"),
+            ));
         }
         if g.domain.as_ref() != Some(shape) {
             return Some((
                 "domain-mismatch",
-                format!(
-                    "the update {me} is on {shape}, this kernel on {}",
-                    g.domain.as_ref().map_or("?".into(), |d| d.to_string())
-                ),
+                format!("the update {me} is on {shape}, this kernel on {}", g.domain.as_ref().map_or("?".into(), |d| d.to_string())),
             ));
         }
         for &m in &g.members {
             for r in &cx.g.nodes[m as usize].results {
-                let other = cx.users[r.0 as usize]
-                    .iter()
-                    .find(|&&u| u as usize != n && self.group_of[u as usize] != gid);
+                let other = cx.users[r.0 as usize].iter().find(|&&u| u as usize != n && self.group_of[u as usize] != gid);
                 if cx.is_output[r.0 as usize] || other.is_some() {
                     let by = other.map_or("an output".to_string(), |&u| cx.node_name(u as usize));
-                    return Some(("not-fusible", format!("{} is also read by {by}: only ops that feed nothing but {me} join the `adamw` kernel", cx.at(*r))));
+                    return Some((
+                        "not-fusible",
+                        format!("{} is also read by {by}: only ops that feed nothing but {me} join the `adamw` kernel", cx.at(*r)),
+                    ));
                 }
             }
         }
@@ -714,13 +603,5 @@ impl State<'_, '_> {
 
 /// `input` without the `axes`.
 fn reduced(input: &Shape, axes: &[usize]) -> Shape {
-    Shape(
-        input
-            .0
-            .iter()
-            .enumerate()
-            .filter(|(i, _)| !axes.contains(i))
-            .map(|(_, d)| d.clone())
-            .collect(),
-    )
+    Shape(input.0.iter().enumerate().filter(|(i, _)| !axes.contains(i)).map(|(_, d)| d.clone()).collect())
 }

@@ -60,14 +60,7 @@ impl Live {
                 vend[b] = vend[b].max(end[v]);
             }
         }
-        Ok(Live {
-            n,
-            def,
-            end,
-            base,
-            vend,
-            bytes,
-        })
+        Ok(Live { n, def, end, base, vend, bytes })
     }
 }
 
@@ -100,21 +93,8 @@ impl Groups {
                 owner[n.results[0].0 as usize] = Some(n.results[0].0);
             }
         }
-        let versions = (0..nv as u32)
-            .map(|v| {
-                if live.base[v as usize] == v {
-                    vec![v]
-                } else {
-                    vec![]
-                }
-            })
-            .collect();
-        Groups {
-            parent: (0..nv as u32).collect(),
-            versions,
-            owner,
-            written_back: vec![false; nv],
-        }
+        let versions = (0..nv as u32).map(|v| if live.base[v as usize] == v { vec![v] } else { vec![] }).collect();
+        Groups { parent: (0..nv as u32).collect(), versions, owner, written_back: vec![false; nv] }
     }
 
     /// The group (root) of a base value.
@@ -177,10 +157,7 @@ impl Groups {
         for w in merged.windows(2) {
             let (e, l) = (w[0] as usize, w[1] as usize);
             if live.vend[e] > live.def[l] || live.def[e] == live.def[l] {
-                return Err(Conflict::Overlap {
-                    earlier: w[0],
-                    later: w[1],
-                });
+                return Err(Conflict::Overlap { earlier: w[0], later: w[1] });
             }
         }
         self.parent[rb as usize] = ra;
@@ -232,11 +209,7 @@ pub(crate) fn in_place_options(node: &fusec_ir::Node, g: &Graph) -> InPlace {
     let same_shape = |k: usize, r: usize| g.ty(node.inputs[k]).shape == g.ty(node.results[r]).shape;
     let shape0 = node.results.first().map(|r| &g.ty(*r).shape);
     let all = || -> SmallVec<[usize; 2]> { (0..nr).collect() };
-    let mut o = InPlace {
-        reach: vec![None; ni],
-        single_phase: false,
-        candidates: vec![vec![]; nr],
-    };
+    let mut o = InPlace { reach: vec![None; ni], single_phase: false, candidates: vec![vec![]; nr] };
     match &node.op {
         op if is_pointwise(op) => {
             o.single_phase = true;
@@ -245,37 +218,21 @@ pub(crate) fn in_place_options(node: &fusec_ir::Node, g: &Graph) -> InPlace {
                     o.reach[k] = Some(all());
                 }
             }
-            let pairs: Vec<(usize, usize)> = if let Op::AdamW { .. } = op {
-                vec![(0, 0), (1, 2), (2, 3)]
-            } else {
-                (0..ni).map(|k| (0, k)).collect()
-            };
+            let pairs: Vec<(usize, usize)> =
+                if let Op::AdamW { .. } = op { vec![(0, 0), (1, 2), (2, 3)] } else { (0..ni).map(|k| (0, k)).collect() };
             for (r, k) in pairs {
                 if k < ni && r < nr && o.reach[k].is_some() && same_shape(k, r) {
                     o.candidates[r].push(k);
                 }
             }
         }
-        Op::Gemm(gm) if gm.accumulate && ni > 0 => {
-            o.reach[ni - 1] = Some(SmallVec::from_slice(&[0]))
-        }
+        Op::Gemm(gm) if gm.accumulate && ni > 0 => o.reach[ni - 1] = Some(SmallVec::from_slice(&[0])),
         Op::Kernel(kernel) => {
             let body = &kernel.body;
             o.single_phase = body.nodes.iter().all(|n| {
-                is_pointwise(&n.op)
-                    || matches!(
-                        n.op,
-                        Op::Input { .. }
-                            | Op::Const { .. }
-                            | Op::Iota { .. }
-                            | Op::Broadcast { .. }
-                    )
+                is_pointwise(&n.op) || matches!(n.op, Op::Input { .. } | Op::Const { .. } | Op::Iota { .. } | Op::Broadcast { .. })
             });
-            let body_inputs = body
-                .nodes
-                .iter()
-                .filter(|n| matches!(n.op, Op::Input { .. }))
-                .map(|n| n.results[0].0 as usize);
+            let body_inputs = body.nodes.iter().filter(|n| matches!(n.op, Op::Input { .. })).map(|n| n.results[0].0 as usize);
             for (k, bv) in body_inputs.enumerate().take(ni) {
                 let mut reach = vec![false; body.values.len()];
                 reach[bv] = true;
@@ -287,9 +244,7 @@ pub(crate) fn in_place_options(node: &fusec_ir::Node, g: &Graph) -> InPlace {
                     }
                 }
                 if pointwise {
-                    let outs = (0..nr.min(body.outputs.len()))
-                        .filter(|&j| reach[body.outputs[j].1 .0 as usize])
-                        .collect();
+                    let outs = (0..nr.min(body.outputs.len())).filter(|&j| reach[body.outputs[j].1 .0 as usize]).collect();
                     o.reach[k] = Some(outs);
                 }
             }
@@ -326,9 +281,7 @@ pub(crate) fn war_edges(g: &Graph, base: &[u32]) -> Vec<(usize, usize)> {
         .nodes
         .iter()
         .filter_map(|n| match &n.op {
-            Op::Param { name, .. } | Op::Input { name, .. } => {
-                Some((name.as_str(), n.results[0].0))
-            }
+            Op::Param { name, .. } | Op::Input { name, .. } => Some((name.as_str(), n.results[0].0)),
             _ => None,
         })
         .collect();
@@ -365,15 +318,8 @@ pub(crate) fn war_edges(g: &Graph, base: &[u32]) -> Vec<(usize, usize)> {
             }
         }
     }
-    let mut edges: Vec<(usize, usize)> = writes
-        .iter()
-        .flat_map(|&(b, w)| {
-            readers[b as usize]
-                .iter()
-                .filter(move |&&r| r != w)
-                .map(move |&r| (r, w))
-        })
-        .collect();
+    let mut edges: Vec<(usize, usize)> =
+        writes.iter().flat_map(|&(b, w)| readers[b as usize].iter().filter(move |&&r| r != w).map(move |&r| (r, w))).collect();
     edges.sort_unstable();
     edges.dedup();
     edges

@@ -26,11 +26,7 @@ pub(super) fn persistent_order(g: &Graph) -> Vec<(Region, u32)> {
     let by_name: HashMap<&str, u32> = inputs.iter().copied().collect();
     let mut claimed: HashMap<u32, ()> = HashMap::new();
     let mut out: Vec<(Region, u32)> = params.iter().map(|&(_, v)| (Region::Params, v)).collect();
-    for (region, prefix) in [
-        (Region::Grads, "grad."),
-        (Region::AdamM, "m."),
-        (Region::AdamV, "v."),
-    ] {
+    for (region, prefix) in [(Region::Grads, "grad."), (Region::AdamM, "m."), (Region::AdamV, "v.")] {
         for (p, _) in &params {
             if let Some(&v) = by_name.get(format!("{prefix}{p}").as_str()) {
                 if claimed.insert(v, ()).is_none() {
@@ -39,21 +35,13 @@ pub(super) fn persistent_order(g: &Graph) -> Vec<(Region, u32)> {
             }
         }
     }
-    out.extend(
-        inputs
-            .iter()
-            .filter(|(_, v)| !claimed.contains_key(v))
-            .map(|&(_, v)| (Region::Inputs, v)),
-    );
+    out.extend(inputs.iter().filter(|(_, v)| !claimed.contains_key(v)).map(|&(_, v)| (Region::Inputs, v)));
     out
 }
 
 /// Lays the persistent tensors out back to back from offset 0, each [`ALIGN`]ed; returns the
 /// regions (all five, possibly empty) and each tensor's offset.
-pub(super) fn lay_out_persistent(
-    order: &[(Region, u32)],
-    bytes: &[u64],
-) -> (Vec<RegionPlan>, Vec<(u32, u64)>) {
+pub(super) fn lay_out_persistent(order: &[(Region, u32)], bytes: &[u64]) -> (Vec<RegionPlan>, Vec<(u32, u64)>) {
     let mut regions = vec![];
     let mut offsets = vec![];
     let mut cur = 0u64;
@@ -65,12 +53,7 @@ pub(super) fn lay_out_persistent(
             cur += align(bytes[v as usize]);
             tensors += 1;
         }
-        regions.push(RegionPlan {
-            region,
-            offset: start,
-            bytes: cur - start,
-            tensors,
-        });
+        regions.push(RegionPlan { region, offset: start, bytes: cur - start, tensors });
     }
     (regions, offsets)
 }
@@ -108,12 +91,7 @@ pub(super) fn place_arena(items: &[Item], reuse: bool) -> (Vec<u64>, u64) {
         let it = items[i];
         let need = align(it.bytes);
         busy.clear();
-        busy.extend(
-            placed
-                .iter()
-                .filter(|p| p.0 <= it.end && it.start <= p.1)
-                .map(|p| (p.2, p.3)),
-        );
+        busy.extend(placed.iter().filter(|p| p.0 <= it.end && it.start <= p.1).map(|p| (p.2, p.3)));
         busy.sort_unstable();
         let mut at = 0u64;
         for &(o, s) in &busy {

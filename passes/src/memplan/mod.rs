@@ -76,13 +76,7 @@ pub enum Region {
 
 impl Region {
     /// The persistent regions in layout order.
-    pub const PERSISTENT: [Region; 5] = [
-        Region::Params,
-        Region::Grads,
-        Region::AdamM,
-        Region::AdamV,
-        Region::Inputs,
-    ];
+    pub const PERSISTENT: [Region; 5] = [Region::Params, Region::Grads, Region::AdamM, Region::AdamV, Region::Inputs];
 
     /// The name used in reports.
     pub fn name(self) -> &'static str {
@@ -192,11 +186,7 @@ pub fn memplan(g: &Graph, bind: &Bindings, opts: &MemplanOptions) -> Result<MemP
         is_grad_acc[v as usize] = r == Region::Grads;
     }
     let conflict_msg = |c: Conflict, live: &Live| match c {
-        Conflict::TwoOwners(x, y) => format!(
-            "{} and {} are different persistent tensors",
-            name(x),
-            name(y)
-        ),
+        Conflict::TwoOwners(x, y) => format!("{} and {} are different persistent tensors", name(x), name(y)),
         Conflict::Overlap { earlier, later } => format!(
             "{} (live at positions {}..={}) is still read after {} is written at position {}",
             name(earlier),
@@ -219,30 +209,17 @@ pub fn memplan(g: &Graph, bind: &Bindings, opts: &MemplanOptions) -> Result<MemP
             continue;
         };
         let (r, b) = (n.results[0].0, live.base[acc.0 as usize]);
-        let at = || {
-            format!(
-                "memplan: gemm {} (position {i}) accumulates in place into {}",
-                name(r),
-                name(acc.0)
-            )
-        };
-        if n.inputs[..n.inputs.len() - 1]
-            .iter()
-            .any(|v| live.base[v.0 as usize] == b)
-        {
+        let at = || format!("memplan: gemm {} (position {i}) accumulates in place into {}", name(r), name(acc.0));
+        if n.inputs[..n.inputs.len() - 1].iter().any(|v| live.base[v.0 as usize] == b) {
             return Err(format!("{}, which it also reads as a factor", at()));
         }
         if live.bytes[r as usize] != live.bytes[b as usize] {
             return Err(format!("{}, whose size differs", at()));
         }
-        gr.merge(&live, b, r)
-            .map_err(|c| format!("{}: {}", at(), conflict_msg(c, &live)))?;
+        gr.merge(&live, b, r).map_err(|c| format!("{}: {}", at(), conflict_msg(c, &live)))?;
     }
     let ipo: Vec<_> = g.nodes.iter().map(|n| in_place_options(n, g)).collect();
-    let by_name: std::collections::HashMap<&str, u32> = persistent
-        .iter()
-        .map(|&(_, v)| (source_name(g, v), v))
-        .collect();
+    let by_name: std::collections::HashMap<&str, u32> = persistent.iter().map(|&(_, v)| (source_name(g, v), v)).collect();
     for (oname, v) in &g.outputs {
         let Some(&x) = by_name.get(oname.as_str()) else {
             continue;
@@ -250,32 +227,25 @@ pub fn memplan(g: &Graph, bind: &Bindings, opts: &MemplanOptions) -> Result<MemP
         let b = live.base[v.0 as usize];
         if gr.find(b) != gr.find(x) {
             let at = || {
-                format!("memplan: output `{oname}` ({}, position {}) cannot be written back in place over {}", name(v.0), live.def[b as usize], name(x))
+                format!(
+                    "memplan: output `{oname}` ({}, position {}) cannot be written back in place over {}",
+                    name(v.0),
+                    live.def[b as usize],
+                    name(x)
+                )
             };
             if live.bytes[b as usize] != live.bytes[x as usize] {
-                return Err(format!(
-                    "{}: sizes differ ({} vs {} bytes)",
-                    at(),
-                    live.bytes[b as usize],
-                    live.bytes[x as usize]
-                ));
+                return Err(format!("{}: sizes differ ({} vs {} bytes)", at(), live.bytes[b as usize], live.bytes[x as usize]));
             }
             // The producer may read the old value only element by element.
             let pi = g.values[b as usize].node.0 as usize;
             let pn = &g.nodes[pi];
             let ri = pn.results.iter().position(|r| r.0 == b).unwrap_or(0);
             let opt = &ipo[pi];
-            if let Some(k) = (0..pn.inputs.len()).find(|&k| {
-                live.base[pn.inputs[k].0 as usize] == x && !opt.safe_while_writing(k, ri)
-            }) {
-                return Err(format!(
-                    "{}: `{}` reads it (operand {k}) other than element by element",
-                    at(),
-                    pn.op.mnemonic()
-                ));
+            if let Some(k) = (0..pn.inputs.len()).find(|&k| live.base[pn.inputs[k].0 as usize] == x && !opt.safe_while_writing(k, ri)) {
+                return Err(format!("{}: `{}` reads it (operand {k}) other than element by element", at(), pn.op.mnemonic()));
             }
-            gr.merge(&live, x, b)
-                .map_err(|c| format!("{}: {}", at(), conflict_msg(c, &live)))?;
+            gr.merge(&live, x, b).map_err(|c| format!("{}: {}", at(), conflict_msg(c, &live)))?;
         }
         gr.set_written_back(x);
     }
@@ -295,10 +265,7 @@ pub fn memplan(g: &Graph, bind: &Bindings, opts: &MemplanOptions) -> Result<MemP
         }
     }
     // The buffers without reuse: the naive sum.
-    let naive_bytes: u64 = transient_items(&mut gr, &live)
-        .iter()
-        .map(|(_, it)| align(it.bytes))
-        .sum();
+    let naive_bytes: u64 = transient_items(&mut gr, &live).iter().map(|(_, it)| align(it.bytes)).sum();
 
     if opts.reuse {
         for (i, n) in g.nodes.iter().enumerate() {
@@ -315,18 +282,13 @@ pub fn memplan(g: &Graph, bind: &Bindings, opts: &MemplanOptions) -> Result<MemP
                     let o = n.inputs[k];
                     let b = live.base[o.0 as usize];
                     // Every read of the buffer being overwritten is element by element.
-                    let all_safe = n.inputs.iter().enumerate().all(|(k2, v)| {
-                        live.base[v.0 as usize] != b || opt.safe_while_writing(k2, ri)
-                    });
+                    let all_safe =
+                        n.inputs.iter().enumerate().all(|(k2, v)| live.base[v.0 as usize] != b || opt.safe_while_writing(k2, ri));
                     let writable = match gr.owner(b) {
                         None => true,
                         Some(x) => is_grad_acc[x as usize] || gr.written_back(b),
                     };
-                    if live.vend[b as usize] != i
-                        || live.bytes[b as usize] != live.bytes[r as usize]
-                        || !all_safe
-                        || !writable
-                    {
+                    if live.vend[b as usize] != i || live.bytes[b as usize] != live.bytes[r as usize] || !all_safe || !writable {
                         continue;
                     }
                     if gr.find(b) != gr.find(r) && gr.merge(&live, b, r).is_ok() {
@@ -355,11 +317,7 @@ pub fn memplan(g: &Graph, bind: &Bindings, opts: &MemplanOptions) -> Result<MemP
     // Every version after the first in a buffer overwrites the one before it.
     for v in 0..nv as u32 {
         if live.base[v as usize] == v && gr.find(v) == v {
-            let kind = if gr.owner(v).is_some() {
-                AliasKind::State
-            } else {
-                AliasKind::InPlace
-            };
+            let kind = if gr.owner(v).is_some() { AliasKind::State } else { AliasKind::InPlace };
             let vs = gr.versions(v).to_vec();
             for w in vs.windows(2) {
                 alias[w[1] as usize] = Some((ValueId(w[0]), kind));
@@ -413,11 +371,7 @@ fn transient_items(gr: &mut Groups, live: &Live) -> Vec<(u32, Item)> {
             continue;
         }
         let vs = gr.versions(v);
-        let bytes = vs
-            .iter()
-            .map(|&b| live.bytes[b as usize])
-            .max()
-            .unwrap_or(0);
+        let bytes = vs.iter().map(|&b| live.bytes[b as usize]).max().unwrap_or(0);
         let start = vs.iter().map(|&b| live.def[b as usize]).min().unwrap_or(0);
         let end = vs.iter().map(|&b| live.vend[b as usize]).max().unwrap_or(0);
         out.push((v, Item { bytes, start, end }));

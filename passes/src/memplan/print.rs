@@ -13,54 +13,23 @@ impl MemPlan {
     /// bytes and MiB), the ratio arena / lower bound, and the alias counts.
     pub fn report(&self) -> String {
         let mut s = String::new();
-        let _ = writeln!(
-            s,
-            "memory plan ({}; reuse {})",
-            self.binding_text(),
-            if self.reuse { "on" } else { "off" }
-        );
-        let _ = writeln!(
-            s,
-            "  {:<24} {:>7} {:>14} {:>11}",
-            "region", "tensors", "bytes", "MiB"
-        );
+        let _ = writeln!(s, "memory plan ({}; reuse {})", self.binding_text(), if self.reuse { "on" } else { "off" });
+        let _ = writeln!(s, "  {:<24} {:>7} {:>14} {:>11}", "region", "tensors", "bytes", "MiB");
         let row = |s: &mut String, name: &str, tensors: Option<usize>, bytes: u64| {
             let t = tensors.map(|t| t.to_string()).unwrap_or_default();
-            let _ = writeln!(
-                s,
-                "  {name:<24} {t:>7} {bytes:>14} {:>11.2}",
-                bytes as f64 / MIB
-            );
+            let _ = writeln!(s, "  {name:<24} {t:>7} {bytes:>14} {:>11.2}", bytes as f64 / MIB);
         };
         for r in &self.regions {
             row(&mut s, r.region.name(), Some(r.tensors), r.bytes);
         }
         let tensors = self.regions.iter().map(|r| r.tensors).sum();
-        row(
-            &mut s,
-            "persistent total",
-            Some(tensors),
-            self.persistent_bytes,
-        );
+        row(&mut s, "persistent total", Some(tensors), self.persistent_bytes);
         row(&mut s, "arena (transient)", None, self.arena_bytes);
-        row(
-            &mut s,
-            "peak live (lower bound)",
-            None,
-            self.peak_live_bytes,
-        );
+        row(&mut s, "peak live (lower bound)", None, self.peak_live_bytes);
         row(&mut s, "naive (no reuse)", None, self.naive_bytes);
         row(&mut s, "total allocation", None, self.total_bytes());
-        let _ = writeln!(
-            s,
-            "  arena / lower bound: {}",
-            ratio(self.arena_bytes, self.peak_live_bytes)
-        );
-        let _ = writeln!(
-            s,
-            "  aliases: {} state, {} in-place, {} views",
-            self.state_aliases, self.in_place, self.view_aliases
-        );
+        let _ = writeln!(s, "  arena / lower bound: {}", ratio(self.arena_bytes, self.peak_live_bytes));
+        let _ = writeln!(s, "  aliases: {} state, {} in-place, {} views", self.state_aliases, self.in_place, self.view_aliases);
         s
     }
 
@@ -79,14 +48,8 @@ impl MemPlan {
         );
         for r in &self.regions {
             let plural = if r.tensors == 1 { "" } else { "s" };
-            let _ = writeln!(
-                s,
-                "#   {:<7} offset {:>10}  bytes {:>10}  ({} tensor{plural})",
-                r.region.name(),
-                r.offset,
-                r.bytes,
-                r.tensors
-            );
+            let _ =
+                writeln!(s, "#   {:<7} offset {:>10}  bytes {:>10}  ({} tensor{plural})", r.region.name(), r.offset, r.bytes, r.tensors);
         }
         let _ = writeln!(
             s,
@@ -131,13 +94,7 @@ impl MemPlan {
                         format!("{} ({k} %{})", p.region.name(), num[of.0 as usize])
                     }
                 };
-                [
-                    format!("%{}", num[v]),
-                    p.offset.to_string(),
-                    p.bytes.to_string(),
-                    format!("[{}, {}]", pos(p.live.0), pos(p.live.1)),
-                    buf,
-                ]
+                [format!("%{}", num[v]), p.offset.to_string(), p.bytes.to_string(), format!("[{}, {}]", pos(p.live.0), pos(p.live.1)), buf]
             })
             .collect();
         let head = ["value", "offset", "bytes", "live", "buffer"];
@@ -174,12 +131,7 @@ impl MemPlan {
         if self.bindings.0.is_empty() {
             return "no symbolic dims".into();
         }
-        self.bindings
-            .0
-            .iter()
-            .map(|(k, v)| format!("{k} = {v}"))
-            .collect::<Vec<_>>()
-            .join(", ")
+        self.bindings.0.iter().map(|(k, v)| format!("{k} = {v}")).collect::<Vec<_>>().join(", ")
     }
 }
 

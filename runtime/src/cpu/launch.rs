@@ -44,7 +44,14 @@ pub struct Launch {
 }
 
 /// The launches of `g` under `plan`, compiling kernels through `kc`.
-pub fn launches(g: &Graph, plan: &MemPlan, layout: &SharedLayout, bind: &Bindings, kc: &mut KernelCompiler, base: *mut u8) -> Result<Vec<Launch>, String> {
+pub fn launches(
+    g: &Graph,
+    plan: &MemPlan,
+    layout: &SharedLayout,
+    bind: &Bindings,
+    kc: &mut KernelCompiler,
+    base: *mut u8,
+) -> Result<Vec<Launch>, String> {
     let off = |v: ValueId| layout.offset(g, plan, v);
     let dims = |v: ValueId| g.ty(v).shape.eval(bind).map(|d| d.into_iter().map(|x| x as usize).collect::<Vec<_>>());
     let bytes_of = |v: ValueId| g.ty(v).bytes(bind).map(|b| b as u64);
@@ -63,7 +70,19 @@ pub fn launches(g: &Graph, plan: &MemPlan, layout: &SharedLayout, bind: &Binding
             Op::MatMul { trans_a, trans_b } => {
                 let spec = gemm_spec(g, bind, n.inputs[0], n.inputs[1], n.results[0], *trans_a, *trans_b).map_err(err)?;
                 let f = spec.flops();
-                (Kind::Gemm { spec, a: off(n.inputs[0])?, b: off(n.inputs[1])?, bias: None, acc: None, y: off(n.results[0])?, pre: None }, "matmul".to_string(), f)
+                (
+                    Kind::Gemm {
+                        spec,
+                        a: off(n.inputs[0])?,
+                        b: off(n.inputs[1])?,
+                        bias: None,
+                        acc: None,
+                        y: off(n.results[0])?,
+                        pre: None,
+                    },
+                    "matmul".to_string(),
+                    f,
+                )
             }
             Op::Gemm(gm) => {
                 let mut spec = gemm_spec(g, bind, n.inputs[0], n.inputs[1], n.results[0], gm.trans_a, gm.trans_b).map_err(err)?;
@@ -71,14 +90,21 @@ pub fn launches(g: &Graph, plan: &MemPlan, layout: &SharedLayout, bind: &Binding
                 let bias = if gm.bias { Some(off(n.inputs[2])?) } else { None };
                 let acc = if gm.accumulate { Some(off(*n.inputs.last().expect("gemm has operands"))?) } else { None };
                 let pre = if gm.gelu { Some(off(n.results[1])?) } else { None };
-                let name = ["gemm", if gm.bias { "_bias" } else { "" }, if gm.gelu { "_gelu" } else { "" }, if gm.accumulate { "_acc" } else { "" }].concat();
+                let name = [
+                    "gemm",
+                    if gm.bias { "_bias" } else { "" },
+                    if gm.gelu { "_gelu" } else { "" },
+                    if gm.accumulate { "_acc" } else { "" },
+                ]
+                .concat();
                 let f = spec.flops();
                 (Kind::Gemm { spec, a: off(n.inputs[0])?, b: off(n.inputs[1])?, bias, acc, y: off(n.results[0])?, pre }, name, f)
             }
             Op::Kernel(k) => {
                 let ck = kc.compile(k, bind).map_err(|e| err(format!("kernel `{}`: {e}", k.name)))?;
                 // SAFETY: every offset lies inside the allocation at `base` (the plan's size).
-                let ins = n.inputs.iter().map(|v| off(*v).map(|o| unsafe { base.add(o as usize) as *const u8 })).collect::<Result<_, _>>()?;
+                let ins =
+                    n.inputs.iter().map(|v| off(*v).map(|o| unsafe { base.add(o as usize) as *const u8 })).collect::<Result<_, _>>()?;
                 let outs = n.results.iter().map(|v| off(*v).map(|o| unsafe { base.add(o as usize) })).collect::<Result<_, _>>()?;
                 let f = ck.flops();
                 (Kind::Kernel { k: ck, ins, outs }, k.name.clone(), f)
@@ -86,12 +112,30 @@ pub fn launches(g: &Graph, plan: &MemPlan, layout: &SharedLayout, bind: &Binding
             Op::Gather => {
                 let t = dims(n.inputs[0]).map_err(err)?;
                 let idx = dims(n.inputs[1]).map_err(err)?.iter().product();
-                (Kind::Gather { table: off(n.inputs[0])?, rows: t[0], cols: t[1], idx: off(n.inputs[1])?, n: idx, out: off(n.results[0])? }, "gather".into(), 0)
+                (
+                    Kind::Gather {
+                        table: off(n.inputs[0])?,
+                        rows: t[0],
+                        cols: t[1],
+                        idx: off(n.inputs[1])?,
+                        n: idx,
+                        out: off(n.results[0])?,
+                    },
+                    "gather".into(),
+                    0,
+                )
             }
             Op::ScatterAdd { .. } => {
                 let o = dims(n.results[0]).map_err(err)?;
                 let idx = dims(n.inputs[1]).map_err(err)?.iter().product();
-                let kind = Kind::ScatterAdd { src: off(n.inputs[0])?, cols: o[1], idx: off(n.inputs[1])?, n: idx, out: off(n.results[0])?, rows: o[0] };
+                let kind = Kind::ScatterAdd {
+                    src: off(n.inputs[0])?,
+                    cols: o[1],
+                    idx: off(n.inputs[1])?,
+                    n: idx,
+                    out: off(n.results[0])?,
+                    rows: o[0],
+                };
                 (kind, "scatter_add".into(), (idx * o[1]) as u64)
             }
             Op::Attention { heads, scale } | Op::AttentionGrad { heads, scale } => {
@@ -104,11 +148,23 @@ pub fn launches(g: &Graph, plan: &MemPlan, layout: &SharedLayout, bind: &Binding
                 if matches!(n.op, Op::Attention { .. }) {
                     (Kind::Attention { dm, scale, qkv, out: off(n.results[0])?, lse: off(n.results[1])? }, "attention".into(), 4 * pairs)
                 } else {
-                    let kind = Kind::AttentionGrad { dm, scale, qkv, out: off(n.inputs[1])?, lse: off(n.inputs[2])?, dout: off(n.inputs[3])?, dqkv: off(n.results[0])? };
+                    let kind = Kind::AttentionGrad {
+                        dm,
+                        scale,
+                        qkv,
+                        out: off(n.inputs[1])?,
+                        lse: off(n.inputs[2])?,
+                        dout: off(n.inputs[3])?,
+                        dqkv: off(n.results[0])?,
+                    };
                     (kind, "attention_grad".into(), 10 * pairs)
                 }
             }
-            Op::Iota { axis, ty } => (Kind::Iota { shape: dims(n.results[0]).map_err(err)?, axis: *axis, dtype: ty.dtype, out: off(n.results[0])? }, "iota".into(), 0),
+            Op::Iota { axis, ty } => (
+                Kind::Iota { shape: dims(n.results[0]).map_err(err)?, axis: *axis, dtype: ty.dtype, out: off(n.results[0])? },
+                "iota".into(),
+                0,
+            ),
             Op::Const { value, ty } => {
                 let cnt = dims(n.results[0]).map_err(err)?.iter().product();
                 (Kind::Fill { value: *value, dtype: ty.dtype, n: cnt, out: off(n.results[0])? }, "fill".into(), 0)

@@ -1,8 +1,8 @@
 //! The CPU target: one arena from the memory plans, Cranelift-compiled fused kernels, GEMMs
 //! through the `gemm` crate, native attention and embedding ops, per-launch timing.
 
-mod layout;
 mod launch;
+mod layout;
 pub mod ops;
 pub mod profile;
 
@@ -16,14 +16,15 @@ use fusec_ir::{Bindings, DType, Graph};
 use fusec_passes::memplan::{memplan, MemPlan, MemplanOptions};
 
 use crate::executor::{Executor, Program, StepOutputs};
-use layout::{Arena, SharedLayout};
 use launch::{Kind, Launch};
+use layout::{Arena, SharedLayout};
 use profile::Profile;
 
 /// One compiled program: its launches and where its scalar outputs land.
 struct Compiled {
     launches: Vec<Launch>,
     scalars: Vec<(String, u64, DType)>,
+    outputs: HashMap<String, (u64, DType, Vec<usize>)>,
 }
 
 /// What compiling the programs for the CPU produced, for the run summary.
@@ -52,7 +53,12 @@ pub struct CpuExecutor {
 impl CpuExecutor {
     /// Plans memory for the scheduled programs (which must include `Step`), allocates the arena
     /// once and compiles every kernel.
-    pub fn new(graphs: &HashMap<Program, Graph>, bind: &Bindings, threads: usize, profile: bool) -> Result<(CpuExecutor, CpuBuild), String> {
+    pub fn new(
+        graphs: &HashMap<Program, Graph>,
+        bind: &Bindings,
+        threads: usize,
+        profile: bool,
+    ) -> Result<(CpuExecutor, CpuBuild), String> {
         let t0 = Instant::now();
         let step = graphs.get(&Program::Step).ok_or("the CPU target needs the Step program")?;
         let mut plans = HashMap::new();
@@ -69,15 +75,18 @@ impl CpuExecutor {
             let plan = &plans[p];
             let launches = launch::launches(g, plan, &layout, bind, &mut kc, arena.base()).map_err(|e| format!("{p:?} program: {e}"))?;
             let mut scalars = vec![];
+            let mut outputs = HashMap::new();
             for (name, v) in &g.outputs {
-                if g.ty(*v).shape.rank() == 0 {
-                    scalars.push((name.clone(), layout.offset(g, plan, *v)?, g.ty(*v).dtype));
+                let (off, ty) = (layout.offset(g, plan, *v)?, g.ty(*v));
+                if ty.shape.rank() == 0 {
+                    scalars.push((name.clone(), off, ty.dtype));
                 }
+                outputs.insert(name.clone(), (off, ty.dtype, ty.shape.eval(bind)?.into_iter().map(|d| d as usize).collect()));
             }
             for (name, v) in g.params().into_iter().chain(g.inputs()) {
                 types.insert(name.to_string(), (g.ty(v).dtype, g.ty(v).shape.eval(bind)?.into_iter().map(|d| d as usize).collect()));
             }
-            programs.insert(*p, Compiled { launches, scalars });
+            programs.insert(*p, Compiled { launches, scalars, outputs });
         }
         let build = CpuBuild {
             compile_time: t0.elapsed(),
@@ -182,6 +191,20 @@ impl Executor for CpuExecutor {
             }
         };
         Ok(Tensor { dtype: dt, shape, data })
+    }
+
+    fn output(&self, program: Program, name: &str) -> Result<Tensor, String> {
+        let prog = self.programs.get(&program).ok_or_else(|| format!("program {program:?} was not compiled"))?;
+        let (off, dt, shape) = prog.outputs.get(name).ok_or_else(|| format!("{program:?} has no output `{name}`"))?;
+        let n = shape.iter().product();
+        // SAFETY: outputs live in the arena until the next run.
+        let data = unsafe {
+            match dt {
+                DType::I32 => self.slice::<i32>(*off, n).iter().map(|&x| x as f64).collect(),
+                _ => self.slice::<f32>(*off, n).iter().map(|&x| x as f64).collect(),
+            }
+        };
+        Ok(Tensor { dtype: *dt, shape: shape.clone(), data })
     }
 
     fn zero_grads(&mut self) -> Result<(), String> {

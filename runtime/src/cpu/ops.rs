@@ -78,34 +78,34 @@ pub fn attention(dm: AttnDims, scale: f32, qkv: &[f32], out: &mut [f32], lse: &m
     lse.par_chunks_mut(t).enumerate().for_each(|(sh, lse_row)| {
         let (s, head) = (sh / h, sh % h);
         SCORES.with_borrow_mut(|scores| {
-        if scores.len() < t {
-            scores.resize(t, 0.0); // once per thread and size: no allocation in steady state
-        }
-        for i in 0..t {
-            let q = &qkv[(s * t + i) * 3 * c + head * d..][..d];
-            let mut mx = f32::NEG_INFINITY;
-            for (j, sc) in scores[..=i].iter_mut().enumerate() {
-                let k = &qkv[(s * t + j) * 3 * c + c + head * d..][..d];
-                *sc = scale * dot(q, k);
-                mx = mx.max(*sc);
+            if scores.len() < t {
+                scores.resize(t, 0.0); // once per thread and size: no allocation in steady state
             }
-            let mut sum = 0f32;
-            for sc in &scores[..=i] {
-                sum += (sc - mx).exp();
-            }
-            let l = mx + sum.ln();
-            lse_row[i] = l;
-            // SAFETY: (s, head, i) owns out[s, i, head*d .. head*d + d]; heads are disjoint.
-            let o = unsafe { std::slice::from_raw_parts_mut(out_ptr.get().add((s * t + i) * c + head * d), d) };
-            o.fill(0.0);
-            for (j, sc) in scores[..=i].iter().enumerate() {
-                let p = (sc - l).exp();
-                let v = &qkv[(s * t + j) * 3 * c + 2 * c + head * d..][..d];
-                for (oc, vc) in o.iter_mut().zip(v) {
-                    *oc += p * vc;
+            for i in 0..t {
+                let q = &qkv[(s * t + i) * 3 * c + head * d..][..d];
+                let mut mx = f32::NEG_INFINITY;
+                for (j, sc) in scores[..=i].iter_mut().enumerate() {
+                    let k = &qkv[(s * t + j) * 3 * c + c + head * d..][..d];
+                    *sc = scale * dot(q, k);
+                    mx = mx.max(*sc);
+                }
+                let mut sum = 0f32;
+                for sc in &scores[..=i] {
+                    sum += (sc - mx).exp();
+                }
+                let l = mx + sum.ln();
+                lse_row[i] = l;
+                // SAFETY: (s, head, i) owns out[s, i, head*d .. head*d + d]; heads are disjoint.
+                let o = unsafe { std::slice::from_raw_parts_mut(out_ptr.get().add((s * t + i) * c + head * d), d) };
+                o.fill(0.0);
+                for (j, sc) in scores[..=i].iter().enumerate() {
+                    let p = (sc - l).exp();
+                    let v = &qkv[(s * t + j) * 3 * c + 2 * c + head * d..][..d];
+                    for (oc, vc) in o.iter_mut().zip(v) {
+                        *oc += p * vc;
+                    }
                 }
             }
-        }
         });
     });
 }

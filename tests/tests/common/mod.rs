@@ -12,17 +12,11 @@ use fusec_runtime::executor::{Program, RefExecutor};
 
 /// The llm.c reference folder, or `None` (with a printed reason) when ../shared is absent.
 pub fn llmc_odd() -> Option<PathBuf> {
-    let p = PathBuf::from(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../../shared/refs/llmc-odd"
-    ));
+    let p = PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared/refs/llmc-odd"));
     if p.join("reference.json").exists() {
         Some(p)
     } else {
-        eprintln!(
-            "SKIPPED: {} is absent (the llm.c reference lives outside the repository)",
-            p.display()
-        );
+        eprintln!("SKIPPED: {} is absent (the llm.c reference lives outside the repository)", p.display());
         None
     }
 }
@@ -37,30 +31,16 @@ pub fn reference_json(dir: &std::path::Path) -> serde_json::Value {
 pub fn programs(fwd: &Graph, opts: &PipelineOptions) -> HashMap<Program, Graph> {
     let bind = fusec_passes::schedule::default_bindings(fwd);
     let c = |m| compile(fwd, "schedule", m, opts, &bind).unwrap().graph;
-    [
-        (Program::Eval, c(Mode::Forward)),
-        (Program::Grad, c(Mode::Grad)),
-        (Program::Step, c(Mode::Step)),
-    ]
-    .into()
+    [(Program::Eval, c(Mode::Forward)), (Program::Grad, c(Mode::Grad)), (Program::Step, c(Mode::Step))].into()
 }
 
 /// Pipeline options for the unfused reference programs.
 pub fn unfused() -> PipelineOptions {
-    PipelineOptions {
-        no_fusion: true,
-        ..PipelineOptions::default()
-    }
+    PipelineOptions { no_fusion: true, ..PipelineOptions::default() }
 }
 
 /// A reference executor for B x T.
-pub fn ref_executor(
-    fwd: &Graph,
-    opts: &PipelineOptions,
-    b: usize,
-    t: usize,
-    prec: Precision,
-) -> RefExecutor {
+pub fn ref_executor(fwd: &Graph, opts: &PipelineOptions, b: usize, t: usize, prec: Precision) -> RefExecutor {
     let mut bind = Bindings::default();
     bind.set("B", b as u64).set("T", t as u64);
     RefExecutor::new(programs(fwd, opts), bind, prec)
@@ -68,11 +48,7 @@ pub fn ref_executor(
 
 /// Reads a headerless little-endian f32 file.
 pub fn read_f32s(path: &std::path::Path) -> Vec<f32> {
-    std::fs::read(path)
-        .unwrap()
-        .chunks_exact(4)
-        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-        .collect()
+    std::fs::read(path).unwrap().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
 }
 
 /// A CPU executor for B x T with the fully fused programs, and its build report.
