@@ -1,29 +1,34 @@
-//! `fusec run FILE --target ...`: evaluate or train a graph.
+//! `fusec run FILE --target ...`: train (or evaluate) a GPT-2 graph and report where the time went.
 
 use clap::{Args, ValueEnum};
 use std::collections::HashMap;
 use std::path::PathBuf;
+use std::time::Instant;
 
 use fusec_ir::interp::Precision;
 use fusec_ir::{Bindings, Graph};
-use fusec_models::Gpt2Config;
+use fusec_models::{logits_graph, Gpt2Config};
 use fusec_passes::optimizer::AdamWConfig;
-use fusec_passes::pipeline::{compile, Mode, PipelineOptions};
+use fusec_passes::pipeline::{compile, Mode, PassRun, PipelineOptions};
 use fusec_runtime::checkpoint::{Checkpoint, LlmcConfig};
 use fusec_runtime::corpus::markov_tokens;
+use fusec_runtime::cpu::CpuExecutor;
 use fusec_runtime::data::DataLoader;
 use fusec_runtime::executor::{Executor, Program, RefExecutor};
 use fusec_runtime::params::{checkpoint_from_params, params_from_checkpoint};
 use fusec_runtime::tokens::read_tokens;
 use fusec_runtime::train::{eval_loss, init_state, train, TrainConfig};
 
+use crate::report::{mib, profile_json, profile_table, table, Progress};
 use crate::{load_graph, CliResult};
 
 /// Where the graph runs.
 #[derive(Clone, Copy, ValueEnum, PartialEq, Eq, Debug)]
 pub enum Target {
-    /// The reference interpreter (slow, obviously correct: the oracle).
+    /// The reference interpreter on the unfused programs (slow, obviously correct: the oracle).
     Ref,
+    /// Cranelift-compiled fused kernels and AVX-512 GEMMs on this CPU.
+    Cpu,
 }
 
 /// Arguments of `fusec run`.
@@ -32,12 +37,12 @@ pub struct RunArgs {
     /// The `.graph` file (forward + loss, e.g. from `fusec export`).
     file: PathBuf,
     /// Where to run it.
-    #[arg(long, value_enum, default_value = "ref")]
+    #[arg(long, value_enum, default_value = "cpu")]
     target: Target,
     /// Initial parameters: an llm.c checkpoint file, or `random` (GPT-2 initialization).
     #[arg(long, default_value = "random")]
     init: String,
-    /// Seed for `--init random`.
+    /// Seed for `--init random` and sampling.
     #[arg(long, default_value_t = 1337)]
     seed: u64,
     /// Training tokens (llm.c token file); default: the embedded generated corpus.
@@ -46,7 +51,7 @@ pub struct RunArgs {
     /// Validation tokens (llm.c token file).
     #[arg(long)]
     val: Option<PathBuf>,
-    /// Compute the validation loss every N steps (needs --val).
+    /// Compute the validation loss every N steps (needs --val, or the embedded corpus).
     #[arg(long, default_value_t = 10)]
     val_every: usize,
     /// Validation batches per evaluation.
@@ -73,6 +78,21 @@ pub struct RunArgs {
     /// Clip the global gradient norm to this value.
     #[arg(long)]
     grad_clip: Option<f32>,
+    /// CPU threads (default: all cores).
+    #[arg(long)]
+    threads: Option<usize>,
+    /// Time every launch and print a per-kernel table at the end (CPU target).
+    #[arg(long)]
+    profile: bool,
+    /// Write the per-kernel profile as JSON.
+    #[arg(long)]
+    profile_json: Option<PathBuf>,
+    /// Generate this many tokens at the end (GPT-2 BPE text, or token ids for other vocabularies).
+    #[arg(long, default_value_t = 0)]
+    sample: usize,
+    /// Sampling temperature (0: greedy).
+    #[arg(long, default_value_t = 1.0)]
+    temperature: f32,
     /// Write the parameters after training as an llm.c checkpoint.
     #[arg(long)]
     save: Option<PathBuf>,
@@ -83,6 +103,7 @@ pub struct RunArgs {
 
 /// Runs `fusec run`.
 pub fn run(a: RunArgs) -> CliResult {
+    let t_start = Instant::now();
     let g = load_graph(&a.file)?;
     let model = Gpt2Config::from_graph(&g).map_err(|e| format!("{}: {e}", a.file.display()))?;
     let llmc = LlmcConfig {
@@ -93,51 +114,63 @@ pub fn run(a: RunArgs) -> CliResult {
         heads: model.heads,
         channels: model.channels,
     };
-    let ckpt = match a.init.as_str() {
-        "random" => fusec_runtime::checkpoint::random_init(&llmc, a.seed),
-        path => Checkpoint::read(path.as_ref()).map_err(|e| e.to_string())?,
-    };
-    let params = params_from_checkpoint(&g, &ckpt)?;
     if a.batch == 0 || a.seq == 0 || a.grad_accum == 0 {
         return Err("--batch, --seq and --grad-accum must be at least 1".into());
     }
     if a.seq > model.max_seq {
         return Err(format!("--seq {} exceeds the model's maximum sequence length {}", a.seq, model.max_seq));
     }
-    let loader = |p: &PathBuf| -> Result<DataLoader, String> {
-        let l = DataLoader::new(read_tokens(p).map_err(|e| e.to_string())?, a.batch, a.seq).map_err(|e| format!("{}: {e}", p.display()))?;
-        l.check_vocab(model.vocab).map_err(|e| format!("{}: {e}", p.display()))?;
-        Ok(l)
+    let ckpt = match a.init.as_str() {
+        "random" => fusec_runtime::checkpoint::random_init(&llmc, a.seed),
+        path => Checkpoint::read(path.as_ref()).map_err(|e| e.to_string())?,
     };
-    let (train_data, val_data) = match &a.data {
-        Some(p) => (loader(p)?, a.val.as_ref().map(loader).transpose()?),
-        None => {
-            println!("no --data: training on the embedded corpus (a generated Markov chain over {} tokens)", model.vocab);
-            let corpus = |seed| DataLoader::new(markov_tokens(model.vocab, 200_000, 42, seed), a.batch, a.seq);
-            (corpus(1)?, Some(corpus(2)?))
-        }
-    };
+    let params = params_from_checkpoint(&g, &ckpt)?;
+    let (train_data, val_data) = load_data(&a, &model)?;
+    let threads = a.threads.unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)).max(1);
+    rayon::ThreadPoolBuilder::new().num_threads(threads).build_global().map_err(|e| format!("thread pool: {e}"))?;
 
-    // The reference target runs the unfused programs: it is the oracle the fused ones are
-    // checked against.
     let opts = PipelineOptions {
         adamw: AdamWConfig { weight_decay: a.weight_decay, clip: a.grad_clip.is_some(), ..AdamWConfig::default() },
-        no_fusion: true,
+        // The reference target runs the unfused programs: it is the oracle.
+        no_fusion: a.target == Target::Ref,
         ..PipelineOptions::default()
     };
     let mut bind = Bindings::default();
     bind.set("B", a.batch as u64).set("T", a.seq as u64);
-    let grad = compile(&g, "optimizer", Mode::Grad, &opts, &bind)?.graph;
-    let step = compile(&g, "optimizer", Mode::Step, &opts, &bind)?.graph;
-    let graphs: HashMap<Program, Graph> = [(Program::Eval, g.clone()), (Program::Grad, grad), (Program::Step, step.clone())].into();
-    let mut ex = RefExecutor::new(graphs, bind, Precision::F32);
-    init_state(&mut ex, &step, &params)?;
+    let t_compile = Instant::now();
+    let (graphs, pass_runs) = programs(&g, &opts, &bind, a.sample > 0)?;
+    let mut summary: Vec<(String, String)> = vec![];
+    let mut cpu_profile = false;
+    let mut ex: Box<dyn Executor> = match a.target {
+        Target::Ref => Box::new(RefExecutor::new(graphs.clone(), bind.clone(), Precision::F32)),
+        Target::Cpu => {
+            let (ex, build) = CpuExecutor::new(&graphs, &bind, threads, a.profile || a.profile_json.is_some())?;
+            cpu_profile = ex.profile.is_some();
+            let plan = &build.step_plan;
+            summary.push(("kernels".into(), format!("{} compiled, {} cache hits (identical kernels compile once)", build.kernels.0, build.kernels.1)));
+            summary.push((
+                "memory".into(),
+                format!(
+                    "one allocation of {} (persistent {}, activations {}; lower bound {}, naive {})",
+                    mib(build.arena_bytes),
+                    mib(plan.persistent_bytes),
+                    mib(build.arena_bytes - plan.persistent_bytes),
+                    mib(plan.peak_live_bytes),
+                    mib(plan.naive_bytes)
+                ),
+            ));
+            Box::new(ex)
+        }
+    };
+    let compile_ms = t_compile.elapsed().as_secs_f64() * 1e3;
+    let step_graph = &graphs[&Program::Step];
+    init_state(ex.as_mut(), step_graph, &params)?;
 
     if a.steps == 0 {
-        let loss = eval_loss(&mut ex, &train_data, 1, a.batch, a.seq)?;
+        let loss = eval_loss(ex.as_mut(), &train_data, 1, a.batch, a.seq)?;
         println!("step 0: loss {loss:.6}");
         if let Some(v) = &val_data {
-            println!("val loss {:.6}", eval_loss(&mut ex, v, a.val_batches, a.batch, a.seq)?);
+            println!("val loss {:.6}", eval_loss(ex.as_mut(), v, a.val_batches, a.batch, a.seq)?);
         }
         return Ok(());
     }
@@ -153,13 +186,37 @@ pub fn run(a: RunArgs) -> CliResult {
         val_batches: a.val_batches,
         log_json: a.log_json.clone(),
     };
-    let tokens_per_step = (a.batch * a.seq * a.grad_accum) as f64;
-    let logs = train(&mut ex, &cfg, &train_data, val_data.as_ref(), |r| {
-        let val = r.val_loss.map(|v| format!("  val {v:.6}")).unwrap_or_default();
-        println!("step {:>4}/{}: loss {:.6}{val}  {:.1} ms  {:.0} tok/s", r.step, a.steps, r.loss, r.ms, tokens_per_step / r.ms * 1e3);
-    })?;
-    let (first, last) = (logs.first().map(|l| l.loss), logs.last().map(|l| l.loss));
-    println!("loss {:.6} -> {:.6} over {} steps", first.unwrap_or(f64::NAN), last.unwrap_or(f64::NAN), logs.len());
+    let tokens_per_step = a.batch * a.seq * a.grad_accum;
+    let mut progress = Progress::new(a.steps, tokens_per_step);
+    let logs = train(ex.as_mut(), &cfg, &train_data, val_data.as_ref(), |r| progress.step(r))?;
+
+    let (first, last) = (logs[0].loss, logs[logs.len() - 1].loss);
+    let steady: Vec<f64> = logs.iter().skip(1).map(|l| l.ms).collect();
+    let ms = if steady.is_empty() { logs[0].ms } else { steady.iter().sum::<f64>() / steady.len() as f64 };
+    let val = logs.iter().rev().find_map(|l| l.val_loss).map(|v| format!(" (last val {v:.4})")).unwrap_or_default();
+    let mut rows = vec![
+        ("target".to_string(), format!("{:?}, {threads} thread(s), B={} T={}", a.target, a.batch, a.seq).to_lowercase()),
+        ("loss".into(), format!("{first:.4} → {last:.4} over {} steps{val}", logs.len())),
+        ("step time".into(), format!("{ms:.1} ms/step (first step {:.1} ms)", logs[0].ms)),
+        ("throughput".into(), format!("{:.0} tok/s", tokens_per_step as f64 / ms * 1e3)),
+        ("compile".into(), format!("{compile_ms:.1} ms: {}", pass_times(&pass_runs))),
+    ];
+    rows.extend(summary);
+    rows.push(("wall time".into(), format!("{:.1} s (training {:.1} s)", t_start.elapsed().as_secs_f64(), progress.elapsed())));
+    print!("{}", table("summary", &rows));
+    if cpu_profile {
+        if let Some(p) = ex.profile() {
+            if a.profile {
+                print!("{}", profile_table(&p, logs.len()));
+            }
+            if let Some(path) = &a.profile_json {
+                std::fs::write(path, profile_json(&p)).map_err(|e| format!("{}: {e}", path.display()))?;
+            }
+        }
+    }
+    if a.sample > 0 {
+        crate::sample::print_sample(ex.as_mut(), &model, a.batch, a.seq, a.sample, a.temperature, a.seed)?;
+    }
     if let Some(path) = &a.save {
         let mut now = HashMap::new();
         for (name, _) in g.params() {
@@ -169,4 +226,42 @@ pub fn run(a: RunArgs) -> CliResult {
         println!("saved {}", path.display());
     }
     Ok(())
+}
+
+/// Training and validation data: the given token files, or the embedded corpus.
+fn load_data(a: &RunArgs, model: &Gpt2Config) -> Result<(DataLoader, Option<DataLoader>), String> {
+    let loader = |p: &PathBuf| -> Result<DataLoader, String> {
+        let l = DataLoader::new(read_tokens(p).map_err(|e| e.to_string())?, a.batch, a.seq).map_err(|e| format!("{}: {e}", p.display()))?;
+        l.check_vocab(model.vocab).map_err(|e| format!("{}: {e}", p.display()))?;
+        Ok(l)
+    };
+    Ok(match &a.data {
+        Some(p) => (loader(p)?, a.val.as_ref().map(loader).transpose()?),
+        None => {
+            println!("no --data: training on the embedded corpus (a generated Markov chain over {} tokens)", model.vocab);
+            let corpus = |seed| DataLoader::new(markov_tokens(model.vocab, 200_000, 42, seed), a.batch, a.seq);
+            (corpus(1)?, Some(corpus(2)?))
+        }
+    })
+}
+
+/// The programs of a run, scheduled for the binding, and the Step program's pass timings.
+fn programs(g: &Graph, opts: &PipelineOptions, bind: &Bindings, logits: bool) -> Result<(HashMap<Program, Graph>, Vec<PassRun>), String> {
+    let mut graphs = HashMap::new();
+    let mut runs = vec![];
+    for (p, m) in [(Program::Eval, Mode::Forward), (Program::Grad, Mode::Grad), (Program::Step, Mode::Step)] {
+        let c = compile(g, "schedule", m, opts, bind)?;
+        if p == Program::Step {
+            runs = c.runs;
+        }
+        graphs.insert(p, c.graph);
+    }
+    if logits {
+        graphs.insert(Program::Logits, compile(&logits_graph(g)?, "schedule", Mode::Forward, opts, bind)?.graph);
+    }
+    Ok((graphs, runs))
+}
+
+fn pass_times(runs: &[PassRun]) -> String {
+    runs.iter().map(|r| format!("{} {:.1}", r.name, r.time.as_secs_f64() * 1e3)).collect::<Vec<_>>().join(" · ")
 }

@@ -4,6 +4,8 @@ mod cmd_dump;
 mod cmd_export;
 mod cmd_prepare;
 mod cmd_run;
+mod report;
+mod sample;
 
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;

@@ -89,7 +89,7 @@ fn train_on_the_interpreter_and_save_a_checkpoint() {
         log.to_str().unwrap(),
     ]);
     assert!(o.status.success(), "{}", text(&o.stderr));
-    assert!(text(&o.stdout).contains("step    2/3"), "{}", text(&o.stdout));
+    assert!(text(&o.stdout).contains("over 3 steps"), "{}", text(&o.stdout));
     assert_eq!(std::fs::read_to_string(&log).unwrap().lines().count(), 3);
     // The saved checkpoint loads back as --init and evaluates.
     let o = fusec(&[
@@ -153,4 +153,20 @@ fn checkpoint_that_does_not_fit_the_graph_is_refused() {
     let o = fusec(&["run", graph.to_str().unwrap(), "--init", ckpt.to_str().unwrap(), "--data", data.to_str().unwrap()]);
     assert_eq!(o.status.code(), Some(2));
     assert!(text(&o.stderr).contains("does not fit"), "{}", text(&o.stderr));
+}
+
+#[test]
+fn cpu_target_trains_profiles_and_samples() {
+    let json = tmp("profile.json");
+    let o = fusec(&[
+        "run", "models/gpt2-tiny.graph", "--target", "cpu", "--steps", "12", "--profile", "--profile-json", json.to_str().unwrap(), "--sample", "5",
+        "--threads", "2",
+    ]);
+    let out = text(&o.stdout);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    for want in ["── summary", "over 12 steps", "tok/s", "kernels", "memory", "adamw", "GFLOP/s", "── sample"] {
+        assert!(out.contains(want), "missing {want:?} in\n{out}");
+    }
+    let profile: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert!(profile.as_array().unwrap().iter().any(|k| k["kernel"] == "add_layernorm"));
 }

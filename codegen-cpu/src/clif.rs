@@ -375,9 +375,11 @@ impl<'f> Gen<'_, 'f> {
             self.b.switch_to_block(after);
         }
         self.vec = false;
-        let init = self.red_init(op);
-        for t in n4..n {
-            self.b.ins().store(MemFlagsData::new().with_notrap(), init, base, (t * 4) as i32);
+        if n4 < n {
+            let init = self.red_init(op);
+            for t in n4..n {
+                self.b.ins().store(MemFlagsData::new().with_notrap(), init, base, (t * 4) as i32);
+            }
         }
         Ok(())
     }

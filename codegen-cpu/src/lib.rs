@@ -24,15 +24,15 @@
 
 mod builder;
 pub mod clif;
-pub mod expand;
+mod expand;
 pub mod gemm;
-pub mod jit;
+mod jit;
 pub mod lower;
-pub mod math;
-pub mod ops;
-pub mod plan;
+mod math;
+mod ops;
+mod plan;
 pub mod prog;
-pub mod run;
+mod run;
 mod segment;
 
 pub use jit::KernelCompiler;

@@ -274,23 +274,23 @@ impl Prog {
         (k * self.rows / self.chunks, (k + 1) * self.rows / self.chunks)
     }
 
-    /// Approximate float operations: one per arithmetic node per element of its space.
+    /// Approximate float operations: one per arithmetic node per element of its space (a
+    /// reduction: one per element reduced).
     pub fn flops(&self) -> u64 {
         let (r, c) = (self.rows, self.cols);
+        let size = |s: Space| match s {
+            Space::Uni => 1,
+            Space::Row => r,
+            Space::Col => c,
+            Space::Elem => r * c,
+        };
         self.nodes
             .iter()
-            .map(|n| {
-                let per = match n.expr {
-                    Expr::ConstF(_) | Expr::ConstI(_) | Expr::Load(_) | Expr::ColIota | Expr::RowIota { .. } => 0,
-                    Expr::RowReduce(..) | Expr::ColReduce(..) => return r * c,
-                    _ => 1,
-                };
-                per * match n.space {
-                    Space::Uni => 1,
-                    Space::Row => r,
-                    Space::Col => c,
-                    Space::Elem => r * c,
-                }
+            .map(|n| match n.expr {
+                Expr::ConstF(_) | Expr::ConstI(_) | Expr::Load(_) | Expr::ColIota | Expr::RowIota { .. } => 0,
+                Expr::RowReduce(_, a) => size(self.node(a).space).max(1) * if self.node(a).space.has_col() { 1 } else { c },
+                Expr::ColReduce(_, a, _) => size(self.node(a).space) * if self.node(a).space.has_row() { 1 } else { r },
+                _ => size(n.space),
             })
             .sum()
     }

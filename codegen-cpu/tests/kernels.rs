@@ -5,149 +5,17 @@
 //! and every kernel `fuse-elementwise` produces for the tiny GPT-2 training graph. Also: the
 //! kernel cache, thread-count determinism, and the ulp error of the `exp`/`log`/`tanh` routines.
 
+#[path = "kernels/harness.rs"]
+mod harness;
+
 use std::collections::HashMap;
 use std::time::Instant;
 
 use fusec_codegen_cpu::{CompiledKernel, KernelCompiler};
-use fusec_ir::interp::{self, Precision, Tensor};
+use fusec_ir::interp::Tensor;
 use fusec_ir::rng::Rng;
-use fusec_ir::{BinaryOp, Bindings, CmpOp, DType, Dim, Graph, Kernel, Op, ReduceOp, Shape, Type, UnaryOp, ValueId};
-
-// ---- harness ------------------------------------------------------------------------------
-
-fn bind(b: u64, t: u64) -> Bindings {
-    let mut x = Bindings::default();
-    x.set("B", b).set("T", t);
-    x
-}
-
-/// The body's input types, in order.
-fn input_types(k: &Kernel) -> Vec<Type> {
-    k.body.nodes.iter().filter_map(|n| if let Op::Input { ty, .. } = &n.op { Some(ty.clone()) } else { None }).collect()
-}
-
-/// The interpreter's results for the kernel node alone.
-fn reference(k: &Kernel, b: &Bindings, ins: &[Tensor]) -> Vec<Tensor> {
-    let mut g = Graph::new("ref", &["B", "T"]);
-    let mut feeds = HashMap::new();
-    let mut vs = vec![];
-    for (i, ty) in input_types(k).into_iter().enumerate() {
-        let name = format!("x{i}");
-        vs.push(g.add1(Op::Input { name: name.clone(), ty }, &[]));
-        feeds.insert(name, ins[i].clone());
-    }
-    let outs = g.add(Op::Kernel(Box::new(k.clone())), &vs);
-    for (i, o) in outs.iter().enumerate() {
-        g.output(&format!("y{i}"), *o);
-    }
-    interp::run(&g, b, &feeds, Precision::F32).unwrap_or_else(|e| panic!("interpreter on `{}`: {e}", k.name))
-}
-
-/// Raw little-endian bytes of a tensor in its storage type.
-fn to_bytes(t: &Tensor) -> Vec<u8> {
-    match t.dtype {
-        DType::F32 => t.data.iter().flat_map(|&x| (x as f32).to_le_bytes()).collect(),
-        DType::BF16 => t.data.iter().flat_map(|&x| (((x as f32).to_bits() >> 16) as u16).to_le_bytes()).collect(),
-        DType::I32 => t.data.iter().flat_map(|&x| (x as i32).to_le_bytes()).collect(),
-        DType::F16 => panic!("f16"),
-    }
-}
-
-fn from_bytes(dtype: DType, shape: Vec<usize>, b: &[u8]) -> Tensor {
-    let data = match dtype {
-        DType::F32 => b.chunks(4).map(|c| f32::from_le_bytes(c.try_into().unwrap()) as f64).collect(),
-        DType::BF16 => b.chunks(2).map(|c| f32::from_bits((u16::from_le_bytes(c.try_into().unwrap()) as u32) << 16) as f64).collect(),
-        DType::I32 => b.chunks(4).map(|c| i32::from_le_bytes(c.try_into().unwrap()) as f64).collect(),
-        DType::F16 => panic!("f16"),
-    };
-    Tensor::new(dtype, shape, data)
-}
-
-/// Runs a compiled kernel on tensors.
-fn execute(ck: &CompiledKernel, k: &Kernel, b: &Bindings, ins: &[Tensor], threads: usize) -> Vec<Tensor> {
-    let in_bytes: Vec<Vec<u8>> = ins.iter().map(to_bytes).collect();
-    let out_tys: Vec<Type> = k.body.outputs.iter().map(|(_, v)| k.body.ty(*v).clone()).collect();
-    let mut out_bytes: Vec<Vec<u8>> = out_tys.iter().map(|t| vec![0xAAu8; t.bytes(b).unwrap()]).collect();
-    let ops: Vec<*const u8> = in_bytes.iter().map(|v| v.as_ptr()).collect();
-    let res: Vec<*mut u8> = out_bytes.iter_mut().map(|v| v.as_mut_ptr()).collect();
-    unsafe { ck.run(&ops, &res, threads) };
-    out_tys.iter().zip(&out_bytes).map(|(t, bytes)| from_bytes(t.dtype, interp::concrete_shape(t, b).unwrap(), bytes)).collect()
-}
-
-/// Random operands: normal floats (|x| for the inputs listed in `positive`), i32 in `0..int_hi`.
-fn random_inputs(k: &Kernel, b: &Bindings, seed: u64, int_hi: u64, positive: &[usize]) -> Vec<Tensor> {
-    let mut rng = Rng::new(seed);
-    input_types(k)
-        .iter()
-        .enumerate()
-        .map(|(i, ty)| {
-            let mut t = Tensor::random(&mut rng, interp::concrete_shape(ty, b).unwrap(), ty.dtype, int_hi);
-            if positive.contains(&i) {
-                t.data.iter_mut().for_each(|x| *x = x.abs());
-            }
-            t
-        })
-        .collect()
-}
-
-/// Compiles, runs and compares a kernel with the interpreter.
-fn check(c: &mut KernelCompiler, k: &Kernel, b: &Bindings, ins: &[Tensor]) {
-    let ck = c.compile(k, b).unwrap_or_else(|e| panic!("compile `{}`: {e}\n{}", k.name, fusec_ir::text::print(&k.body)));
-    let want = reference(k, b, ins);
-    let got = execute(&ck, k, b, ins, 1);
-    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-        let tol = if w.dtype == DType::BF16 { 1e-2 } else { 1e-5 };
-        if let Err(e) = g.check_close(w, tol, tol) {
-            panic!("kernel `{}` result {i}: {e}\nbody:\n{}\nclif:\n{}", k.name, fusec_ir::text::print(&k.body), ck.clif);
-        }
-    }
-}
-
-/// A kernel body under construction.
-struct Body {
-    g: Graph,
-    n_in: usize,
-}
-
-impl Body {
-    fn new() -> Body {
-        Body { g: Graph::new("k", &["B", "T"]), n_in: 0 }
-    }
-    fn input(&mut self, dtype: DType, dims: &[Dim]) -> ValueId {
-        self.n_in += 1;
-        let ty = Type::new(dtype, Shape::from(dims.to_vec()));
-        self.g.add1(Op::Input { name: format!("in{}", self.n_in - 1), ty }, &[])
-    }
-    fn op(&mut self, op: Op, ins: &[ValueId]) -> ValueId {
-        self.g.add1(op, ins)
-    }
-    fn bin(&mut self, op: BinaryOp, a: ValueId, b: ValueId) -> ValueId {
-        self.op(Op::Binary(op), &[a, b])
-    }
-    fn un(&mut self, op: UnaryOp, a: ValueId) -> ValueId {
-        self.op(Op::Unary(op), &[a])
-    }
-    fn bcast(&mut self, x: ValueId, dims: &[usize], to: &[Dim]) -> ValueId {
-        self.op(Op::Broadcast { dims: dims.to_vec(), shape: Shape::from(to.to_vec()) }, &[x])
-    }
-    fn constant(&mut self, v: f64, dtype: DType, dims: &[Dim]) -> ValueId {
-        self.op(Op::Const { value: v, ty: Type::new(dtype, Shape::from(dims.to_vec())) }, &[])
-    }
-    fn kernel(mut self, name: &str, outs: &[ValueId]) -> Kernel {
-        for (i, o) in outs.iter().enumerate() {
-            self.g.output(&format!("out{i}"), *o);
-        }
-        fusec_ir::verify::verify(&self.g).unwrap_or_else(|e| panic!("test body `{name}` does not verify: {e}"));
-        Kernel { name: name.to_string(), body: self.g }
-    }
-}
-
-fn s(n: &str) -> Dim {
-    Dim::sym(n)
-}
-fn l(n: u64) -> Dim {
-    Dim::lit(n)
-}
+use fusec_ir::{BinaryOp, Bindings, CmpOp, DType, Graph, Kernel, Op, ReduceOp, Shape, Type, UnaryOp, ValueId};
+use harness::*;
 
 // ---- hand-built kernels, one per form ---------------------------------------------------------
 
@@ -187,6 +55,28 @@ fn pointwise_chain_with_broadcasts() {
     for seed in 0..3 {
         check(&mut c, &kernel, &b, &random_inputs(&kernel, &b, seed, 1, &[]));
     }
+}
+
+/// Operand layouts: a `[T, C]` table broadcast over the batch (a strided row term), a `[B, 1, C]`
+/// operand (size-1 axis), a reshaped `[B*T, C]` operand, and a result read back as an output.
+#[test]
+fn operand_layouts() {
+    let mut c = KernelCompiler::new().unwrap();
+    let d = [s("B"), s("T"), l(12)];
+    let mut k = Body::new();
+    let x = k.input(DType::F32, &d);
+    let pos = k.input(DType::F32, &[s("T"), l(12)]);
+    let per_b = k.input(DType::F32, &[s("B"), l(1), l(12)]);
+    let flat = k.input(DType::F32, &[s("B").mul(&s("T")), l(12)]);
+    let pb = k.bcast(pos, &[1, 2], &d);
+    let bb = k.bcast(per_b, &[0, 1, 2], &d);
+    let fr = k.op(Op::Reshape { shape: Shape::from(d.to_vec()) }, &[flat]);
+    let a = k.bin(BinaryOp::Add, x, pb);
+    let m = k.bin(BinaryOp::Mul, a, bb);
+    let y = k.bin(BinaryOp::Sub, m, fr);
+    let kernel = k.kernel("layouts", &[y, x]);
+    let b = bind(3, 5);
+    check(&mut c, &kernel, &b, &random_inputs(&kernel, &b, 16, 1, &[]));
 }
 
 /// Bias add + GELU (both results), and the GELU gradient.
@@ -674,6 +564,10 @@ fn identical_kernels_compile_once() {
     c.compile(&k1, &bind(2, 8)).unwrap();
     assert_eq!(c.stats(), (2, 1));
     assert!(a.clif.contains("function %layernorm_grad_chunk"), "{}", a.clif);
+    fn send_sync<T: Send + Sync>() {}
+    send_sync::<CompiledKernel>();
+    fn send<T: Send>() {}
+    send::<KernelCompiler>();
     assert!(a.bytes_moved() > 0 && a.flops() > 0);
 }
 

@@ -201,3 +201,18 @@ impl Builder {
         self.bin(BinaryOp::Div, total, count)
     }
 }
+
+/// The same model with the logits `f32[B, T, Vp]` as its only output (for sampling): the
+/// LM-head matmul (the one reading `wte` transposed). The loss nodes become dead code.
+pub fn logits_graph(g: &Graph) -> Result<Graph, String> {
+    let wte = g.params().into_iter().find(|(n, _)| *n == "wte").map(|(_, v)| v).ok_or("the graph has no `wte` parameter")?;
+    let head = g
+        .nodes
+        .iter()
+        .rev()
+        .find(|n| matches!(n.op, Op::MatMul { trans_a: false, trans_b: true }) && n.inputs[1] == wte)
+        .ok_or("the graph has no LM head (a matmul with wte transposed)")?;
+    let mut out = g.clone();
+    out.outputs = vec![("logits".to_string(), head.results[0])];
+    Ok(out)
+}

@@ -5,4 +5,4 @@ mod config;
 mod gpt2;
 
 pub use config::{presets, Gpt2Config};
-pub use gpt2::build_gpt2;
+pub use gpt2::{build_gpt2, logits_graph};

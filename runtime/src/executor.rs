@@ -32,6 +32,10 @@ pub trait Executor {
     fn run(&mut self, program: Program) -> Result<StepOutputs, String>;
     /// The output `name` of the latest run of `program`.
     fn output(&self, program: Program, name: &str) -> Result<Tensor, String>;
+    /// Per-kernel timings, for executors that profile.
+    fn profile(&self) -> Option<crate::cpu::profile::Profile> {
+        None
+    }
 }
 
 /// The scalar outputs of a program run (a fixed struct: reading them allocates nothing).

@@ -193,6 +193,10 @@ impl Executor for CpuExecutor {
         Ok(Tensor { dtype: dt, shape, data })
     }
 
+    fn profile(&self) -> Option<Profile> {
+        self.profile.clone()
+    }
+
     fn output(&self, program: Program, name: &str) -> Result<Tensor, String> {
         let prog = self.programs.get(&program).ok_or_else(|| format!("program {program:?} was not compiled"))?;
         let (off, dt, shape) = prog.outputs.get(name).ok_or_else(|| format!("{program:?} has no output `{name}`"))?;

@@ -1,0 +1,121 @@
+//! What `fusec run` prints: the progress bar, the summary table and the per-kernel profile.
+
+use std::io::{IsTerminal, Write};
+use std::time::Instant;
+
+use fusec_runtime::cpu::profile::Profile;
+use fusec_runtime::train::StepLog;
+
+/// A one-line progress bar on a terminal; a line every few steps otherwise (logs stay short).
+pub struct Progress {
+    total: usize,
+    tokens_per_step: f64,
+    tty: bool,
+    every: usize,
+    start: Instant,
+}
+
+impl Progress {
+    /// A bar for `total` steps of `tokens_per_step` tokens.
+    pub fn new(total: usize, tokens_per_step: usize) -> Progress {
+        let tty = std::io::stderr().is_terminal();
+        Progress { total, tokens_per_step: tokens_per_step as f64, tty, every: (total / 20).max(1), start: Instant::now() }
+    }
+
+    /// Shows one finished step.
+    pub fn step(&mut self, r: &StepLog) {
+        let done = r.step + 1;
+        let tok_s = self.tokens_per_step / r.ms * 1e3;
+        let val = r.val_loss.map(|v| format!(" val {v:.4}")).unwrap_or_default();
+        if self.tty {
+            let width = 24;
+            let filled = width * done / self.total.max(1);
+            let bar: String = "#".repeat(filled) + &".".repeat(width - filled);
+            eprint!("\r[{bar}] step {done}/{} loss {:.4}{val} | {:.1} ms | {:.0} tok/s   ", self.total, r.loss, r.ms, tok_s);
+            if done == self.total {
+                eprintln!();
+            }
+        } else if r.step % self.every == 0 || done == self.total || r.val_loss.is_some() {
+            eprintln!("step {done:>5}/{}: loss {:.6}{val}  {:.1} ms  {tok_s:.0} tok/s", self.total, r.loss, r.ms);
+        }
+        let _ = std::io::stderr().flush();
+    }
+
+    /// Seconds since the bar started.
+    pub fn elapsed(&self) -> f64 {
+        self.start.elapsed().as_secs_f64()
+    }
+}
+
+/// Rows of the summary table: (label, value).
+pub fn table(title: &str, rows: &[(String, String)]) -> String {
+    let w = rows.iter().map(|(k, _)| k.len()).max().unwrap_or(0);
+    let mut s = format!("── {title} {}\n", "─".repeat(60usize.saturating_sub(title.len() + 4)));
+    for (k, v) in rows {
+        s += &format!("{k:<w$}  {v}\n");
+    }
+    s
+}
+
+/// Mebibytes.
+pub fn mib(bytes: u64) -> String {
+    format!("{:.1} MiB", bytes as f64 / 1048576.0)
+}
+
+/// The per-kernel table: name, calls, total, avg, min, max, % of all launches, GB/s, GFLOP/s.
+pub fn profile_table(p: &Profile, steps: usize) -> String {
+    let total = p.total().as_secs_f64().max(1e-12);
+    let mut rows: Vec<_> = p.rows();
+    rows.sort_by(|a, b| b.1.total.cmp(&a.1.total));
+    let mut s = format!(
+        "{:<32} {:>7} {:>10} {:>9} {:>9} {:>9} {:>6} {:>8} {:>9}\n",
+        "kernel", "calls", "total ms", "avg ms", "min ms", "max ms", "%", "GB/s", "GFLOP/s"
+    );
+    for (name, st) in rows {
+        let t = st.total.as_secs_f64();
+        let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
+        s += &format!(
+            "{:<32} {:>7} {:>10.2} {:>9.3} {:>9.3} {:>9.3} {:>6.1} {:>8.1} {:>9.1}\n",
+            truncate(name, 32),
+            st.calls,
+            t * 1e3,
+            t * 1e3 / st.calls.max(1) as f64,
+            ms(st.min),
+            ms(st.max),
+            100.0 * t / total,
+            st.bytes as f64 / t.max(1e-12) / 1e9,
+            st.flops as f64 / t.max(1e-12) / 1e9,
+        );
+    }
+    s += &format!("{} launches timed over {steps} step(s): {:.1} ms per step\n", p.rows().iter().map(|r| r.1.calls).sum::<u64>(), total * 1e3 / steps.max(1) as f64);
+    s
+}
+
+/// The profile as JSON: one object per kernel name.
+pub fn profile_json(p: &Profile) -> String {
+    let rows: Vec<String> = p
+        .rows()
+        .iter()
+        .map(|(name, st)| {
+            format!(
+                "{{\"kernel\":\"{}\",\"calls\":{},\"total_ms\":{},\"min_ms\":{},\"max_ms\":{},\"bytes\":{},\"flops\":{}}}",
+                name.replace('"', "\\\""),
+                st.calls,
+                st.total.as_secs_f64() * 1e3,
+                st.min.as_secs_f64() * 1e3,
+                st.max.as_secs_f64() * 1e3,
+                st.bytes,
+                st.flops
+            )
+        })
+        .collect();
+    format!("[\n  {}\n]\n", rows.join(",\n  "))
+}
+
+fn truncate(s: &str, n: usize) -> String {
+    if s.chars().count() <= n {
+        s.to_string()
+    } else {
+        s.chars().take(n - 1).collect::<String>() + "…"
+    }
+}
