@@ -472,7 +472,9 @@ fn build_main(p: &Prog, plan: &Plan, cc: CallConv, tfc: TargetFrontendConfig, fc
     g.row_addresses(&views);
     let row_nodes = |level: u32| -> Vec<NodeId> {
         (0..p.nodes.len() as NodeId)
-            .filter(|&id| live(id) && region(p, id) == Region::Row && p.node(id).level == level && !matches!(p.node(id).expr, Expr::RowReduce(..)))
+            .filter(|&id| {
+                live(id) && region(p, id) == Region::Row && p.node(id).level == level && !matches!(p.node(id).expr, Expr::RowReduce(..))
+            })
             .collect()
     };
     for id in row_nodes(0) {
@@ -535,17 +537,14 @@ fn build_final(p: &Prog, plan: &Plan, cc: CallConv, tfc: TargetFrontendConfig, f
             _ => {}
         }
     }
-    let (col_stores, uni_stores): (Vec<usize>, Vec<usize>) =
-        plan.fin_stores.iter().partition(|&&s| p.stores[s].view.space() == Space::Col);
+    let (col_stores, uni_stores): (Vec<usize>, Vec<usize>) = plan.fin_stores.iter().partition(|&&s| p.stores[s].view.space() == Space::Col);
     if !col_stores.is_empty() {
         let pass = Pass {
             level: FINAL,
             rowreds: vec![],
             colreds: vec![],
             stores: col_stores,
-            splats: (0..p.nodes.len() as NodeId)
-                .filter(|&id| plan.fin_live[id as usize] && g.scalars.contains_key(&id))
-                .collect(),
+            splats: (0..p.nodes.len() as NodeId).filter(|&id| plan.fin_live[id as usize] && g.scalars.contains_key(&id)).collect(),
             stash_writes: vec![],
         };
         g.pass(&pass)?;

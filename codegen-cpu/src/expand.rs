@@ -113,7 +113,7 @@ pub(crate) fn gelu_grad(l: &mut Lowerer, x: NodeId, dy: NodeId) -> R<NodeId> {
     l.mul(local, dy)
 }
 
-/// `1 / C` is not exact; statistics divide by `C` as the interpreter does.
+/// The row mean `sum / C`: a division, as the interpreter computes it (`1 / C` is inexact).
 fn row_mean(l: &mut Lowerer, x: NodeId) -> R<NodeId> {
     let s = l.row_reduce(ReduceOp::Sum, x)?;
     let c = l.constf(l.cols as f32)?;

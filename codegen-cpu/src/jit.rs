@@ -177,7 +177,8 @@ impl KernelCompiler {
         if let Some((c, t)) = self.codes.get(&key) {
             return Ok((c.clone(), t.clone(), key));
         }
-        let built = clif::build(p, self.isa.default_call_conv(), self.isa.frontend_config(), &mut self.fctx).map_err(|e| format!("kernel `{}`: {e}", p.name))?;
+        let built = clif::build(p, self.isa.default_call_conv(), self.isa.frontend_config(), &mut self.fctx)
+            .map_err(|e| format!("kernel `{}`: {e}", p.name))?;
         let mut module = JITModule::new(JITBuilder::with_isa(self.isa.clone(), default_libcall_names()));
         let mut text = String::new();
         let mut ids = Vec::new();
@@ -188,9 +189,7 @@ impl KernelCompiler {
             let mut ctx = Context::for_function(f);
             if let Err(e) = module.define_function(id, &mut ctx) {
                 let detail = match e {
-                    cranelift_module::ModuleError::Compilation(ce) => {
-                        cranelift_codegen::print_errors::pretty_error(&ctx.func, ce)
-                    }
+                    cranelift_module::ModuleError::Compilation(ce) => cranelift_codegen::print_errors::pretty_error(&ctx.func, ce),
                     other => other.to_string(),
                 };
                 return Err(format!("kernel `{}`: Cranelift rejected the generated code: {detail}", p.name));

@@ -266,12 +266,9 @@ impl Lowerer<'_, '_> {
             Op::LayerNorm { .. } if idx > 0 => self.row_ctx(),
             Op::LayerNormGrad if idx > 0 => self.col_ctx(),
             Op::CrossEntropy { .. } => self.row_ctx(),
-            Op::LayerNorm { .. }
-            | Op::LayerNormGrad
-            | Op::Softmax
-            | Op::SoftmaxGrad
-            | Op::CrossEntropyGrad { .. }
-            | Op::AdamW { .. } => self.elem_ctx(),
+            Op::LayerNorm { .. } | Op::LayerNormGrad | Op::Softmax | Op::SoftmaxGrad | Op::CrossEntropyGrad { .. } | Op::AdamW { .. } => {
+                self.elem_ctx()
+            }
             op => return Err(format!("`{}` cannot be compiled into a CPU kernel", op.mnemonic())),
         };
         Ok(Some(self.norm(&ctx, self.b.shape(v))))

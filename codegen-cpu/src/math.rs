@@ -17,13 +17,14 @@
 //!   0, no cancellation); otherwise `1 - 2/(exp(2|x|) + 1)` with the sign of `x` (saturating to
 //!   ±1 by itself once `exp` overflows).
 //!
-//! Measured errors (tests/kernels.rs `math_ulp_errors`, millions of inputs against f64) are
-//! asserted there: at most 2 ulp for `exp` and `log` over their whole ranges, and for `tanh`
-//! within 2 ulp (or 1e-7 absolute near 0).
+//! Measured against f64 over 3·2^20 inputs each, through the vector loop and the scalar tail
+//! alike (tests/kernels.rs `math_ulp_errors`, which asserts ≤ 2 ulp): `exp` 0.96 ulp over
+//! `[-104, 89]` (overflow to `inf`, gradual underflow, `±inf`, NaN exact); `log` 0.82 ulp over all
+//! positive floats including subnormals; `tanh` 1.32 ulp over `[-10, 10]` and tiny arguments.
 
 use cranelift_codegen::ir::condcodes::FloatCC;
-use cranelift_codegen::ir::{types, ConstantData, InstBuilder, MemFlagsData, Type, Value};
 use cranelift_codegen::ir::Endianness;
+use cranelift_codegen::ir::{types, ConstantData, InstBuilder, MemFlagsData, Type, Value};
 use cranelift_frontend::FunctionBuilder;
 
 /// Emits float code at one width: four lanes (`f32x4`, `i32x4`) or one (`f32`, `i32`).
@@ -77,12 +78,12 @@ impl Fx<'_, '_> {
         }
     }
     /// Float bits as integers.
-    pub fn to_i(&mut self, v: Value) -> Value {
+    pub fn as_int(&mut self, v: Value) -> Value {
         let (t, fl) = (self.ity(), self.cast_flags());
         self.b.ins().bitcast(t, fl, v)
     }
     /// Integer bits as floats.
-    pub fn to_f(&mut self, v: Value) -> Value {
+    pub fn as_float(&mut self, v: Value) -> Value {
         let (t, fl) = (self.fty(), self.cast_flags());
         self.b.ins().bitcast(t, fl, v)
     }
@@ -166,11 +167,12 @@ impl Fx<'_, '_> {
         let b = self.i(127);
         let e = self.b.ins().iadd(k, b);
         let bits = self.b.ins().ishl_imm_u(e, 23);
-        self.to_f(bits)
+        self.as_float(bits)
     }
 }
 
 /// `e^x`.
+#[allow(clippy::excessive_precision)] // coefficients as published (Cephes)
 pub(crate) fn exp(fx: &mut Fx, x: Value) -> Value {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
     const C1: f32 = 0.693_359_4; // 355/512: n*C1 is exact for |n| < 2^15.
@@ -181,7 +183,7 @@ pub(crate) fn exp(fx: &mut Fx, x: Value) -> Value {
     let tm = fx.addc(t, MAGIC);
     let m = fx.f(MAGIC);
     let n = fx.sub(tm, m);
-    let tm_bits = fx.to_i(tm);
+    let tm_bits = fx.as_int(tm);
     let mb = fx.i(MAGIC.to_bits() as i32);
     let ni = fx.b.ins().isub(tm_bits, mb);
     let nc1 = fx.mulc(n, C1);
@@ -202,6 +204,7 @@ pub(crate) fn exp(fx: &mut Fx, x: Value) -> Value {
 }
 
 /// Natural logarithm.
+#[allow(clippy::excessive_precision)] // coefficients as published (FreeBSD/musl)
 pub(crate) fn log(fx: &mut Fx, x: Value) -> Value {
     const LN2_HI: f32 = 6.931_381_2e-1;
     const LN2_LO: f32 = 9.058_000_6e-6;
@@ -213,7 +216,7 @@ pub(crate) fn log(fx: &mut Fx, x: Value) -> Value {
     let xs = fx.sel(sub, scaled, x);
     let (m25, z0) = (fx.i(-25), fx.i(0));
     let kadj = fx.sel(sub, m25, z0);
-    let ix = fx.to_i(xs);
+    let ix = fx.as_int(xs);
     let off = fx.i(0x3f80_0000 - 0x3f35_04f3);
     let ix = fx.b.ins().iadd(ix, off);
     let e = fx.b.ins().sshr_imm_u(ix, 23);
@@ -224,7 +227,7 @@ pub(crate) fn log(fx: &mut Fx, x: Value) -> Value {
     let ix = fx.b.ins().band(ix, mant);
     let base = fx.i(0x3f35_04f3);
     let ix = fx.b.ins().iadd(ix, base);
-    let m = fx.to_f(ix);
+    let m = fx.as_float(ix);
     let f = fx.addc(m, -1.0);
     let two_f = fx.addc(f, 2.0);
     let s = fx.b.ins().fdiv(f, two_f);
@@ -265,6 +268,7 @@ pub(crate) fn log(fx: &mut Fx, x: Value) -> Value {
 }
 
 /// Hyperbolic tangent.
+#[allow(clippy::excessive_precision)] // coefficients as published (Cephes)
 pub(crate) fn tanh(fx: &mut Fx, x: Value) -> Value {
     let a = fx.b.ins().fabs(x);
     // Small: x + x^3 P(x^2).

@@ -161,7 +161,14 @@ pub(crate) fn compute(g: &mut Gen, id: NodeId) -> R<Value> {
             let ty = g.vty(Ty::F32);
             let mut acc = g.b.ins().load(ty, flags(), addr, 0);
             for k in 1..g.p.chunks {
-                let v = g.b.ins().load(ty, flags(), addr, (k * stride) as i32);
+                let off = k * stride;
+                let v = match i32::try_from(off) {
+                    Ok(o) => g.b.ins().load(ty, flags(), addr, o),
+                    Err(_) => {
+                        let a = g.b.ins().iadd_imm_s(addr, off as i64);
+                        g.b.ins().load(ty, flags(), a, 0)
+                    }
+                };
                 acc = g.red_step(op, acc, v);
             }
             acc
@@ -242,7 +249,7 @@ fn rne16(g: &mut Gen, bits: Value) -> Value {
 /// The bf16 bit pattern of `v` (round to nearest even; NaN stays a quiet NaN), sign-extended
 /// into i32 lanes so that a signed narrowing keeps it exactly.
 fn bf16_bits(g: &mut Gen, v: Value) -> Value {
-    let bits = g.fx().to_i(v);
+    let bits = g.fx().as_int(v);
     let rounded = rne16(g, bits);
     let mut fx = g.fx();
     let r = fx.b.ins().sshr_imm_u(rounded, 16);
@@ -255,12 +262,12 @@ fn bf16_bits(g: &mut Gen, v: Value) -> Value {
 
 /// `v` rounded to the nearest bf16 (ties to even), as an f32.
 fn round_bf16(g: &mut Gen, v: Value) -> Value {
-    let bits = g.fx().to_i(v);
+    let bits = g.fx().as_int(v);
     let rounded = rne16(g, bits);
     let mut fx = g.fx();
     let hi = fx.i(0xffff_0000u32 as i32);
     let m = fx.b.ins().band(rounded, hi);
-    let f = fx.to_f(m);
+    let f = fx.as_float(m);
     let is_nan = fx.fcmp(FloatCC::Unordered, v, v);
     fx.sel(is_nan, v, f)
 }

@@ -164,4 +164,3 @@ pub(crate) fn plan(p: &Prog) -> Plan {
     }
     Plan { passes, main_live, fin_live, row_stores, fin_stores, row_colreds, colreds, stashes }
 }
-

@@ -260,6 +260,11 @@ pub struct Prog {
     pub stashes: Vec<(NodeId, u32)>,
 }
 
+/// Rows `[begin, end)` of chunk `k` of `chunks` over `rows` rows.
+pub fn chunk_bounds(rows: u64, chunks: u64, k: u64) -> (u64, u64) {
+    (k * rows / chunks, (k + 1) * rows / chunks)
+}
+
 /// Scratch floats per chunk for a row-space column reduction (a 64-byte line per chunk).
 pub const UNI_PARTIAL_STRIDE: u64 = 16;
 
@@ -269,9 +274,9 @@ impl Prog {
         &self.nodes[id as usize]
     }
 
-    /// Rows `[begin, end)` of chunk `k`.
+    /// Rows `[begin, end)` of chunk `k` (how [`crate::CompiledKernel::run`] cuts the rows).
     pub fn chunk_rows(&self, k: u64) -> (u64, u64) {
-        (k * self.rows / self.chunks, (k + 1) * self.rows / self.chunks)
+        chunk_bounds(self.rows, self.chunks, k)
     }
 
     /// Approximate float operations: one per arithmetic node per element of its space (a
@@ -288,7 +293,7 @@ impl Prog {
             .iter()
             .map(|n| match n.expr {
                 Expr::ConstF(_) | Expr::ConstI(_) | Expr::Load(_) | Expr::ColIota | Expr::RowIota { .. } => 0,
-                Expr::RowReduce(_, a) => size(self.node(a).space).max(1) * if self.node(a).space.has_col() { 1 } else { c },
+                Expr::RowReduce(_, a) => size(self.node(a).space) * if self.node(a).space.has_col() { 1 } else { c },
                 Expr::ColReduce(_, a, _) => size(self.node(a).space) * if self.node(a).space.has_row() { 1 } else { r },
                 _ => size(n.space),
             })

@@ -12,6 +12,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use rayon::prelude::*;
 
 use crate::jit::Code;
+use crate::prog::chunk_bounds;
 
 /// What an argument-array slot points at when a segment runs.
 #[derive(Clone, Copy, Debug)]
@@ -62,11 +63,7 @@ impl SendPtr {
 fn pool(threads: usize) -> Arc<rayon::ThreadPool> {
     static POOLS: OnceLock<Mutex<HashMap<usize, Arc<rayon::ThreadPool>>>> = OnceLock::new();
     let mut m = POOLS.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner());
-    m.entry(threads)
-        .or_insert_with(|| {
-            Arc::new(rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("rayon pool"))
-        })
-        .clone()
+    m.entry(threads).or_insert_with(|| Arc::new(rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("rayon pool"))).clone()
 }
 
 /// Runs `f(k)` for every `k < n` on `threads` threads.
@@ -103,7 +100,7 @@ impl CompiledKernel {
             let ap = SendPtr(args.as_ptr());
             let (chunk_fn, rows, chunks) = (seg.code.chunk, seg.rows, seg.chunks);
             let body = move |k: u64| {
-                let (b, e) = (k * rows / chunks, (k + 1) * rows / chunks);
+                let (b, e) = chunk_bounds(rows, chunks, k);
                 // SAFETY: the caller guarantees the buffers; chunks write disjoint rows and
                 // their own partials.
                 unsafe { chunk_fn(ap.get(), b as i64, e as i64, k as i64) }

@@ -96,9 +96,7 @@ impl<'g> Body<'g> {
                 layout[r.0 as usize] = l;
             }
         }
-        let member = |v: ValueId| {
-            !layout[v.0 as usize] && (self.shape(v).iter().product::<usize>() > 1 || !self.free[v.0 as usize])
-        };
+        let member = |v: ValueId| !layout[v.0 as usize] && (self.shape(v).iter().product::<usize>() > 1 || !self.free[v.0 as usize]);
         for (i, node) in self.g.nodes.iter().enumerate() {
             for v in &node.inputs {
                 if member(*v) {
@@ -126,4 +124,3 @@ impl<'g> Body<'g> {
         segs.into_iter().map(|(_, s)| s).collect()
     }
 }
-

@@ -10,9 +10,9 @@
 //! `op(b)`; there are at least four per product (when the shape allows) to keep two threads
 //! busy.
 //!
-//! GELU uses `f32::tanh` (glibc `tanhf`, as llm.c). It is the epilogue's dominant cost:
-//! about 10-15 ns per element per thread here, several times the product's own time for the
-//! GPT-2 MLP shapes (see `gemm_bench`).
+//! GELU uses the same branch-free Cephes `tanhf` as the Cranelift kernels (within 2 ulp; the
+//! loop vectorizes). glibc's `tanhf` (llm.c's) cost 10-15 ns an element here, several times the
+//! product's own time for the GPT-2 MLP shapes (see `gemm_bench`).
 //!
 //! Semantics are those of `Op::Gemm` in `fusec-ir`: `t = op(a) op(b)`, then `t + bias[n]`,
 //! then `pre_gelu = t, y = gelu(t)` (tanh form, evaluated in f32 exactly as llm.c's
@@ -28,9 +28,11 @@
 
 mod bf16;
 mod epilogue;
+mod strided;
 
 pub use bf16::{gemm_bf16, Bf16Out};
-pub use epilogue::gelu;
+pub use epilogue::{exp, gelu, tanh};
+pub use strided::{matmul_strided, Mat};
 
 use gemm::Parallelism;
 use rayon::prelude::*;

@@ -144,4 +144,3 @@ pub fn s(n: &str) -> Dim {
 pub fn l(n: u64) -> Dim {
     Dim::lit(n)
 }
-

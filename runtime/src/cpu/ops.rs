@@ -2,6 +2,7 @@
 //! gather and its scatter-add adjoint, causal attention forward and backward, fills. f32 data,
 //! rayon parallelism over independent rows or heads, deterministic (every sum has one order).
 
+use fusec_codegen_cpu::gemm::{exp, matmul_strided, Mat};
 use rayon::prelude::*;
 
 /// `out[s, :] = table[idx[s], :]`; an index outside the table is an error.
@@ -70,83 +71,110 @@ impl AttnDims {
     }
 }
 
-/// Causal attention on packed `qkv [S, T, 3C]`: `out [S, T, C]`, `lse [S, H, T]`.
-pub fn attention(dm: AttnDims, scale: f32, qkv: &[f32], out: &mut [f32], lse: &mut [f32]) {
-    let AttnDims { t, h, d, .. } = dm;
+/// The q, k or v matrix (`part` 0, 1, 2) of head `head` in batch row `s`: `[T, d]` with row
+/// stride `3C`, read in place from the packed projections.
+fn head_mat(qkv: &[f32], dm: AttnDims, s: usize, head: usize, part: usize) -> Mat {
     let c = dm.c();
-    let out_ptr = SyncPtr(out.as_mut_ptr());
-    lse.par_chunks_mut(t).enumerate().for_each(|(sh, lse_row)| {
-        let (s, head) = (sh / h, sh % h);
-        SCORES.with_borrow_mut(|scores| {
-            if scores.len() < t {
-                scores.resize(t, 0.0); // once per thread and size: no allocation in steady state
-            }
-            for i in 0..t {
-                let q = &qkv[(s * t + i) * 3 * c + head * d..][..d];
+    Mat { ptr: qkv[s * dm.t * 3 * c + part * c + head * dm.d..].as_ptr(), rs: 3 * c as isize, cs: 1 }
+}
+
+/// `p[i, j] = exp(scale * scores[i, j] - lse_i)` for `j <= i`, 0 above the diagonal (`lse`
+/// computed here when `lse_out` is given, read from `lse_in` otherwise).
+fn causal_softmax(p: &mut [f32], t: usize, scale: f32, lse_out: Option<&mut [f32]>, lse_in: &[f32]) {
+    let mut lse_out = lse_out;
+    for i in 0..t {
+        let row = &mut p[i * t..(i + 1) * t];
+        let l = match lse_out.as_deref_mut() {
+            Some(out) => {
                 let mut mx = f32::NEG_INFINITY;
-                for (j, sc) in scores[..=i].iter_mut().enumerate() {
-                    let k = &qkv[(s * t + j) * 3 * c + c + head * d..][..d];
-                    *sc = scale * dot(q, k);
-                    mx = mx.max(*sc);
+                for x in &row[..=i] {
+                    mx = mx.max(scale * x);
                 }
                 let mut sum = 0f32;
-                for sc in &scores[..=i] {
-                    sum += (sc - mx).exp();
+                for x in &row[..=i] {
+                    sum += exp(scale * x - mx);
                 }
-                let l = mx + sum.ln();
-                lse_row[i] = l;
-                // SAFETY: (s, head, i) owns out[s, i, head*d .. head*d + d]; heads are disjoint.
-                let o = unsafe { std::slice::from_raw_parts_mut(out_ptr.get().add((s * t + i) * c + head * d), d) };
-                o.fill(0.0);
-                for (j, sc) in scores[..=i].iter().enumerate() {
-                    let p = (sc - l).exp();
-                    let v = &qkv[(s * t + j) * 3 * c + 2 * c + head * d..][..d];
-                    for (oc, vc) in o.iter_mut().zip(v) {
-                        *oc += p * vc;
+                out[i] = mx + sum.ln();
+                out[i]
+            }
+            None => lse_in[i],
+        };
+        for x in &mut row[..=i] {
+            *x = exp(scale * *x - l);
+        }
+        row[i + 1..].fill(0.0);
+    }
+}
+
+/// Causal attention on packed `qkv [S, T, 3C]`: `out [S, T, C]`, `lse [S, H, T]`. Per head
+/// (one per thread): `scores = q k^T` and `out = p v` as GEMMs, the causal softmax in between.
+pub fn attention(dm: AttnDims, scale: f32, qkv: &[f32], out: &mut [f32], lse: &mut [f32]) {
+    let (t, d, c) = (dm.t, dm.d, dm.c());
+    let out_ptr = SyncPtr(out.as_mut_ptr());
+    lse.par_chunks_mut(t).enumerate().for_each(|(sh, lse_row)| {
+        let (s, head) = (sh / dm.h, sh % dm.h);
+        SCRATCH.with_borrow_mut(|buf| {
+            let p = scratch(buf, t * t);
+            let (q, k, v) = (head_mat(qkv, dm, s, head, 0), head_mat(qkv, dm, s, head, 1), head_mat(qkv, dm, s, head, 2));
+            // SAFETY: views cover [T, d] in qkv; `p` is this thread's scratch; the output block
+            // (rows of batch s, columns of this head) belongs to this (s, head) alone.
+            unsafe {
+                matmul_strided(t, t, d, p.as_mut_ptr(), t as isize, q, k.t(), false);
+                causal_softmax(p, t, scale, Some(lse_row), &[]);
+                let pm = Mat { ptr: p.as_ptr(), rs: t as isize, cs: 1 };
+                matmul_strided(t, d, t, out_ptr.get().add(s * t * c + head * d), c as isize, pm, v, false);
+            }
+        });
+    });
+}
+
+/// Gradient of packed causal attention: `dqkv [S, T, 3C]` from `qkv`, `out`, `lse`, `dout`.
+/// Per head: `p` from the saved log-sum-exp, `dp = dout v^T`, `ds = scale p (dp - rowsum(dout
+/// out))`, then `dq = ds k`, `dk = ds^T q`, `dv = p^T dout` as GEMMs.
+pub fn attention_grad(dm: AttnDims, scale: f32, qkv: &[f32], out: &[f32], lse: &[f32], dout: &[f32], dqkv: &mut [f32]) {
+    let (t, d, c) = (dm.t, dm.d, dm.c());
+    let dq_ptr = SyncPtr(dqkv.as_mut_ptr());
+    (0..dm.s * dm.h).into_par_iter().for_each(|sh| {
+        let (s, head) = (sh / dm.h, sh % dm.h);
+        SCRATCH.with_borrow_mut(|buf| {
+            let (q, k, v) = (head_mat(qkv, dm, s, head, 0), head_mat(qkv, dm, s, head, 1), head_mat(qkv, dm, s, head, 2));
+            let dout_m = Mat { ptr: dout[s * t * c + head * d..].as_ptr(), rs: c as isize, cs: 1 };
+            let grow = scratch(buf, 2 * t * t);
+            let (p, ds) = grow.split_at_mut(t * t);
+            // SAFETY: as in `attention`; this (s, head) owns its q, k and v columns of dqkv.
+            unsafe {
+                matmul_strided(t, t, d, p.as_mut_ptr(), t as isize, q, k.t(), false);
+                causal_softmax(p, t, scale, None, &lse[sh * t..(sh + 1) * t]);
+                matmul_strided(t, t, d, ds.as_mut_ptr(), t as isize, dout_m, v.t(), false);
+                for i in 0..t {
+                    let at = s * t * c + i * c + head * d;
+                    let dsum = dot(&dout[at..at + d], &out[at..at + d]);
+                    for j in 0..t {
+                        let x = &mut ds[i * t + j];
+                        *x = if j <= i { scale * p[i * t + j] * (*x - dsum) } else { 0.0 };
                     }
                 }
+                let base = dq_ptr.get().add(s * t * 3 * c + head * d);
+                let (pm, dsm) = (Mat { ptr: p.as_ptr(), rs: t as isize, cs: 1 }, Mat { ptr: ds.as_ptr(), rs: t as isize, cs: 1 });
+                matmul_strided(t, d, t, base, 3 * c as isize, dsm, k, false);
+                matmul_strided(t, d, t, base.add(c), 3 * c as isize, dsm.t(), q, false);
+                matmul_strided(t, d, t, base.add(2 * c), 3 * c as isize, pm.t(), dout_m, false);
             }
         });
     });
 }
 
 thread_local! {
-    /// One row of attention scores per thread.
-    static SCORES: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+    /// Per-thread attention scratch (score matrices), grown once per size.
+    static SCRATCH: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
-/// Gradient of packed causal attention: `dqkv [S, T, 3C]` from `qkv`, `out`, `lse`, `dout`.
-pub fn attention_grad(dm: AttnDims, scale: f32, qkv: &[f32], out: &[f32], lse: &[f32], dout: &[f32], dqkv: &mut [f32]) {
-    let AttnDims { s: sn, t, h, d } = dm;
-    let c = dm.c();
-    dqkv.fill(0.0);
-    let dq_ptr = SyncPtr(dqkv.as_mut_ptr());
-    (0..sn * h).into_par_iter().for_each(|sh| {
-        let (s, head) = (sh / h, sh % h);
-        let row = |i: usize, part: usize| (s * t + i) * 3 * c + part * c + head * d;
-        let at = |i: usize| (s * t + i) * c + head * d;
-        for i in 0..t {
-            let l = lse[sh * t + i];
-            let dsum = dot(&dout[at(i)..][..d], &out[at(i)..][..d]);
-            let q = &qkv[row(i, 0)..][..d];
-            for j in 0..=i {
-                let k = &qkv[row(j, 1)..][..d];
-                let v = &qkv[row(j, 2)..][..d];
-                let p = (scale * dot(q, k) - l).exp();
-                let dp = dot(&dout[at(i)..][..d], v);
-                let ds = p * (dp - dsum);
-                // SAFETY: (s, head) owns every dqkv element of its head; heads run in parallel.
-                unsafe {
-                    let base = dq_ptr.get();
-                    for x in 0..d {
-                        *base.add(row(j, 2) + x) += p * dout[at(i) + x];
-                        *base.add(row(i, 0) + x) += scale * ds * k[x];
-                        *base.add(row(j, 1) + x) += scale * ds * q[x];
-                    }
-                }
-            }
-        }
-    });
+/// `n` scratch floats (grown, never shrunk: no allocation in steady state).
+fn scratch(buf: &mut Vec<f32>, n: usize) -> &mut [f32] {
+    if buf.len() < n {
+        buf.resize(n, 0.0);
+    }
+    &mut buf[..n]
 }
 
 fn dot(a: &[f32], b: &[f32]) -> f32 {
