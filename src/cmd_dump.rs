@@ -28,7 +28,7 @@ pub struct DumpArgs {
     /// The `.graph` file.
     file: PathBuf,
     /// Print the graph after this pass (`parse`: the canonical input; `fuse`: after the last fusion pass).
-    #[arg(long, default_value = "parse", value_parser = clap::builder::PossibleValuesParser::new(PASSES))]
+    #[arg(long, default_value = "parse", value_parser = clap::builder::PossibleValuesParser::new(PASSES.iter().copied().chain([LOWER_CPU])))]
     pass: String,
     /// Which program the passes build.
     #[arg(long, value_enum, default_value = "step")]
@@ -65,6 +65,9 @@ pub enum PrecisionArg {
     Bf16,
 }
 
+/// The code generation step after `memplan`: each kernel's Cranelift IR.
+const LOWER_CPU: &str = "lower-cpu";
+
 /// Runs `fusec dump`.
 pub fn dump(a: DumpArgs) -> CliResult {
     let t0 = std::time::Instant::now();
@@ -83,11 +86,15 @@ pub fn dump(a: DumpArgs) -> CliResult {
     };
     let mut bind = Bindings::default();
     bind.set("B", a.batch).set("T", a.seq);
-    let out = compile(&g, &a.pass, mode, &opts, &bind)?;
+    let lower = a.pass == LOWER_CPU;
+    let out = compile(&g, if lower { "memplan" } else { &a.pass }, mode, &opts, &bind)?;
+    let t_lower = std::time::Instant::now();
     match &out.plan {
+        _ if lower => print!("{}", lower_cpu(&out.graph, &bind)?),
         Some(plan) => print!("{}", plan.annotate(&out.graph)),
         None => print!("{}", fusec_ir::text::print(&out.graph)),
     }
+    let lower_time = t_lower.elapsed();
     if a.explain_fusion {
         eprintln!("# {} fusion candidate(s) refused", out.log.refusals.len());
         for r in &out.log.refusals {
@@ -101,11 +108,15 @@ pub fn dump(a: DumpArgs) -> CliResult {
             eprintln!("{:<18} {:>9.3} ms", r.name, r.time.as_secs_f64() * 1e3);
             total += r.time;
         }
+        if lower {
+            eprintln!("{:<18} {:>9.3} ms", LOWER_CPU, lower_time.as_secs_f64() * 1e3);
+            total += lower_time;
+        }
         eprintln!("{:<18} {:>9.3} ms", "total", total.as_secs_f64() * 1e3);
     }
     let fused_at = PASSES.iter().position(|p| *p == "fuse-elementwise");
-    if PASSES.iter().position(|p| *p == a.pass) >= fused_at {
-        let unfused = compile(&g, &a.pass, mode, &PipelineOptions { no_fusion: true, ..opts.clone() }, &bind)?;
+    if lower || PASSES.iter().position(|p| *p == a.pass) >= fused_at {
+        let unfused = compile(&g, if lower { "memplan" } else { &a.pass }, mode, &PipelineOptions { no_fusion: true, ..opts.clone() }, &bind)?;
         let (before, after) = (launches(&unfused.graph), launches(&out.graph));
         eprintln!(
             "kernels per step: {} non-matmul + {} matmul before fusion, {} + {} after",
@@ -113,4 +124,21 @@ pub fn dump(a: DumpArgs) -> CliResult {
         );
     }
     Ok(())
+}
+
+/// The Cranelift IR of every distinct kernel of `g` (identical kernels compile once).
+fn lower_cpu(g: &fusec_ir::Graph, bind: &Bindings) -> Result<String, String> {
+    let mut kc = fusec_codegen_cpu::KernelCompiler::new()?;
+    let mut seen = std::collections::HashSet::new();
+    let mut text = String::new();
+    for n in &g.nodes {
+        if let fusec_ir::Op::Kernel(k) = &n.op {
+            let ck = kc.compile(k, bind)?;
+            if seen.insert(std::sync::Arc::as_ptr(&ck)) {
+                text += &format!("; kernel {}\n{}\n", ck.name, ck.clif);
+            }
+        }
+    }
+    let (compiled, hits) = kc.stats();
+    Ok(text + &format!("; {compiled} kernels compiled, {hits} cache hits\n"))
 }

@@ -84,30 +84,47 @@ impl<'g> Body<'g> {
         // Nodes are connected through every value that costs something to compute: an
         // elementwise op of operands counts too (so that its result is computed once, in the
         // segment that also reduces it), except scalars computed from operands alone, which
-        // each segment may recompute (so AdamW updates sharing `lr` stay separate).
+        // each segment may recompute (so AdamW updates sharing `lr` stay separate). Readers of
+        // one non-scalar operand are connected too: segments run one after the other, and a
+        // result written in place over an operand must not be written before another segment
+        // reads that operand (within a segment, every read of an element precedes its write).
         let mut layout = vec![false; self.g.values.len()];
-        for n in &self.g.nodes {
-            let l = match n.op {
-                Op::Input { .. } | Op::Const { .. } | Op::Iota { .. } => true,
-                Op::Broadcast { .. } | Op::Reshape { .. } => layout[n.inputs[0].0 as usize],
-                _ => false,
+        let mut source: Vec<Option<usize>> = vec![None; self.g.values.len()];
+        for (i, n) in self.g.nodes.iter().enumerate() {
+            let (l, s) = match n.op {
+                Op::Input { .. } => (true, Some(i)),
+                Op::Const { .. } | Op::Iota { .. } => (true, None),
+                Op::Broadcast { .. } | Op::Reshape { .. } => (layout[n.inputs[0].0 as usize], source[n.inputs[0].0 as usize]),
+                _ => (false, None),
             };
             for r in &n.results {
                 layout[r.0 as usize] = l;
+                source[r.0 as usize] = s;
             }
         }
-        let member = |v: ValueId| !layout[v.0 as usize] && (self.shape(v).iter().product::<usize>() > 1 || !self.free[v.0 as usize]);
+        let numel = |v: ValueId| self.shape(v).iter().product::<usize>();
+        let member = |v: ValueId| !layout[v.0 as usize] && (numel(v) > 1 || !self.free[v.0 as usize]);
+        // The operand node a layout value reads, when that operand is not a scalar.
+        let operand_of = |v: ValueId| source[v.0 as usize].filter(|&k| numel(self.g.nodes[k].results[0]) > 1);
         for (i, node) in self.g.nodes.iter().enumerate() {
+            if layout[node.results[0].0 as usize] {
+                continue;
+            }
             for v in &node.inputs {
-                if member(*v) {
-                    let (a, b) = (find(&mut parent, i), find(&mut parent, self.prod(*v)));
+                let other = if member(*v) { Some(self.prod(*v)) } else { operand_of(*v) };
+                if let Some(o) = other {
+                    let (a, b) = (find(&mut parent, i), find(&mut parent, o));
                     parent[a] = b;
                 }
             }
         }
         let mut segs: Vec<(Option<usize>, Seg)> = Vec::new();
         for (j, (_, v)) in self.g.outputs.iter().enumerate() {
-            let root = (!layout[v.0 as usize]).then(|| find(&mut parent, self.prod(*v)));
+            let root = if !layout[v.0 as usize] {
+                Some(find(&mut parent, self.prod(*v)))
+            } else {
+                operand_of(*v).map(|k| find(&mut parent, k))
+            };
             match segs.iter_mut().find(|(r, _)| root.is_some() && *r == root) {
                 Some((_, s)) => s.outputs.push(j),
                 None => segs.push((root, Seg { nodes: vec![], outputs: vec![j] })),

@@ -550,6 +550,64 @@ fn threads_do_not_change_bits() {
     }
 }
 
+/// Results written in place over operands (as the memory planner arranges for elementwise
+/// results): a multi-pass row kernel (LayerNorm, its gradient) and the multi-tensor AdamW kernel.
+#[test]
+fn in_place_results() {
+    let mut c = KernelCompiler::new().unwrap();
+    let b = bind(2, 40);
+    // add_layernorm: x = a + r over a; y over r.
+    let d = [s("B"), s("T"), l(48)];
+    let mut k = Body::new();
+    let a = k.input(DType::F32, &d);
+    let r = k.input(DType::F32, &d);
+    let w = k.input(DType::F32, &[l(48)]);
+    let bias = k.input(DType::F32, &[l(48)]);
+    let x = k.bin(BinaryOp::Add, a, r);
+    let ln = k.g.add(Op::LayerNorm { eps: 1e-5 }, &[x, w, bias]);
+    let kernel = k.kernel("add_layernorm", &[x, ln[0], ln[1], ln[2]]);
+    let ins = random_inputs(&kernel, &b, 21, 1, &[]);
+    let ck = c.compile(&kernel, &b).unwrap();
+    let want = reference(&kernel, &b, &ins);
+    for threads in [1, 2] {
+        let got = execute_in_place(&ck, &kernel, &b, &ins, &[(0, 0), (1, 1)], threads);
+        for (g, w) in got.iter().zip(&want) {
+            g.check_close(w, 1e-5, 1e-5).unwrap();
+        }
+    }
+    // layernorm_grad: dx + dres over dy, dw and db accumulated in place.
+    let kernel = ln_grad_kernel(48);
+    let ins = random_inputs(&kernel, &b, 22, 1, &[4]);
+    let ck = c.compile(&kernel, &b).unwrap();
+    let want = reference(&kernel, &b, &ins);
+    let got = execute_in_place(&ck, &kernel, &b, &ins, &[(0, 0), (1, 6), (2, 7)], 2);
+    for (g, w) in got.iter().zip(&want) {
+        g.check_close(w, 1e-5, 1e-5).unwrap();
+    }
+    // AdamW: p', m', v' over p, m, v for two parameters.
+    let mut k = Body::new();
+    let lr = k.input(DType::F32, &[]);
+    let bc1 = k.input(DType::F32, &[]);
+    let bc2 = k.input(DType::F32, &[]);
+    let mut outs = vec![];
+    for shape in [vec![l(300), l(64)], vec![l(300), l(64)]] {
+        let p = k.input(DType::F32, &shape);
+        let g = k.input(DType::F32, &shape);
+        let m = k.input(DType::F32, &shape);
+        let v = k.input(DType::F32, &shape);
+        outs.extend(k.g.add(Op::AdamW { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.1 }, &[p, g, m, v, lr, bc1, bc2]));
+    }
+    let kernel = k.kernel("adamw", &outs);
+    let ins = random_inputs(&kernel, &b, 23, 1, &[1, 2, 6, 10]);
+    let ck = c.compile(&kernel, &b).unwrap();
+    let want = reference(&kernel, &b, &ins);
+    let alias = [(0, 3), (1, 5), (2, 6), (3, 7), (4, 9), (5, 10)];
+    let got = execute_in_place(&ck, &kernel, &b, &ins, &alias, 2);
+    for (g, w) in got.iter().zip(&want) {
+        g.check_close(w, 1e-5, 1e-5).unwrap();
+    }
+}
+
 /// Identical kernels compile once; a different binding compiles anew.
 #[test]
 fn identical_kernels_compile_once() {

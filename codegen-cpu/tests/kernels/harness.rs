@@ -68,6 +68,35 @@ pub fn execute(ck: &CompiledKernel, k: &Kernel, b: &Bindings, ins: &[Tensor], th
     out_tys.iter().zip(&out_bytes).map(|(t, bytes)| from_bytes(t.dtype, interp::concrete_shape(t, b).unwrap(), bytes)).collect()
 }
 
+/// Runs a compiled kernel with result `j` written in place over operand `i` for each `(j, i)`
+/// in `alias` (as the memory planner may arrange), returning the results.
+pub fn execute_in_place(ck: &CompiledKernel, k: &Kernel, b: &Bindings, ins: &[Tensor], alias: &[(usize, usize)], threads: usize) -> Vec<Tensor> {
+    let mut in_bytes: Vec<Vec<u8>> = ins.iter().map(to_bytes).collect();
+    let out_tys: Vec<Type> = k.body.outputs.iter().map(|(_, v)| k.body.ty(*v).clone()).collect();
+    let mut out_bytes: Vec<Vec<u8>> = out_tys.iter().map(|t| vec![0xAAu8; t.bytes(b).unwrap()]).collect();
+    let ops: Vec<*const u8> = in_bytes.iter_mut().map(|v| v.as_mut_ptr() as *const u8).collect();
+    let res: Vec<*mut u8> = out_bytes
+        .iter_mut()
+        .enumerate()
+        .map(|(j, v)| match alias.iter().find(|(r, _)| *r == j) {
+            Some(&(_, i)) => ops[i] as *mut u8,
+            None => v.as_mut_ptr(),
+        })
+        .collect();
+    unsafe { ck.run(&ops, &res, threads) };
+    out_tys
+        .iter()
+        .enumerate()
+        .map(|(j, t)| {
+            let bytes = match alias.iter().find(|(r, _)| *r == j) {
+                Some(&(_, i)) => &in_bytes[i],
+                None => &out_bytes[j],
+            };
+            from_bytes(t.dtype, interp::concrete_shape(t, b).unwrap(), bytes)
+        })
+        .collect()
+}
+
 /// Random operands: normal floats (|x| for the inputs listed in `positive`), i32 in `0..int_hi`.
 pub fn random_inputs(k: &Kernel, b: &Bindings, seed: u64, int_hi: u64, positive: &[usize]) -> Vec<Tensor> {
     let mut rng = Rng::new(seed);
