@@ -25,7 +25,7 @@ use cranelift_module::{default_libcall_names, Linkage, Module};
 use sha2::{Digest, Sha256};
 
 use crate::prog::{Prog, Slot};
-use crate::run::{CompiledKernel, SegmentRun, SlotRef};
+use crate::run::{CompiledKernel, RunState, SegmentRun, SlotRef};
 use crate::{clif, lower};
 
 /// Bumped whenever generated code changes for the same input (part of every cache key).
@@ -145,12 +145,13 @@ impl KernelCompiler {
         for (_, v) in &k.body.outputs {
             bytes += k.body.ty(*v).bytes(bind)? as u64;
         }
+        let max_slots = segments.iter().map(|s| s.slots.len()).max().unwrap_or(0);
         let n_operands = k.body.nodes.iter().filter(|n| matches!(n.op, fusec_ir::Op::Input { .. })).count();
         let ck = Arc::new(CompiledKernel {
             name: k.name.clone(),
             clif: clif_text,
             segments,
-            scratch: Mutex::new(scratch),
+            state: Mutex::new(RunState { scratch, args: Vec::with_capacity(max_slots) }),
             n_operands,
             n_results: k.body.outputs.len(),
             bytes,

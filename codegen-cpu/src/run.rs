@@ -40,13 +40,26 @@ pub struct CompiledKernel {
     /// The Cranelift IR text of its functions (for `fusec dump --pass lower-cpu`).
     pub clif: String,
     pub(crate) segments: Vec<SegmentRun>,
-    /// Column-reduction partials, allocated at compile time (locked while the kernel runs).
-    pub(crate) scratch: Mutex<Vec<Vec<f32>>>,
+    /// Scratch and the argument array, allocated at compile time (locked while the kernel runs,
+    /// so a run allocates nothing).
+    pub(crate) state: Mutex<RunState>,
     pub(crate) n_operands: usize,
     pub(crate) n_results: usize,
     pub(crate) bytes: u64,
     pub(crate) flops: u64,
 }
+
+/// What a run writes besides the results: column-reduction partials and stash rows, and the
+/// argument array handed to the compiled functions.
+pub(crate) struct RunState {
+    /// Scratch buffers (by [`SlotRef::Scratch`] index).
+    pub scratch: Vec<Vec<f32>>,
+    /// The argument array (capacity for the largest segment).
+    pub args: Vec<*mut u8>,
+}
+
+// SAFETY: the raw pointers in `args` are only written and read during `run`, under the lock.
+unsafe impl Send for RunState {}
 
 /// A raw pointer that may cross to rayon's threads (each chunk touches disjoint rows).
 #[derive(Clone, Copy)]
@@ -88,8 +101,8 @@ impl CompiledKernel {
     pub unsafe fn run(&self, operands: &[*const u8], results: &[*mut u8], threads: usize) {
         assert_eq!(operands.len(), self.n_operands, "kernel `{}`: operand count", self.name);
         assert_eq!(results.len(), self.n_results, "kernel `{}`: result count", self.name);
-        let mut scratch = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
-        let mut args: Vec<*mut u8> = Vec::with_capacity(16);
+        let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let RunState { scratch, args } = &mut *state;
         for seg in &self.segments {
             args.clear();
             args.extend(seg.slots.iter().map(|s| match *s {

@@ -120,11 +120,8 @@ impl<'g> Body<'g> {
         }
         let mut segs: Vec<(Option<usize>, Seg)> = Vec::new();
         for (j, (_, v)) in self.g.outputs.iter().enumerate() {
-            let root = if !layout[v.0 as usize] {
-                Some(find(&mut parent, self.prod(*v)))
-            } else {
-                operand_of(*v).map(|k| find(&mut parent, k))
-            };
+            let root =
+                if !layout[v.0 as usize] { Some(find(&mut parent, self.prod(*v))) } else { operand_of(*v).map(|k| find(&mut parent, k)) };
             match segs.iter_mut().find(|(r, _)| root.is_some() && *r == root) {
                 Some((_, s)) => s.outputs.push(j),
                 None => segs.push((root, Seg { nodes: vec![], outputs: vec![j] })),

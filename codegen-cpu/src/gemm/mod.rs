@@ -34,6 +34,18 @@ pub use bf16::{gemm_bf16, Bf16Out};
 pub use epilogue::{exp, gelu, tanh};
 pub use strided::{matmul_strided, Mat};
 
+static CRATE_CALLS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// How many times the `gemm` crate has been called. The crate allocates its packing buffer
+/// inside each call; the no-allocation test uses this count to tell those apart from ours.
+pub fn crate_calls() -> u64 {
+    CRATE_CALLS.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+fn count_crate_call() {
+    CRATE_CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+}
+
 use gemm::Parallelism;
 use rayon::prelude::*;
 use std::cell::RefCell;
@@ -261,6 +273,7 @@ impl Plan {
         let b = self.b.0.add(z * self.b_batch).offset(j0 as isize * self.b_cs);
         let y = self.y.0.add(y_off);
         let product = |dst: *mut f32, dst_rs: usize, read_dst: bool| {
+            count_crate_call();
             gemm::gemm(
                 mt,
                 nt,

@@ -70,7 +70,14 @@ pub fn execute(ck: &CompiledKernel, k: &Kernel, b: &Bindings, ins: &[Tensor], th
 
 /// Runs a compiled kernel with result `j` written in place over operand `i` for each `(j, i)`
 /// in `alias` (as the memory planner may arrange), returning the results.
-pub fn execute_in_place(ck: &CompiledKernel, k: &Kernel, b: &Bindings, ins: &[Tensor], alias: &[(usize, usize)], threads: usize) -> Vec<Tensor> {
+pub fn execute_in_place(
+    ck: &CompiledKernel,
+    k: &Kernel,
+    b: &Bindings,
+    ins: &[Tensor],
+    alias: &[(usize, usize)],
+    threads: usize,
+) -> Vec<Tensor> {
     let mut in_bytes: Vec<Vec<u8>> = ins.iter().map(to_bytes).collect();
     let out_tys: Vec<Type> = k.body.outputs.iter().map(|(_, v)| k.body.ty(*v).clone()).collect();
     let mut out_bytes: Vec<Vec<u8>> = out_tys.iter().map(|t| vec![0xAAu8; t.bytes(b).unwrap()]).collect();

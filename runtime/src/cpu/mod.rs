@@ -98,6 +98,18 @@ impl CpuExecutor {
         Ok((CpuExecutor { arena, layout, programs, types, threads: threads.max(1), profile }, build))
     }
 
+    /// Runs `program` launch by launch, calling `after(name)` after each (for tests that
+    /// attribute effects, such as allocations, to launches).
+    pub fn run_traced(&mut self, program: Program, mut after: impl FnMut(&str)) -> Result<(), String> {
+        let prog = self.programs.get(&program).ok_or_else(|| format!("program {program:?} was not compiled"))?;
+        for l in &prog.launches {
+            // SAFETY: launches were built against this arena's plan.
+            unsafe { self.exec(l) }?;
+            after(&l.name);
+        }
+        Ok(())
+    }
+
     fn place(&self, name: &str) -> Result<(u64, DType, usize), String> {
         let (off, _) = self.layout.named.get(name).ok_or_else(|| format!("no tensor named `{name}`"))?;
         let (dt, shape) = &self.types[name];

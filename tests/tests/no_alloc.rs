@@ -1,0 +1,87 @@
+//! A CPU training step allocates nothing of its own: the arena is allocated once, launches are
+//! built once, scratch buffers grow once. A counting global allocator checks it (its own test
+//! binary). The one exception is outside fusec: the `gemm` crate allocates its packing buffers
+//! (at most two) inside every call, so a launch that calls it may allocate that much and every
+//! other launch must allocate nothing.
+
+mod common;
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use fusec_ir::interp::Tensor;
+use fusec_ir::rng::Rng;
+use fusec_models::{build_gpt2, Gpt2Config};
+use fusec_runtime::checkpoint::{random_init, LlmcConfig};
+use fusec_runtime::executor::{Executor, Program};
+use fusec_runtime::params::params_from_checkpoint;
+use fusec_codegen_cpu::gemm::crate_calls;
+use fusec_runtime::train::init_state;
+
+struct Counting;
+
+static ALLOCS: AtomicUsize = AtomicUsize::new(0);
+
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
+        ALLOCS.fetch_add(1, Ordering::Relaxed);
+        System.alloc(l)
+    }
+    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
+        System.dealloc(p, l)
+    }
+    unsafe fn realloc(&self, p: *mut u8, l: Layout, n: usize) -> *mut u8 {
+        ALLOCS.fetch_add(1, Ordering::Relaxed);
+        System.realloc(p, l, n)
+    }
+}
+
+#[global_allocator]
+static GLOBAL: Counting = Counting;
+
+#[test]
+fn cpu_training_steps_allocate_nothing() {
+    let cfg = Gpt2Config { layers: 2, heads: 2, channels: 32, vocab: 100, padded_vocab: 128, max_seq: 32 };
+    let (b, t) = (2, 32);
+    let fwd = build_gpt2(&cfg, "t");
+    let lcfg = LlmcConfig { max_seq: 32, vocab: 100, padded_vocab: 128, layers: 2, heads: 2, channels: 32 };
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
+    pool.install(|| {
+        let (mut ex, _) = common::cpu_executor(&fwd, b, t, 2);
+        let step = common::programs(&fwd, &Default::default()).remove(&Program::Step).unwrap();
+        init_state(&mut ex, &step, &params_from_checkpoint(&fwd, &random_init(&lcfg, 1)).unwrap()).unwrap();
+        let mut rng = Rng::new(3);
+        let toks: Vec<i32> = (0..b * t).map(|_| rng.below(100) as i32).collect();
+        let (x, y) = (Tensor::from_i32(vec![b, t], &toks), Tensor::from_i32(vec![b, t], &toks));
+        for (name, v) in [("tokens", x), ("targets", y), ("dloss", Tensor::scalar(fusec_ir::DType::F32, 1.0)), ("lr", Tensor::scalar(fusec_ir::DType::F32, 1e-3)), ("bc1", Tensor::scalar(fusec_ir::DType::F32, 0.1)), ("bc2", Tensor::scalar(fusec_ir::DType::F32, 0.001))] {
+            ex.set(name, v).unwrap();
+        }
+        // Warm-up: thread-local scratch and the thread pool grow to their sizes here.
+        for _ in 0..3 {
+            ex.run(Program::Step).unwrap();
+            ex.zero_grads().unwrap();
+        }
+        let mut per_step = vec![];
+        for _ in 0..5 {
+            let (before, calls) = (ALLOCS.load(Ordering::SeqCst), crate_calls());
+            let out = ex.run(Program::Step).unwrap();
+            assert!(out.loss.unwrap().is_finite());
+            ex.zero_grads().unwrap();
+            per_step.push((ALLOCS.load(Ordering::SeqCst) - before, crate_calls() - calls));
+        }
+        eprintln!("(allocations, gemm-crate calls) per step: {per_step:?}");
+        let mut last = (ALLOCS.load(Ordering::SeqCst), crate_calls());
+        ex.run_traced(Program::Step, |name| {
+            let now = (ALLOCS.load(Ordering::SeqCst), crate_calls());
+            if now.0 - last.0 > (now.1 - last.1) as usize {
+                eprintln!("launch {name}: {} allocations, {} gemm-crate calls", now.0 - last.0, now.1 - last.1);
+            }
+            last = (ALLOCS.load(Ordering::SeqCst), crate_calls());
+        })
+        .unwrap();
+        for &(allocs, calls) in &per_step {
+            assert!(allocs <= calls as usize, "{allocs} allocations but only {calls} gemm-crate calls in a step");
+        }
+        assert!(per_step.windows(2).all(|w| w[0] == w[1]), "allocations vary from step to step: {per_step:?}");
+    });
+}
