@@ -8,7 +8,8 @@
 //! row loop: per-row addresses and level-0 row values (targets, mean, rstd)
 //!           for each pass L:  splat the row values it reads (hoisted out of the column loop)
 //!                             vector loop over c in steps of 4 (f32x4): element values,
-//!                               row-reduction accumulators, column partials, stores
+//!                               row-reduction accumulators, column partials, stashed
+//!                               values (written here, read back by later passes), stores
 //!                             horizontal reduction of the accumulators, lanes in fixed order
 //!                             scalar tail columns (C mod 4, unrolled: C is a constant)
 //!                             row values of level L + 1 (statistics)

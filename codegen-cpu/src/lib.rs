@@ -6,17 +6,22 @@
 //! pointwise, reduction with prologue/epilogue, one row composite with prologue/epilogue, or the
 //! multi-tensor AdamW update) into native code through three steps, one module each:
 //!
-//! 1. [`lower`] (+ [`expand`] for composites): the body becomes one or more *row programs*
+//! 1. [`lower`] (+ `expand` for composites): the body becomes one or more *row programs*
 //!    ([`prog`]): the kernel's domain viewed as `[R, C]`, values classified as per-element,
 //!    per-row, per-column or kernel-wide, scheduled into passes over each row (a value that
 //!    depends on a row reduction is computed in a later pass; earlier element values are
-//!    recomputed, never stored), with column reductions as per-chunk partials.
-//! 2. [`clif`] (+ [`ops`], [`math`]): each program becomes a Cranelift function over a chunk of
+//!    recomputed, except `exp`/`log`/`tanh` results, which are stashed in a per-chunk row
+//!    buffer), with column reductions as per-chunk partials.
+//! 2. [`clif`] (+ `plan`, `ops`, `math`): each program becomes a Cranelift function over a chunk of
 //!    rows (f32x4 column loops with a scalar tail) and, when it has column results, a finalize
 //!    function; `exp`/`log`/`tanh` are inline polynomial routines (≤ 1.4 ulp measured).
-//! 3. [`jit`]: compilation for the host CPU, with a kernel cache (identical bodies compile once)
-//!    and a function cache (equal segments of different kernels share code); [`run`] invokes it
-//!    over rayon.
+//! 3. `jit`: compilation for the host CPU, with a kernel cache (identical bodies compile once)
+//!    and a function cache (equal segments of different kernels share code); `run`
+//!    ([`CompiledKernel::run`]) invokes it over rayon, allocating nothing per call.
+//!
+//! A body outside this model (an op other than the elementwise, reduction, composite and AdamW
+//! ops, a reduction over middle axes, a strided column access, f16) is an `Err` naming it; the
+//! runtime can then run the kernel another way.
 //!
 //! Numerics follow the interpreter: one f32 rounding per IR op (no FMA contraction), bf16
 //! rounded to nearest even at every bf16 result, NaN-propagating max/min, deterministic

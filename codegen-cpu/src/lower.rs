@@ -1,6 +1,6 @@
 //! Kernel body → row programs ([`Prog`]).
 //!
-//! The body is first split into *segments* ([`crate::segment`]), each lowered on its own.
+//! The body is first split into *segments* (module `segment`), each lowered on its own.
 //!
 //! Each segment gets a *domain*: the largest shape among its values and the operands of its
 //! ops (the reduction input, the composite's main operand, the pointwise shape). The domain is
@@ -13,7 +13,7 @@
 //! context becomes a load through a [`View`] (per-row offset terms plus a contiguous or absent
 //! column part); `broadcast` and `reshape` of operands only change the context or the view, so
 //! they cost nothing. Composites are expanded into primitive row operations by
-//! [`crate::expand`]. Anything that does not fit (an unsupported op, a strided column access, a
+//! `expand`. Anything that does not fit (an unsupported op, a strided column access, a
 //! reduction over middle axes, f16 storage, i32 reductions or division) is an `Err` naming it; the
 //! runtime then runs the kernel another way.
 

@@ -14,8 +14,6 @@ use std::collections::HashMap;
 use std::time::Instant;
 
 use fusec_codegen_cpu::{CompiledKernel, KernelCompiler};
-use fusec_ir::interp::Tensor;
-use fusec_ir::rng::Rng;
 use fusec_ir::{BinaryOp, Bindings, CmpOp, DType, Graph, Kernel, Op, ReduceOp, Shape, Type, UnaryOp, ValueId};
 use harness::*;
 

@@ -73,7 +73,7 @@ fn cpu_training_steps_allocate_nothing() {
         assert!(per_step.windows(2).all(|w| w[0] == w[1]), "allocations vary from step to step: {per_step:?}");
         let mut last = (ALLOCS.load(Ordering::SeqCst), crate_calls());
         let mut launches = 0;
-        ex.run_traced(Program::Step, |name| {
+        ex.run_traced(Program::Step, |_| true, |name| {
             let (allocs, calls) = (ALLOCS.load(Ordering::SeqCst) - last.0, (crate_calls() - last.1) as usize);
             assert!(allocs <= 2 * calls, "launch {name} allocated {allocs} times with {calls} gemm-crate calls");
             launches += 1;

@@ -95,4 +95,3 @@ fn math_ulp_errors() {
         assert!(worst[2].0 <= 2.0, "tanh: {} ulp at {}", worst[2].0, worst[2].1);
     }
 }
-

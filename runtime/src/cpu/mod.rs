@@ -98,16 +98,31 @@ impl CpuExecutor {
         Ok((CpuExecutor { arena, layout, programs, types, threads: threads.max(1), profile }, build))
     }
 
-    /// Runs `program` launch by launch, calling `after(name)` after each (for tests that
-    /// attribute effects, such as allocations, to launches).
-    pub fn run_traced(&mut self, program: Program, mut after: impl FnMut(&str)) -> Result<(), String> {
+    /// Runs the launches of `program` whose name passes `keep`, calling `after(name)` after
+    /// each (benchmarks time subsets such as the GEMMs alone; tests attribute allocations).
+    pub fn run_traced(&mut self, program: Program, keep: impl Fn(&str) -> bool, mut after: impl FnMut(&str)) -> Result<(), String> {
         let prog = self.programs.get(&program).ok_or_else(|| format!("program {program:?} was not compiled"))?;
-        for l in &prog.launches {
+        for l in prog.launches.iter().filter(|l| keep(&l.name)) {
             // SAFETY: launches were built against this arena's plan.
             unsafe { self.exec(l) }?;
             after(&l.name);
         }
         Ok(())
+    }
+
+    /// Static FLOPs of one run of `program`, split into (GEMM launches, the rest).
+    pub fn flops(&self, program: Program) -> (u64, u64) {
+        let mut f = (0, 0);
+        if let Some(p) = self.programs.get(&program) {
+            for l in &p.launches {
+                if matches!(l.kind, Kind::Gemm { .. }) {
+                    f.0 += l.flops;
+                } else {
+                    f.1 += l.flops;
+                }
+            }
+        }
+        f
     }
 
     fn place(&self, name: &str) -> Result<(u64, DType, usize), String> {
