@@ -3,7 +3,7 @@
 use std::collections::HashMap;
 
 use fusec_ir::interp::{self, Precision, Tensor};
-use fusec_ir::{Bindings, Graph};
+use fusec_ir::{Bindings, DType, Graph};
 
 /// The programs a training run needs, compiled once per run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -25,6 +25,11 @@ pub trait Executor {
     fn set(&mut self, name: &str, t: Tensor) -> Result<(), String>;
     /// Reads a named tensor back.
     fn get(&self, name: &str) -> Result<Tensor, String>;
+    /// Sets a named tensor to zeros (executors that hold device or arena memory override this to
+    /// avoid building a host tensor).
+    fn set_zeros(&mut self, name: &str, dtype: DType, shape: Vec<usize>) -> Result<(), String> {
+        self.set(name, Tensor::zeros(dtype, shape))
+    }
     /// Sets every gradient accumulator to zero.
     fn zero_grads(&mut self) -> Result<(), String>;
     /// Runs a program. Outputs named like a held tensor are written back to it; the scalar

@@ -60,7 +60,7 @@ pub fn init_state(ex: &mut dyn Executor, step_graph: &Graph, params: &HashMap<St
         ex.set(name, t.clone())?;
         let shape = t.shape.clone();
         for prefix in ["m.", "v.", "grad."] {
-            ex.set(&format!("{prefix}{name}"), Tensor::zeros(DType::F32, shape.clone()))?;
+            ex.set_zeros(&format!("{prefix}{name}"), DType::F32, shape.clone())?;
         }
     }
     Ok(())

@@ -238,6 +238,13 @@ impl Executor for CpuExecutor {
         Ok(Tensor { dtype: *dt, shape: shape.clone(), data })
     }
 
+    fn set_zeros(&mut self, name: &str, _dtype: DType, _shape: Vec<usize>) -> Result<(), String> {
+        let (off, bytes) = *self.layout.named.get(name).ok_or_else(|| format!("no tensor named `{name}`"))?;
+        // SAFETY: the named range is inside the arena.
+        unsafe { std::ptr::write_bytes(self.arena.base().add(off as usize), 0, bytes as usize) };
+        Ok(())
+    }
+
     fn zero_grads(&mut self) -> Result<(), String> {
         let (off, bytes) = self.layout.grads;
         // SAFETY: the gradient region is inside the arena: one memset.
