@@ -9,7 +9,22 @@ use fusec_ir::{Bindings, DType, Graph, Op, ValueId};
 use fusec_passes::memplan::MemPlan;
 
 use super::layout::SharedLayout;
-use super::ops::AttnDims;
+use super::ops::{AttnDims, AttnStage};
+
+/// Byte offsets of the tensors an attention stage touches.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct AttnOffsets {
+    /// Packed projections.
+    pub qkv: u64,
+    /// Forward output.
+    pub out: u64,
+    /// Log-sum-exp.
+    pub lse: u64,
+    /// Output gradient (backward).
+    pub dout: Option<u64>,
+    /// Projection gradient (backward).
+    pub dqkv: Option<u64>,
+}
 
 /// What one launch does; offsets are bytes into the shared allocation.
 pub enum Kind {
@@ -21,10 +36,8 @@ pub enum Kind {
     Gather { table: u64, rows: usize, cols: usize, idx: u64, n: usize, out: u64 },
     /// Embedding gradient.
     ScatterAdd { src: u64, cols: usize, idx: u64, n: usize, out: u64, rows: usize },
-    /// Causal attention forward.
-    Attention { dm: AttnDims, scale: f32, qkv: u64, out: u64, lse: u64 },
-    /// Causal attention backward.
-    AttentionGrad { dm: AttnDims, scale: f32, qkv: u64, out: u64, lse: u64, dout: u64, dqkv: u64 },
+    /// One stage of causal attention; offsets of unused tensors are `None`.
+    Attention { stage: AttnStage, dm: AttnDims, scale: f32, t: AttnOffsets },
     /// Index fill along an axis: `shape` concrete, element = index on `axis`.
     Iota { shape: Vec<usize>, axis: usize, dtype: DType, out: u64 },
     /// Constant fill.
@@ -143,22 +156,34 @@ pub fn launches(
                 let r = q.len();
                 let h = *heads as usize;
                 let dm = AttnDims { s: q[..r - 2].iter().product(), t: q[r - 2], h, d: q[r - 1] / 3 / h };
-                let pairs = (dm.s * dm.h * dm.t * (dm.t + 1) / 2 * dm.d) as u64;
-                let (qkv, scale) = (off(n.inputs[0])?, *scale as f32);
-                if matches!(n.op, Op::Attention { .. }) {
-                    (Kind::Attention { dm, scale, qkv, out: off(n.results[0])?, lse: off(n.results[1])? }, "attention".into(), 4 * pairs)
+                let gemm_flops = (2 * dm.s * dm.h * dm.t * dm.t * dm.d) as u64;
+                let (scale, io) = (*scale as f32, io_bytes()?);
+                let forward = matches!(n.op, Op::Attention { .. });
+                let t = if forward {
+                    AttnOffsets { qkv: off(n.inputs[0])?, out: off(n.results[0])?, lse: off(n.results[1])?, dout: None, dqkv: None }
                 } else {
-                    let kind = Kind::AttentionGrad {
-                        dm,
-                        scale,
-                        qkv,
-                        out: off(n.inputs[1])?,
-                        lse: off(n.inputs[2])?,
-                        dout: off(n.inputs[3])?,
-                        dqkv: off(n.results[0])?,
-                    };
-                    (kind, "attention_grad".into(), 10 * pairs)
+                    let (dout, dqkv) = (Some(off(n.inputs[3])?), Some(off(n.results[0])?));
+                    AttnOffsets { qkv: off(n.inputs[0])?, out: off(n.inputs[1])?, lse: off(n.inputs[2])?, dout, dqkv }
+                };
+                let stages: &[(AttnStage, &str, u64)] = if forward {
+                    &[
+                        (AttnStage::Scores, "gemm_attn_scores", gemm_flops),
+                        (AttnStage::Softmax { recompute: false }, "attn_softmax", 0),
+                        (AttnStage::Values, "gemm_attn_values", gemm_flops),
+                    ]
+                } else {
+                    &[
+                        (AttnStage::Scores, "gemm_attn_scores", gemm_flops),
+                        (AttnStage::Softmax { recompute: true }, "attn_softmax", 0),
+                        (AttnStage::GradDp, "gemm_attn_dp", gemm_flops),
+                        (AttnStage::GradDs, "attn_softmax_grad", 0),
+                        (AttnStage::GradQkv, "gemm_attn_dqkv", 3 * gemm_flops),
+                    ]
+                };
+                for &(stage, name, flops) in stages {
+                    out.push(Launch { kind: Kind::Attention { stage, dm, scale, t }, name: name.into(), bytes: io, flops });
                 }
+                continue;
             }
             Op::Iota { axis, ty } => (
                 Kind::Iota { shape: dims(n.results[0]).map_err(err)?, axis: *axis, dtype: ty.dtype, out: off(n.results[0])? },

@@ -46,6 +46,9 @@ pub struct CpuExecutor {
     programs: HashMap<Program, Compiled>,
     types: HashMap<String, (DType, Vec<usize>)>,
     threads: usize,
+    /// Per-head score matrices of attention (`p` and `ds`), outside the memory plan: sized once
+    /// for the largest attention.
+    attn_scratch: Vec<f32>,
     /// Per-launch timings, when profiling.
     pub profile: Option<Profile>,
 }
@@ -95,7 +98,17 @@ impl CpuExecutor {
             step_plan: plans.remove(&Program::Step).expect("checked above"),
         };
         let profile = profile.then(Profile::default);
-        Ok((CpuExecutor { arena, layout, programs, types, threads: threads.max(1), profile }, build))
+        let attn = programs
+            .values()
+            .flat_map(|c: &Compiled| &c.launches)
+            .filter_map(|l| match &l.kind {
+                Kind::Attention { dm, .. } => Some(2 * dm.s * dm.h * dm.t * dm.t),
+                _ => None,
+            })
+            .max()
+            .unwrap_or(0);
+        let attn_scratch = vec![0f32; attn];
+        Ok((CpuExecutor { arena, layout, programs, types, threads: threads.max(1), attn_scratch, profile }, build))
     }
 
     /// Runs the launches of `program` whose name passes `keep`, calling `after(name)` after
@@ -159,16 +172,20 @@ impl CpuExecutor {
             Kind::ScatterAdd { src, cols, idx, n, out, rows } => {
                 ops::scatter_add(f(*src, n * cols), *cols, self.slice::<i32>(*idx, *n), f(*out, rows * cols))?
             }
-            Kind::Attention { dm, scale, qkv, out, lse } => {
-                let rows = dm.s * dm.t;
-                let c = dm.h * dm.d;
-                ops::attention(*dm, *scale, f(*qkv, rows * 3 * c), f(*out, rows * c), f(*lse, dm.s * dm.h * dm.t))
-            }
-            Kind::AttentionGrad { dm, scale, qkv, out, lse, dout, dqkv } => {
-                let rows = dm.s * dm.t;
-                let c = dm.h * dm.d;
-                let args = (f(*qkv, rows * 3 * c), f(*out, rows * c), f(*lse, dm.s * dm.h * dm.t), f(*dout, rows * c));
-                ops::attention_grad(*dm, *scale, args.0, args.1, args.2, args.3, f(*dqkv, rows * 3 * c))
+            Kind::Attention { stage, dm, scale, t } => {
+                let at = |o: u64| self.arena.base().add(o as usize) as *mut f32;
+                let heads = dm.s * dm.h * dm.t * dm.t;
+                let scratch = self.attn_scratch.as_ptr() as *mut f32;
+                let ptrs = ops::AttnPtrs {
+                    qkv: at(t.qkv),
+                    out: at(t.out),
+                    lse: at(t.lse),
+                    dout: t.dout.map_or(std::ptr::null(), |o| at(o) as *const f32),
+                    dqkv: t.dqkv.map_or(std::ptr::null_mut(), at),
+                    p: scratch,
+                    ds: scratch.add(heads),
+                };
+                ops::attention_stage(*stage, *dm, *scale, ptrs)
             }
             Kind::Iota { shape, axis, dtype, out } => {
                 let n: usize = shape.iter().product();

@@ -71,13 +71,6 @@ impl AttnDims {
     }
 }
 
-/// The q, k or v matrix (`part` 0, 1, 2) of head `head` in batch row `s`: `[T, d]` with row
-/// stride `3C`, read in place from the packed projections.
-fn head_mat(qkv: &[f32], dm: AttnDims, s: usize, head: usize, part: usize) -> Mat {
-    let c = dm.c();
-    Mat { ptr: qkv[s * dm.t * 3 * c + part * c + head * dm.d..].as_ptr(), rs: 3 * c as isize, cs: 1 }
-}
-
 /// `p[i, j] = exp(scale * scores[i, j] - lse_i)` for `j <= i`, 0 above the diagonal (`lse`
 /// computed here when `lse_out` is given, read from `lse_in` otherwise).
 fn causal_softmax(p: &mut [f32], t: usize, scale: f32, lse_out: Option<&mut [f32]>, lse_in: &[f32]) {
@@ -106,75 +99,99 @@ fn causal_softmax(p: &mut [f32], t: usize, scale: f32, lse_out: Option<&mut [f32
     }
 }
 
-/// Causal attention on packed `qkv [S, T, 3C]`: `out [S, T, C]`, `lse [S, H, T]`. Per head
-/// (one per thread): `scores = q k^T` and `out = p v` as GEMMs, the causal softmax in between.
-pub fn attention(dm: AttnDims, scale: f32, qkv: &[f32], out: &mut [f32], lse: &mut [f32]) {
-    let (t, d, c) = (dm.t, dm.d, dm.c());
-    let out_ptr = SyncPtr(out.as_mut_ptr());
-    lse.par_chunks_mut(t).enumerate().for_each(|(sh, lse_row)| {
-        let (s, head) = (sh / dm.h, sh % dm.h);
-        SCRATCH.with_borrow_mut(|buf| {
-            let p = scratch(buf, t * t);
-            let (q, k, v) = (head_mat(qkv, dm, s, head, 0), head_mat(qkv, dm, s, head, 1), head_mat(qkv, dm, s, head, 2));
-            // SAFETY: views cover [T, d] in qkv; `p` is this thread's scratch; the output block
-            // (rows of batch s, columns of this head) belongs to this (s, head) alone.
-            unsafe {
-                matmul_strided(t, t, d, p.as_mut_ptr(), t as isize, q, k.t(), false);
-                causal_softmax(p, t, scale, Some(lse_row), &[]);
-                let pm = Mat { ptr: p.as_ptr(), rs: t as isize, cs: 1 };
-                matmul_strided(t, d, t, out_ptr.get().add(s * t * c + head * d), c as isize, pm, v, false);
-            }
-        });
-    });
+/// The stages of causal attention on packed `qkv [S, T, 3C]`. Each is its own launch, so the
+/// profile times the GEMMs as GEMMs. Per head, the forward is `p = q k^T` (Scores), the causal
+/// softmax of `scale * p` with its log-sum-exp (Softmax), `out = p v` (Values); the backward
+/// recomputes `p` from the saved log-sum-exp (Scores, Softmax with `lse` given), then
+/// `dp = dout v^T` (GradDp), `ds = scale p (dp - rowsum(dout out))` (GradDs), and
+/// `dq = ds k`, `dk = ds^T q`, `dv = p^T dout` (GradQkv).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AttnStage {
+    /// `p = q k^T`.
+    Scores,
+    /// Causal softmax of `scale * p` in place; computes `lse` (forward) or reads it (backward).
+    Softmax { recompute: bool },
+    /// `out = p v`.
+    Values,
+    /// `ds = dout v^T`.
+    GradDp,
+    /// `ds = scale p (ds - rowsum(dout out))`, masked.
+    GradDs,
+    /// `dq, dk, dv` into `dqkv`.
+    GradQkv,
 }
 
-/// Gradient of packed causal attention: `dqkv [S, T, 3C]` from `qkv`, `out`, `lse`, `dout`.
-/// Per head: `p` from the saved log-sum-exp, `dp = dout v^T`, `ds = scale p (dp - rowsum(dout
-/// out))`, then `dq = ds k`, `dk = ds^T q`, `dv = p^T dout` as GEMMs.
-pub fn attention_grad(dm: AttnDims, scale: f32, qkv: &[f32], out: &[f32], lse: &[f32], dout: &[f32], dqkv: &mut [f32]) {
+/// The tensors an attention stage reads or writes (null where unused) and the per-head score
+/// scratch `p` and `ds` (`S * H * T * T` floats each).
+#[derive(Clone, Copy)]
+pub struct AttnPtrs {
+    /// Packed projections.
+    pub qkv: *const f32,
+    /// Forward output `[S, T, C]`.
+    pub out: *mut f32,
+    /// Log-sum-exp `[S, H, T]`.
+    pub lse: *mut f32,
+    /// Output gradient `[S, T, C]`.
+    pub dout: *const f32,
+    /// Packed projection gradient `[S, T, 3C]`.
+    pub dqkv: *mut f32,
+    /// Probabilities per head.
+    pub p: *mut f32,
+    /// Score gradients per head.
+    pub ds: *mut f32,
+}
+
+unsafe impl Send for AttnPtrs {}
+unsafe impl Sync for AttnPtrs {}
+
+/// Runs one attention stage for every (batch row, head) in parallel.
+///
+/// # Safety
+/// Every pointer the stage uses must cover its tensor; heads touch disjoint parts of the
+/// outputs and of the scratch.
+pub unsafe fn attention_stage(stage: AttnStage, dm: AttnDims, scale: f32, a: AttnPtrs) {
     let (t, d, c) = (dm.t, dm.d, dm.c());
-    let dq_ptr = SyncPtr(dqkv.as_mut_ptr());
+    let shared = &a;
     (0..dm.s * dm.h).into_par_iter().for_each(|sh| {
+        let a = *shared; // the whole struct (Sync), not its raw-pointer fields
         let (s, head) = (sh / dm.h, sh % dm.h);
-        SCRATCH.with_borrow_mut(|buf| {
-            let (q, k, v) = (head_mat(qkv, dm, s, head, 0), head_mat(qkv, dm, s, head, 1), head_mat(qkv, dm, s, head, 2));
-            let dout_m = Mat { ptr: dout[s * t * c + head * d..].as_ptr(), rs: c as isize, cs: 1 };
-            let grow = scratch(buf, 2 * t * t);
-            let (p, ds) = grow.split_at_mut(t * t);
-            // SAFETY: as in `attention`; this (s, head) owns its q, k and v columns of dqkv.
-            unsafe {
-                matmul_strided(t, t, d, p.as_mut_ptr(), t as isize, q, k.t(), false);
-                causal_softmax(p, t, scale, None, &lse[sh * t..(sh + 1) * t]);
-                matmul_strided(t, t, d, ds.as_mut_ptr(), t as isize, dout_m, v.t(), false);
+        let part = |k: usize| Mat { ptr: a.qkv.add(s * t * 3 * c + k * c + head * d), rs: 3 * c as isize, cs: 1 };
+        let (q, k, v) = (part(0), part(1), part(2));
+        let p = std::slice::from_raw_parts_mut(a.p.add(sh * t * t), t * t);
+        let pm = Mat { ptr: p.as_ptr(), rs: t as isize, cs: 1 };
+        let row = |x: *const f32| Mat { ptr: x.add(s * t * c + head * d), rs: c as isize, cs: 1 };
+        match stage {
+            AttnStage::Scores => matmul_strided(t, t, d, p.as_mut_ptr(), t as isize, q, k.t(), false),
+            AttnStage::Softmax { recompute } => {
+                let lse = std::slice::from_raw_parts_mut(a.lse.add(sh * t), t);
+                if recompute {
+                    causal_softmax(p, t, scale, None, lse)
+                } else {
+                    causal_softmax(p, t, scale, Some(lse), &[])
+                }
+            }
+            AttnStage::Values => matmul_strided(t, d, t, a.out.add(s * t * c + head * d), c as isize, pm, v, false),
+            AttnStage::GradDp => matmul_strided(t, t, d, a.ds.add(sh * t * t), t as isize, row(a.dout), v.t(), false),
+            AttnStage::GradDs => {
+                let ds = std::slice::from_raw_parts_mut(a.ds.add(sh * t * t), t * t);
                 for i in 0..t {
                     let at = s * t * c + i * c + head * d;
-                    let dsum = dot(&dout[at..at + d], &out[at..at + d]);
+                    let dsum = dot(std::slice::from_raw_parts(a.dout.add(at), d), std::slice::from_raw_parts(a.out.add(at), d));
                     for j in 0..t {
                         let x = &mut ds[i * t + j];
                         *x = if j <= i { scale * p[i * t + j] * (*x - dsum) } else { 0.0 };
                     }
                 }
-                let base = dq_ptr.get().add(s * t * 3 * c + head * d);
-                let (pm, dsm) = (Mat { ptr: p.as_ptr(), rs: t as isize, cs: 1 }, Mat { ptr: ds.as_ptr(), rs: t as isize, cs: 1 });
+            }
+            AttnStage::GradQkv => {
+                let dsm = Mat { ptr: a.ds.add(sh * t * t), rs: t as isize, cs: 1 };
+                let base = a.dqkv.add(s * t * 3 * c + head * d);
                 matmul_strided(t, d, t, base, 3 * c as isize, dsm, k, false);
                 matmul_strided(t, d, t, base.add(c), 3 * c as isize, dsm.t(), q, false);
-                matmul_strided(t, d, t, base.add(2 * c), 3 * c as isize, pm.t(), dout_m, false);
+                matmul_strided(t, d, t, base.add(2 * c), 3 * c as isize, pm.t(), row(a.dout), false);
             }
-        });
+        }
     });
-}
-
-thread_local! {
-    /// Per-thread attention scratch (score matrices), grown once per size.
-    static SCRATCH: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
-}
-
-/// `n` scratch floats (grown, never shrunk: no allocation in steady state).
-fn scratch(buf: &mut Vec<f32>, n: usize) -> &mut [f32] {
-    if buf.len() < n {
-        buf.resize(n, 0.0);
-    }
-    &mut buf[..n]
 }
 
 fn dot(a: &[f32], b: &[f32]) -> f32 {
