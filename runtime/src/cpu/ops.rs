@@ -71,32 +71,46 @@ impl AttnDims {
     }
 }
 
-/// `p[i, j] = exp(scale * scores[i, j] - lse_i)` for `j <= i`, 0 above the diagonal (`lse`
-/// computed here when `lse_out` is given, read from `lse_in` otherwise).
+/// `p[i, j] = exp(scale * scores[i, j] - lse_i)` for `j <= i`, 0 above the diagonal. With
+/// `lse_out`, the row's log-sum-exp is computed (and `p = e / sum`); otherwise it is read from
+/// `lse_in`. Written as maps and 8-lane reductions so that the loops vectorize.
 fn causal_softmax(p: &mut [f32], t: usize, scale: f32, lse_out: Option<&mut [f32]>, lse_in: &[f32]) {
     let mut lse_out = lse_out;
     for i in 0..t {
-        let row = &mut p[i * t..(i + 1) * t];
-        let l = match lse_out.as_deref_mut() {
+        let (row, masked) = p[i * t..(i + 1) * t].split_at_mut(i + 1);
+        masked.fill(0.0);
+        match lse_out.as_deref_mut() {
             Some(out) => {
-                let mut mx = f32::NEG_INFINITY;
-                for x in &row[..=i] {
-                    mx = mx.max(scale * x);
-                }
-                let mut sum = 0f32;
-                for x in &row[..=i] {
-                    sum += exp(scale * x - mx);
-                }
+                let mx = scale * lanes(row, f32::NEG_INFINITY, f32::max);
+                row.iter_mut().for_each(|x| *x = exp(scale * *x - mx));
+                let sum = lanes(row, 0.0, |a, b| a + b);
                 out[i] = mx + sum.ln();
-                out[i]
+                let inv = 1.0 / sum;
+                row.iter_mut().for_each(|x| *x *= inv);
             }
-            None => lse_in[i],
-        };
-        for x in &mut row[..=i] {
-            *x = exp(scale * *x - l);
+            None => {
+                let l = lse_in[i];
+                row.iter_mut().for_each(|x| *x = exp(scale * *x - l));
+            }
         }
-        row[i + 1..].fill(0.0);
     }
+}
+
+/// A reduction over 8 interleaved lanes, combined in a fixed order (deterministic, vectorizes).
+fn lanes(x: &[f32], init: f32, f: impl Fn(f32, f32) -> f32 + Copy) -> f32 {
+    let mut acc = [init; 8];
+    let chunks = x.chunks_exact(8);
+    let tail = chunks.remainder();
+    for c in chunks {
+        for k in 0..8 {
+            acc[k] = f(acc[k], c[k]);
+        }
+    }
+    let mut r = f(f(f(acc[0], acc[1]), f(acc[2], acc[3])), f(f(acc[4], acc[5]), f(acc[6], acc[7])));
+    for &v in tail {
+        r = f(r, v);
+    }
+    r
 }
 
 /// The stages of causal attention on packed `qkv [S, T, 3C]`. Each is its own launch, so the
@@ -177,10 +191,9 @@ pub unsafe fn attention_stage(stage: AttnStage, dm: AttnDims, scale: f32, a: Att
                 for i in 0..t {
                     let at = s * t * c + i * c + head * d;
                     let dsum = dot(std::slice::from_raw_parts(a.dout.add(at), d), std::slice::from_raw_parts(a.out.add(at), d));
-                    for j in 0..t {
-                        let x = &mut ds[i * t + j];
-                        *x = if j <= i { scale * p[i * t + j] * (*x - dsum) } else { 0.0 };
-                    }
+                    let (row, masked) = ds[i * t..(i + 1) * t].split_at_mut(i + 1);
+                    row.iter_mut().zip(&p[i * t..=i * t + i]).for_each(|(x, pv)| *x = scale * pv * (*x - dsum));
+                    masked.fill(0.0);
                 }
             }
             AttnStage::GradQkv => {
@@ -195,5 +208,13 @@ pub unsafe fn attention_stage(stage: AttnStage, dm: AttnDims, scale: f32, a: Att
 }
 
 fn dot(a: &[f32], b: &[f32]) -> f32 {
-    a.iter().zip(b).map(|(x, y)| x * y).sum()
+    let mut acc = [0f32; 8];
+    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
+    let tail: f32 = ca.remainder().iter().zip(cb.remainder()).map(|(x, y)| x * y).sum();
+    for (x, y) in ca.zip(cb) {
+        for k in 0..8 {
+            acc[k] += x[k] * y[k];
+        }
+    }
+    ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7])) + tail
 }
