@@ -1,0 +1,58 @@
+//! The device helpers every generated source starts with.
+//!
+//! No header is included: NVRTC 11.8 (what CI has) ships no `cuda_bf16.h`, and the builtins
+//! used here (`__shfl_xor_sync`, `__float_as_uint`, `expf`, `tanhf`, ...) need none. bf16 is
+//! converted by bit shifts exactly as the CPU backend does it: widening is a 16-bit shift,
+//! narrowing rounds to nearest even on the f32 bits (`bits + 0x7fff + lsb`) and keeps NaN a
+//! quiet NaN. `max_nan`/`min_nan` propagate NaN like the interpreter (compare + select, never
+//! `fmaxf`).
+//!
+//! Team reductions combine a row's partial values held by the `TEAM` threads that work on it:
+//! a butterfly of `__shfl_xor_sync` inside each warp (every lane ends with the same bits, since
+//! each step adds the same two values in either order), then, for teams wider than a warp,
+//! the warps' values in warp order through shared memory. The order is fixed by the shape
+//! alone, so the results are the same bits on every run (no atomics).
+
+/// The helpers, as CUDA C.
+pub const PRELUDE: &str = r#"__device__ __forceinline__ float bf16_to_f32(unsigned short h) { return __uint_as_float(((unsigned)h) << 16); }
+__device__ __forceinline__ unsigned short f32_to_bf16(float f) {
+  unsigned u = __float_as_uint(f);
+  if (f != f) return (unsigned short)((u | 0x400000u) >> 16);
+  return (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+__device__ __forceinline__ float round_bf16(float f) {
+  if (f != f) return f;
+  unsigned u = __float_as_uint(f);
+  return __uint_as_float((u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u);
+}
+__device__ __forceinline__ float max_nan(float a, float b) { return (b > a || b != b) ? b : a; }
+__device__ __forceinline__ float min_nan(float a, float b) { return (b < a || b != b) ? b : a; }
+__device__ __forceinline__ float red_sum(float a, float b) { return a + b; }
+__device__ __forceinline__ float red_max(float a, float b) { return max_nan(a, b); }
+template <int TEAM> __device__ __forceinline__ float team_sum(float v, float* sh) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = v + __shfl_xor_sync(0xffffffffu, v, o);
+  if (TEAM > 32) {
+    __syncthreads();
+    if ((threadIdx.x & 31) == 0) sh[threadIdx.x >> 5] = v;
+    __syncthreads();
+    v = sh[0];
+#pragma unroll
+    for (int w = 1; w < TEAM / 32; ++w) v = v + sh[w];
+  }
+  return v;
+}
+template <int TEAM> __device__ __forceinline__ float team_max(float v, float* sh) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = max_nan(v, __shfl_xor_sync(0xffffffffu, v, o));
+  if (TEAM > 32) {
+    __syncthreads();
+    if ((threadIdx.x & 31) == 0) sh[threadIdx.x >> 5] = v;
+    __syncthreads();
+    v = sh[0];
+#pragma unroll
+    for (int w = 1; w < TEAM / 32; ++w) v = max_nan(v, sh[w]);
+  }
+  return v;
+}
+"#;
