@@ -28,7 +28,7 @@ pub struct DumpArgs {
     /// The `.graph` file.
     file: PathBuf,
     /// Print the graph after this pass (`parse`: the canonical input; `fuse`: after the last fusion pass).
-    #[arg(long, default_value = "parse", value_parser = clap::builder::PossibleValuesParser::new(PASSES.iter().copied().chain([LOWER_CPU])))]
+    #[arg(long, default_value = "parse", value_parser = clap::builder::PossibleValuesParser::new(PASSES.iter().copied().chain([LOWER_CPU, LOWER_CUDA])))]
     pass: String,
     /// Which program the passes build.
     #[arg(long, value_enum, default_value = "step")]
@@ -67,6 +67,8 @@ pub enum PrecisionArg {
 
 /// The code generation step after `memplan`: each kernel's Cranelift IR.
 const LOWER_CPU: &str = "lower-cpu";
+/// The code generation step after `memplan`: each kernel's CUDA C source.
+const LOWER_CUDA: &str = "lower-cuda";
 
 /// Runs `fusec dump`.
 pub fn dump(a: DumpArgs) -> CliResult {
@@ -86,10 +88,11 @@ pub fn dump(a: DumpArgs) -> CliResult {
     };
     let mut bind = Bindings::default();
     bind.set("B", a.batch).set("T", a.seq);
-    let lower = a.pass == LOWER_CPU;
+    let lower = a.pass == LOWER_CPU || a.pass == LOWER_CUDA;
     let out = compile(&g, if lower { "memplan" } else { &a.pass }, mode, &opts, &bind)?;
     let t_lower = std::time::Instant::now();
     match &out.plan {
+        _ if a.pass == LOWER_CUDA => print!("{}", lower_cuda(&out.graph, &bind)?),
         _ if lower => print!("{}", lower_cpu(&out.graph, &bind)?),
         Some(plan) => print!("{}", plan.annotate(&out.graph)),
         None => print!("{}", fusec_ir::text::print(&out.graph)),
@@ -109,7 +112,7 @@ pub fn dump(a: DumpArgs) -> CliResult {
             total += r.time;
         }
         if lower {
-            eprintln!("{:<18} {:>9.3} ms", LOWER_CPU, lower_time.as_secs_f64() * 1e3);
+            eprintln!("{:<18} {:>9.3} ms", a.pass, lower_time.as_secs_f64() * 1e3);
             total += lower_time;
         }
         eprintln!("{:<18} {:>9.3} ms", "total", total.as_secs_f64() * 1e3);
@@ -141,4 +144,19 @@ fn lower_cpu(g: &fusec_ir::Graph, bind: &Bindings) -> Result<String, String> {
     }
     let (compiled, hits) = kc.stats();
     Ok(text + &format!("; {compiled} kernels compiled, {hits} cache hits\n"))
+}
+
+/// The CUDA C source of every distinct kernel of `g` (same body, same text).
+fn lower_cuda(g: &fusec_ir::Graph, bind: &Bindings) -> Result<String, String> {
+    let mut seen = std::collections::HashSet::new();
+    let mut text = String::new();
+    for n in &g.nodes {
+        if let fusec_ir::Op::Kernel(k) = &n.op {
+            let src = fusec_codegen_cuda::kernel_source(k, bind)?;
+            if seen.insert(src.source.clone()) {
+                text += &format!("// kernel {}\n{}\n", src.name, src.source);
+            }
+        }
+    }
+    Ok(text + &format!("// {} distinct kernels\n", seen.len()))
 }

@@ -13,6 +13,7 @@ use fusec_passes::pipeline::{compile, Mode, PassRun, PipelineOptions};
 use fusec_runtime::checkpoint::{Checkpoint, LlmcConfig};
 use fusec_runtime::corpus::markov_tokens;
 use fusec_runtime::cpu::CpuExecutor;
+use fusec_runtime::cuda::CudaExecutor;
 use fusec_runtime::data::DataLoader;
 use fusec_runtime::executor::{Executor, Program, RefExecutor};
 use fusec_runtime::params::{checkpoint_from_params, params_from_checkpoint};
@@ -29,6 +30,8 @@ pub enum Target {
     Ref,
     /// Cranelift-compiled fused kernels and AVX-512 GEMMs on this CPU.
     Cpu,
+    /// NVRTC-compiled fused kernels and cuBLAS on an NVIDIA GPU, replayed as a CUDA graph.
+    Cuda,
 }
 
 /// Arguments of `fusec run`.
@@ -78,6 +81,12 @@ pub struct RunArgs {
     /// Clip the global gradient norm to this value.
     #[arg(long)]
     grad_clip: Option<f32>,
+    /// Exact fp32 matmuls on CUDA (default: TF32 tensor cores, as PyTorch allows).
+    #[arg(long)]
+    no_tf32: bool,
+    /// Launch kernels one by one instead of replaying the step as a CUDA graph.
+    #[arg(long)]
+    no_cuda_graph: bool,
     /// CPU threads (default: all cores).
     #[arg(long)]
     threads: Option<usize>,
@@ -140,12 +149,13 @@ pub fn run(a: RunArgs) -> CliResult {
     let t_compile = Instant::now();
     let (graphs, pass_runs) = programs(&g, &opts, &bind, a.sample > 0)?;
     let mut summary: Vec<(String, String)> = vec![];
-    let mut cpu_profile = false;
+    let mut profiling = false;
+    let mut cuda: Option<u64> = None;
     let mut ex: Box<dyn Executor> = match a.target {
         Target::Ref => Box::new(RefExecutor::new(graphs.clone(), bind.clone(), Precision::F32)),
         Target::Cpu => {
             let (ex, build) = CpuExecutor::new(&graphs, &bind, threads, a.profile || a.profile_json.is_some())?;
-            cpu_profile = ex.profile.is_some();
+            profiling = ex.profile.is_some();
             let plan = &build.step_plan;
             summary.push(("kernels".into(), format!("{} compiled, {} cache hits (identical kernels compile once)", build.kernels.0, build.kernels.1)));
             summary.push((
@@ -159,6 +169,19 @@ pub fn run(a: RunArgs) -> CliResult {
                     mib(plan.naive_bytes)
                 ),
             ));
+            Box::new(ex)
+        }
+        Target::Cuda => {
+            if a.no_cuda_graph {
+                std::env::set_var("FUSEC_CUDA_GRAPHS", "0");
+            }
+            let (ex, build) = CudaExecutor::new(&graphs, &bind, a.profile || a.profile_json.is_some(), !a.no_tf32)?;
+            profiling = ex.profile.is_some();
+            let k = &build.kernels;
+            summary.push(("device".into(), format!("{} (NVRTC {}.{}){}", build.device, build.nvrtc.0, build.nvrtc.1, if a.no_tf32 { ", exact fp32" } else { ", TF32" })));
+            summary.push(("kernels".into(), format!("{} launches from {} modules: {} compiled, {} from the disk cache", k.kernels, k.modules, k.compiled, k.disk_hits)));
+            summary.push(("memory".into(), format!("one device allocation of {} (scratch {})", mib(build.device_bytes), mib(build.scratch_bytes))));
+            cuda = Some(build.device_bytes);
             Box::new(ex)
         }
     };
@@ -202,9 +225,12 @@ pub fn run(a: RunArgs) -> CliResult {
         ("compile".into(), format!("{compile_ms:.1} ms: {}", pass_times(&pass_runs))),
     ];
     rows.extend(summary);
+    if let (Some(_), Some(peak)) = (cuda, ex.peak_device_bytes()) {
+        rows.push(("peak memory".into(), format!("{} on the device", mib(peak))));
+    }
     rows.push(("wall time".into(), format!("{:.1} s (training {:.1} s)", t_start.elapsed().as_secs_f64(), progress.elapsed())));
     print!("{}", table("summary", &rows));
-    if cpu_profile {
+    if profiling {
         if let Some(p) = ex.profile() {
             if a.profile {
                 print!("{}", profile_table(&p, logs.len()));

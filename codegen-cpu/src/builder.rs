@@ -27,6 +27,13 @@ impl Lowerer<'_, '_> {
                 }
                 (Space::from_parts(a.space.has_row(), false), a.level + 1)
             }
+            Expr::Pick(a, t) => {
+                let (a, t) = (arg(*a), arg(*t));
+                if a.level == FINAL || t.level == FINAL {
+                    return Err("internal: a pick of a column-reduction result".into());
+                }
+                (Space::from_parts(a.space.has_row() || t.space.has_row(), false), a.level.max(t.level))
+            }
             Expr::ColReduce(_, a, _) => {
                 let a = arg(*a);
                 if a.level == FINAL {
@@ -105,12 +112,38 @@ impl Lowerer<'_, '_> {
         }
         self.node(Expr::ColIota, Ty::I32)
     }
-    /// A reduction over the columns of each row.
+    /// A reduction over the columns of each row. The row sum of a one-hot selection
+    /// `c == t ? x : 0` (`t` per row, everything computable before the first pass) becomes a
+    /// [`Expr::Pick`] of `x` at column `t`.
     pub fn row_reduce(&mut self, op: ReduceOp, a: NodeId) -> Result<NodeId, String> {
         if self.ty(a) != Ty::F32 {
             return Err("an i32 reduction".into());
         }
+        if op == ReduceOp::Sum {
+            if let Some((x, t)) = self.one_hot(a) {
+                return self.node(Expr::Pick(x, t), Ty::F32);
+            }
+        }
         self.node(Expr::RowReduce(op, a), Ty::F32)
+    }
+
+    /// `(x, t)` when node `a` is `select(c == t, x, +0.0)` (or `t == c`) for the column index
+    /// `c` and a value `t` constant along the row, all of level 0 (so a pick reads its operands
+    /// before any pass writes a result, which may be in place over them).
+    fn one_hot(&self, a: NodeId) -> Option<(NodeId, NodeId)> {
+        let n = |id: NodeId| &self.prog.nodes[id as usize];
+        let Expr::Select(c, x, z) = n(a).expr else { return None };
+        if n(z).expr != Expr::ConstF(0.0f32.to_bits()) {
+            return None;
+        }
+        let Expr::Cmp(fusec_ir::CmpOp::Eq, p, q) = n(c).expr else { return None };
+        let t = match (&n(p).expr, &n(q).expr) {
+            (Expr::ColIota, _) => q,
+            (_, Expr::ColIota) => p,
+            _ => return None,
+        };
+        let ok = n(t).ty == Ty::I32 && !n(t).space.has_col() && n(t).level == 0 && n(x).level == 0;
+        ok.then_some((x, t))
     }
     /// A reduction over all rows (partials per chunk in fresh scratch).
     pub fn col_reduce(&mut self, op: ReduceOp, a: NodeId) -> Result<NodeId, String> {

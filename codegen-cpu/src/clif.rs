@@ -25,20 +25,29 @@
 //! interpreter rounds after every op, so contraction into FMA would change results), and
 //! compare + select for max/min so NaN propagates as in the interpreter.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
-use cranelift_codegen::ir::condcodes::IntCC;
+use cranelift_codegen::ir::condcodes::{FloatCC, IntCC};
 use cranelift_codegen::ir::{types, AbiParam, Function, InstBuilder, MemFlagsData, Signature, Type, UserFuncName, Value};
 use cranelift_codegen::isa::{CallConv, TargetFrontendConfig};
-use cranelift_frontend::{FunctionBuilder, FunctionBuilderContext};
+use cranelift_frontend::{FunctionBuilder, FunctionBuilderContext, Variable};
 use fusec_ir::ReduceOp;
 
-use crate::math::Fx;
+use crate::math::{Const16, Fx, Pool};
 use crate::ops;
 use crate::plan::{plan, region, Pass, Plan, Region};
 use crate::prog::{Expr, NodeId, Prog, RowTerm, Space, Store, Ty, View, FINAL, UNI_PARTIAL_STRIDE};
 
 type R<T> = Result<T, String>;
+
+/// Copies of the vector-loop body per iteration in a pass with row reductions (independent
+/// accumulators: a row reduction is otherwise one dependency chain through the whole row).
+const UNROLL_REDUCE: usize = 4;
+/// Copies of the vector-loop body per iteration in a pass without row reductions.
+const UNROLL_STORE: usize = 2;
+/// Entries of the argument array after the slots: the constant table's address, once per copy
+/// of the loop body (see `Gen::enter_loop_body`).
+pub const CONST_ARGS: usize = if UNROLL_REDUCE > UNROLL_STORE { UNROLL_REDUCE } else { UNROLL_STORE };
 
 /// The Cranelift functions of one program.
 pub struct Built {
@@ -46,13 +55,16 @@ pub struct Built {
     pub main: Function,
     /// The finalize function, if the program has column-space or scalar results.
     pub finalize: Option<Function>,
+    /// The vector constants both functions load (the argument array's entry after the slots
+    /// points at them).
+    pub consts: Vec<Const16>,
 }
 
 /// The column being computed.
 #[derive(Clone, Copy)]
 pub(crate) enum ColPos {
-    /// The vector loop's `c` (i64, a multiple of 4).
-    Var(Value),
+    /// The loop's `c` (i64) plus a constant column offset (the unrolled copies of the body).
+    Var(Value, u64),
     /// A tail column.
     Const(u64),
 }
@@ -84,14 +96,27 @@ pub(crate) struct Gen<'p, 'f> {
     pub fin: bool,
     /// This chunk's row buffer per stashed value.
     pub stash_base: HashMap<NodeId, Value>,
+    /// This chunk's row buffer per offloaded value.
+    pub offload_base: HashMap<NodeId, Value>,
+    /// Offloaded values whose row buffers hold the current row's results (the native routine
+    /// has run on them).
+    pub ready: HashSet<NodeId>,
+    /// The calling convention (of the native routines too).
+    pub cc: CallConv,
+    /// One-hot selects taken as not hit in the vector loop (see `Pass::one_hot`).
+    pub assume_false: HashSet<NodeId>,
     /// The level of the pass being generated.
     pub level: u32,
+    /// The function's argument array.
+    pub args: Option<Value>,
+    /// Vector constants.
+    pub pool: Pool,
 }
 
 impl<'f> Gen<'_, 'f> {
     /// An `Fx` at the current width.
     pub fn fx(&mut self) -> Fx<'_, 'f> {
-        Fx { b: &mut self.b, vec: self.vec }
+        Fx { b: &mut self.b, vec: self.vec, pool: &mut self.pool }
     }
 
     /// The register type of a node at the current width.
@@ -111,8 +136,9 @@ impl<'f> Gen<'_, 'f> {
             if let Some(&v) = self.cur.get(&id) {
                 return Ok(v);
             }
-            let v = match self.stash_base.get(&id) {
-                Some(&base) if self.p.node(id).level < self.level => {
+            let ready = self.ready.contains(&id).then(|| self.offload_base[&id]);
+            let v = match ready.or_else(|| self.stash_base.get(&id).copied().filter(|_| self.p.node(id).level < self.level)) {
+                Some(base) => {
                     let addr = self.col_offset(base, 4);
                     let ty = self.vty(Ty::F32);
                     self.b.ins().load(ty, MemFlagsData::trusted(), addr, 0)
@@ -152,13 +178,7 @@ impl<'f> Gen<'_, 'f> {
         if !v.col {
             return Ok(base);
         }
-        Ok(match self.cpos {
-            ColPos::Var(c) => {
-                let off = self.b.ins().ishl_imm_u(c, v.mem.size().trailing_zeros() as i64);
-                self.b.ins().iadd(base, off)
-            }
-            ColPos::Const(t) => self.b.ins().iadd_imm_s(base, (t * v.mem.size()) as i64),
-        })
+        Ok(self.col_offset(base, v.mem.size()))
     }
 
     fn row_addresses(&mut self, views: &[View]) {
@@ -216,21 +236,24 @@ impl<'f> Gen<'_, 'f> {
         r
     }
 
-    /// Sink values of one column (all loads happen here, before any store).
-    fn column(&mut self, pass: &Pass, reds: &mut [Value]) -> R<()> {
+    /// Sink values of one column (all loads happen here, before any store); returns the values
+    /// the pass's row reductions accumulate (the caller combines them).
+    fn column(&mut self, pass: &Pass) -> R<Vec<Value>> {
         let p = self.p;
         let vals: Vec<Value> = pass.rowreds.iter().map(|&r| self.get(p.node(r).expr.args()[0])).collect::<R<_>>()?;
         let cvals: Vec<Value> = pass.colreds.iter().map(|&r| self.get(p.node(r).expr.args()[0])).collect::<R<_>>()?;
         let svals: Vec<Value> = pass.stores.iter().map(|&s| self.get(p.stores[s].value)).collect::<R<_>>()?;
         let stvals: Vec<Value> = pass.stash_writes.iter().map(|&(t, _)| self.get(t)).collect::<R<_>>()?;
+        let ovals: Vec<Value> = pass.offload.iter().map(|&(t, _)| self.get(p.node(t).expr.args()[0])).collect::<R<_>>()?;
+        for (i, &(t, _)) in pass.offload.iter().enumerate() {
+            let base = self.offload_base[&t];
+            let addr = self.col_offset(base, 4);
+            self.b.ins().store(MemFlagsData::trusted(), ovals[i], addr, 0);
+        }
         for (i, &(t, _)) in pass.stash_writes.iter().enumerate() {
             let base = self.stash_base[&t];
             let addr = self.col_offset(base, 4);
             self.b.ins().store(MemFlagsData::trusted(), stvals[i], addr, 0);
-        }
-        for (i, &r) in pass.rowreds.iter().enumerate() {
-            let Expr::RowReduce(op, _) = p.node(r).expr else { unreachable!() };
-            reds[i] = self.red_step(op, reds[i], vals[i]);
         }
         for (i, &c) in pass.colreds.iter().enumerate() {
             let Expr::ColReduce(op, _, _) = p.node(c).expr else { unreachable!() };
@@ -244,15 +267,20 @@ impl<'f> Gen<'_, 'f> {
         for (i, &s) in pass.stores.iter().enumerate() {
             self.store(&p.stores[s], svals[i])?;
         }
-        Ok(())
+        Ok(vals)
     }
 
     /// `base + c * size` at the current column.
     pub fn col_offset(&mut self, base: Value, size: u64) -> Value {
         match self.cpos {
-            ColPos::Var(c) => {
+            ColPos::Var(c, k) => {
                 let off = self.b.ins().ishl_imm_u(c, size.trailing_zeros() as i64);
-                self.b.ins().iadd(base, off)
+                let a = self.b.ins().iadd(base, off);
+                if k == 0 {
+                    a
+                } else {
+                    self.b.ins().iadd_imm_s(a, (k * size) as i64)
+                }
             }
             ColPos::Const(t) => self.b.ins().iadd_imm_s(base, (t * size) as i64),
         }
@@ -264,11 +292,30 @@ impl<'f> Gen<'_, 'f> {
         Ok(())
     }
 
-    /// One pass: vector loop, horizontal reductions, tail columns.
+    /// One pass: an unrolled vector loop (`UNROLL` copies of the body, each with its own
+    /// row-reduction accumulators so that the reductions are not one serial dependency chain),
+    /// the remaining whole vectors (straight-line, into accumulator copies 0, 1, ..), the copies
+    /// combined as a fixed tree and then their lanes, and the scalar tail columns. Every order is
+    /// fixed by `C` alone.
     fn pass(&mut self, pass: &Pass) -> R<()> {
         self.level = pass.level;
+        // One-hot selects: the stores' values at column `t` first (see `Pass::one_hot`).
+        let mut fixup: Option<(Value, Vec<Value>)> = None;
+        if let Some((t, sels)) = &pass.one_hot {
+            self.vec = false;
+            let tc = self.clamped_col(*t)?;
+            self.cpos = ColPos::Var(tc, 0);
+            self.cur.clear();
+            self.cur_masks.clear();
+            let vals = pass.stores.iter().map(|&s| self.get(self.p.stores[s].value)).collect::<R<Vec<_>>>()?;
+            fixup = Some((tc, vals));
+            self.assume_false = sels.iter().copied().collect();
+        }
         let cols = self.p.cols;
         let c4 = cols / 4 * 4;
+        let unroll = if pass.rowreds.is_empty() { UNROLL_STORE } else { UNROLL_REDUCE };
+        let step = 4 * unroll as u64;
+        let cu = cols / step * step;
         let ops_of: Vec<ReduceOp> = pass
             .rowreds
             .iter()
@@ -287,39 +334,110 @@ impl<'f> Gen<'_, 'f> {
                 let sp = self.b.ins().splat(ty, s);
                 self.splats.insert(id, sp);
             }
-            let accs: Vec<_> = ops_of
-                .iter()
-                .map(|&op| {
+            // Per row reduction and copy: the accumulator, and for max a NaN flag (the vector
+            // max is `maxps`, which drops NaN; the flag restores NaN propagation at the end).
+            let copies = if cu > 0 { unroll } else { ((c4 / 4) as usize).min(unroll) };
+            let mut accs: Vec<Vec<(Variable, Option<Variable>)>> = Vec::new();
+            for &op in &ops_of {
+                let mut v = Vec::new();
+                for _ in 0..copies {
                     let var = self.b.declare_var(types::F32X4);
                     let init = self.red_init(op);
                     self.b.def_var(var, init);
-                    var
-                })
-                .collect();
-            let cvar = self.b.declare_var(types::I64);
-            let zero = self.b.ins().iconst(types::I64, 0);
-            self.b.def_var(cvar, zero);
-            let (body, after) = (self.b.create_block(), self.b.create_block());
-            self.b.ins().jump(body, &[]);
-            self.b.switch_to_block(body);
-            let c = self.b.use_var(cvar);
-            self.cpos = ColPos::Var(c);
-            self.cur.clear();
-            self.cur_masks.clear();
-            let mut vals: Vec<Value> = accs.iter().map(|&a| self.b.use_var(a)).collect();
-            self.column(pass, &mut vals)?;
-            for (a, v) in accs.iter().zip(vals) {
-                self.b.def_var(*a, v);
+                    let nan = (op == ReduceOp::Max).then(|| {
+                        let nv = self.b.declare_var(types::I32X4);
+                        let z = self.fx().i(0);
+                        self.b.def_var(nv, z);
+                        nv
+                    });
+                    v.push((var, nan));
+                }
+                accs.push(v);
             }
-            let c2 = self.b.ins().iadd_imm_s(c, 4);
-            self.b.def_var(cvar, c2);
-            let more = self.b.ins().icmp_imm_s(IntCC::SignedLessThan, c2, c4 as i64);
-            self.b.ins().brif(more, body, &[], after, &[]);
-            self.b.switch_to_block(after);
+            let accumulate = |g: &mut Self, k: usize, vals: &[Value]| {
+                for (i, &op) in ops_of.iter().enumerate() {
+                    let (var, nan) = accs[i][k];
+                    let acc = g.b.use_var(var);
+                    let new = match op {
+                        ReduceOp::Sum => g.b.ins().fadd(acc, vals[i]),
+                        ReduceOp::Max => {
+                            let x = vals[i];
+                            let lt = g.b.ins().fcmp(FloatCC::LessThan, acc, x);
+                            let m = g.fx().sel(lt, x, acc);
+                            let nv = nan.expect("max has a NaN flag");
+                            let n = g.b.use_var(nv);
+                            let un = g.b.ins().fcmp(FloatCC::Unordered, x, x);
+                            let n2 = g.b.ins().bor(n, un);
+                            g.b.def_var(nv, n2);
+                            m
+                        }
+                    };
+                    g.b.def_var(var, new);
+                }
+            };
+            if cu > 0 {
+                let cvar = self.b.declare_var(types::I64);
+                let zero = self.b.ins().iconst(types::I64, 0);
+                self.b.def_var(cvar, zero);
+                let (body, after) = (self.b.create_block(), self.b.create_block());
+                self.b.ins().jump(body, &[]);
+                self.b.switch_to_block(body);
+                let c = self.b.use_var(cvar);
+                for k in 0..unroll {
+                    // Per copy, so that the copies do not share (and keep live) loaded constants.
+                    self.enter_loop_body(k);
+                    self.cpos = ColPos::Var(c, 4 * k as u64);
+                    self.cur.clear();
+                    self.cur_masks.clear();
+                    let vals = self.column(pass)?;
+                    accumulate(self, k, &vals);
+                }
+                let c2 = self.b.ins().iadd_imm_s(c, step as i64);
+                self.b.def_var(cvar, c2);
+                self.pool.base = None;
+                self.pool.pending = None;
+                let more = self.b.ins().icmp_imm_s(IntCC::SignedLessThan, c2, cu as i64);
+                self.b.ins().brif(more, body, &[], after, &[]);
+                self.b.switch_to_block(after);
+            }
+            for (j, t) in (cu..c4).step_by(4).enumerate() {
+                self.cpos = ColPos::Const(t);
+                self.cur.clear();
+                self.cur_masks.clear();
+                let vals = self.column(pass)?;
+                accumulate(self, j, &vals);
+            }
             reds = Vec::new();
-            for (i, a) in accs.iter().enumerate() {
-                let acc = self.b.use_var(*a);
-                reds.push(self.hreduce(ops_of[i], acc));
+            for (i, &op) in ops_of.iter().enumerate() {
+                let mut vs: Vec<(Value, Option<Value>)> =
+                    accs[i].iter().map(|&(a, n)| (self.b.use_var(a), n.map(|n| self.b.use_var(n)))).collect();
+                // Pairwise: (0 ⊕ 1) ⊕ (2 ⊕ 3).
+                while vs.len() > 1 {
+                    let mut next = Vec::new();
+                    for pair in vs.chunks(2) {
+                        if pair.len() == 1 {
+                            next.push(pair[0]);
+                            continue;
+                        }
+                        let ((a, na), (b, nb)) = (pair[0], pair[1]);
+                        next.push(match op {
+                            ReduceOp::Sum => (self.b.ins().fadd(a, b), None),
+                            ReduceOp::Max => {
+                                let lt = self.b.ins().fcmp(FloatCC::LessThan, a, b);
+                                let m = self.fx().sel(lt, b, a);
+                                let n = self.b.ins().bor(na.expect("flag"), nb.expect("flag"));
+                                (m, Some(n))
+                            }
+                        });
+                    }
+                    vs = next;
+                }
+                let (mut acc, nan) = vs[0];
+                if let Some(n) = nan {
+                    let qnan = self.fx().f(f32::NAN);
+                    acc = self.fx().sel(n, qnan, acc);
+                }
+                reds.push(self.hreduce(op, acc));
             }
         } else {
             self.vec = false;
@@ -330,11 +448,53 @@ impl<'f> Gen<'_, 'f> {
             self.cpos = ColPos::Const(t);
             self.cur.clear();
             self.cur_masks.clear();
-            self.column(pass, &mut reds)?;
+            let vals = self.column(pass)?;
+            for (i, &op) in ops_of.iter().enumerate() {
+                reds[i] = self.red_step(op, reds[i], vals[i]);
+            }
         }
         for (i, &r) in pass.rowreds.iter().enumerate() {
             self.scalars.insert(r, reds[i]);
         }
+        if let Some((tc, vals)) = fixup {
+            self.assume_false.clear();
+            self.vec = false;
+            self.cpos = ColPos::Var(tc, 0);
+            for (i, &s) in pass.stores.iter().enumerate() {
+                self.store(&self.p.stores[s], vals[i])?;
+            }
+        }
+        for &(t, _) in &pass.offload {
+            self.call_native(t)?;
+        }
+        Ok(())
+    }
+
+    /// The per-row i32 node `t` as an i64 column index clamped into `[0, C)`.
+    pub fn clamped_col(&mut self, t: NodeId) -> R<Value> {
+        let cols = self.p.cols as i64;
+        let t = self.get(t)?;
+        let t64 = self.b.ins().sextend(types::I64, t);
+        let zero = self.b.ins().iconst(types::I64, 0);
+        let last = self.b.ins().iconst(types::I64, cols - 1);
+        let lo = self.b.ins().smax(t64, zero);
+        Ok(self.b.ins().smin(lo, last))
+    }
+
+    /// Runs the native routine of offloaded node `t` on its row buffer (which holds the
+    /// arguments of the current row); later reads of `t` load the results.
+    fn call_native(&mut self, t: NodeId) -> R<()> {
+        let Expr::Unary(u, _) = self.p.node(t).expr else { return Err(format!("internal: offloaded %{t} is not a unary op")) };
+        let f = crate::vmath::native(u).ok_or_else(|| format!("internal: no native routine for `{u:?}`"))?;
+        let mut sig = Signature::new(self.cc);
+        sig.params.push(AbiParam::new(types::I64));
+        sig.params.push(AbiParam::new(types::I64));
+        let sr = self.b.import_signature(sig);
+        let fp = self.b.ins().iconst(types::I64, f as usize as i64);
+        let n = self.b.ins().iconst(types::I64, self.p.cols as i64);
+        let base = self.offload_base[&t];
+        self.b.ins().call_indirect(sr, fp, &[base, n]);
+        self.ready.insert(t);
         Ok(())
     }
 
@@ -366,7 +526,7 @@ impl<'f> Gen<'_, 'f> {
             self.b.ins().jump(body, &[]);
             self.b.switch_to_block(body);
             let c = self.b.use_var(cvar);
-            self.cpos = ColPos::Var(c);
+            self.cpos = ColPos::Var(c, 0);
             let addr = self.col_offset(base, 4);
             self.b.ins().store(MemFlagsData::new().with_notrap(), init, addr, 0);
             let c2 = self.b.ins().iadd_imm_s(c, 4);
@@ -385,7 +545,22 @@ impl<'f> Gen<'_, 'f> {
         Ok(())
     }
 
+    /// At the top of copy `k` of a vector loop body: the constant table's address, loaded from
+    /// the argument array in the body itself (see [`Pool`]). Each copy reads its own entry (they
+    /// all hold the same address), or Cranelift would merge the loads and with them the copies'
+    /// constants, which would then stay live across the whole body again.
+    fn enter_loop_body(&mut self, k: usize) {
+        if std::env::var("FUSEC_NOPOOL").is_ok() {
+            return;
+        }
+        let args = self.args.expect("argument array");
+        let off = ((self.p.slots.len() + k) * 8) as i32;
+        self.pool.base = None;
+        self.pool.pending = Some((args, off));
+    }
+
     fn load_slots(&mut self, args: Value) {
+        self.args = Some(args);
         for i in 0..self.p.slots.len() {
             let v = self.b.ins().load(types::I64, MemFlagsData::trusted().with_readonly(), args, (i * 8) as i32);
             self.slots.push(v);
@@ -418,21 +593,36 @@ fn new_gen<'p, 'f>(p: &'p Prog, b: FunctionBuilder<'f>, fin: bool) -> Gen<'p, 'f
         partial_base: HashMap::new(),
         fin,
         stash_base: HashMap::new(),
+        offload_base: HashMap::new(),
+        ready: HashSet::new(),
+        cc: CallConv::SystemV,
+        assume_false: HashSet::new(),
         level: 0,
+        args: None,
+        pool: Pool::default(),
     }
 }
 
 /// Builds the Cranelift functions of a program (named `<name>_chunk` and `<name>_final`).
 pub fn build(p: &Prog, cc: CallConv, tfc: TargetFrontendConfig, fctx: &mut FunctionBuilderContext) -> R<Built> {
     let plan = plan(p);
-    let main = build_main(p, &plan, cc, tfc, fctx)?;
-    let finalize = if plan.fin_stores.is_empty() { None } else { Some(build_final(p, &plan, cc, tfc, fctx)?) };
-    Ok(Built { main, finalize })
+    let mut consts = Vec::new();
+    let main = build_main(p, &plan, cc, tfc, fctx, &mut consts)?;
+    let finalize = if plan.fin_stores.is_empty() { None } else { Some(build_final(p, &plan, cc, tfc, fctx, &mut consts)?) };
+    Ok(Built { main, finalize, consts })
 }
 
-fn build_main(p: &Prog, plan: &Plan, cc: CallConv, tfc: TargetFrontendConfig, fctx: &mut FunctionBuilderContext) -> R<Function> {
+fn build_main(
+    p: &Prog,
+    plan: &Plan,
+    cc: CallConv,
+    tfc: TargetFrontendConfig,
+    fctx: &mut FunctionBuilderContext,
+    consts: &mut Vec<Const16>,
+) -> R<Function> {
     let mut func = Function::with_name_signature(UserFuncName::testcase(format!("{}_chunk", p.name)), signature(cc, 4));
     let mut g = new_gen(p, FunctionBuilder::new(&mut func, fctx), false);
+    g.pool.consts = std::mem::take(consts);
     let entry = g.b.create_block();
     g.b.append_block_params_for_function_params(entry);
     g.b.switch_to_block(entry);
@@ -446,6 +636,12 @@ fn build_main(p: &Prog, plan: &Plan, cc: CallConv, tfc: TargetFrontendConfig, fc
         }
     }
     g.init_partials(&plan.colreds, chunk)?;
+    g.cc = cc;
+    for &(t, slot) in &plan.offloads {
+        let off = g.b.ins().imul_imm_s(chunk, (p.cols * 4) as i64);
+        let base = g.b.ins().iadd(g.slots[slot as usize], off);
+        g.offload_base.insert(t, base);
+    }
     for &(t, slot) in &plan.stashes {
         let off = g.b.ins().imul_imm_s(chunk, (p.cols * 4) as i64);
         let base = g.b.ins().iadd(g.slots[slot as usize], off);
@@ -484,7 +680,7 @@ fn build_main(p: &Prog, plan: &Plan, cc: CallConv, tfc: TargetFrontendConfig, fc
     let max_level = p.nodes.iter().filter(|n| n.level != FINAL).map(|n| n.level).max().unwrap_or(0);
     let mut next_pass = 0;
     for level in 0..=max_level {
-        if next_pass < plan.passes.len() && plan.passes[next_pass].level == level {
+        while next_pass < plan.passes.len() && plan.passes[next_pass].level == level {
             g.pass(&plan.passes[next_pass])?;
             next_pass += 1;
         }
@@ -514,13 +710,22 @@ fn build_main(p: &Prog, plan: &Plan, cc: CallConv, tfc: TargetFrontendConfig, fc
     g.b.switch_to_block(exit);
     g.b.ins().return_(&[]);
     g.b.seal_all_blocks();
+    *consts = std::mem::take(&mut g.pool.consts);
     g.b.finalize(tfc);
     Ok(func)
 }
 
-fn build_final(p: &Prog, plan: &Plan, cc: CallConv, tfc: TargetFrontendConfig, fctx: &mut FunctionBuilderContext) -> R<Function> {
+fn build_final(
+    p: &Prog,
+    plan: &Plan,
+    cc: CallConv,
+    tfc: TargetFrontendConfig,
+    fctx: &mut FunctionBuilderContext,
+    consts: &mut Vec<Const16>,
+) -> R<Function> {
     let mut func = Function::with_name_signature(UserFuncName::testcase(format!("{}_final", p.name)), signature(cc, 1));
     let mut g = new_gen(p, FunctionBuilder::new(&mut func, fctx), true);
+    g.pool.consts = std::mem::take(consts);
     let entry = g.b.create_block();
     g.b.append_block_params_for_function_params(entry);
     g.b.switch_to_block(entry);
@@ -547,6 +752,8 @@ fn build_final(p: &Prog, plan: &Plan, cc: CallConv, tfc: TargetFrontendConfig, f
             stores: col_stores,
             splats: (0..p.nodes.len() as NodeId).filter(|&id| plan.fin_live[id as usize] && g.scalars.contains_key(&id)).collect(),
             stash_writes: vec![],
+            offload: vec![],
+            one_hot: None,
         };
         g.pass(&pass)?;
     }
@@ -559,6 +766,7 @@ fn build_final(p: &Prog, plan: &Plan, cc: CallConv, tfc: TargetFrontendConfig, f
     }
     g.b.ins().return_(&[]);
     g.b.seal_all_blocks();
+    *consts = std::mem::take(&mut g.pool.consts);
     g.b.finalize(tfc);
     Ok(func)
 }

@@ -177,10 +177,18 @@ fn exp_sum(l: &mut Lowerer, x: NodeId, valid: Option<NodeId>) -> R<(NodeId, Node
     Ok((e, s, m))
 }
 
+/// `e / s` for an element value `e` and a row sum `s` (≥ 1: it includes `exp(max - max)`), as
+/// `e * (1 / s)`: one division per row instead of one per element (the product is within an
+/// ulp of the quotient).
+fn div_by_row_sum(l: &mut Lowerer, e: NodeId, s: NodeId) -> R<NodeId> {
+    let r = l.un(UnaryOp::Recip, s)?;
+    l.mul(e, r)
+}
+
 /// Max-subtracted softmax over the row.
 fn softmax(l: &mut Lowerer, x: NodeId) -> R<NodeId> {
     let (e, s, _) = exp_sum(l, x, None)?;
-    l.div(e, s)
+    div_by_row_sum(l, e, s)
 }
 
 /// The mask of the first `vocab` columns (`None` when that is every column).
@@ -211,7 +219,7 @@ fn cross_entropy(l: &mut Lowerer, x: NodeId, t: NodeId, vocab: u64) -> R<NodeId>
 fn cross_entropy_grad(l: &mut Lowerer, x: NodeId, t: NodeId, dloss: NodeId, vocab: u64) -> R<NodeId> {
     let valid = vocab_mask(l, vocab)?;
     let (e, s, _) = exp_sum(l, x, valid)?;
-    let p = l.div(e, s)?;
+    let p = div_by_row_sum(l, e, s)?;
     let c = l.col_iota()?;
     let hit = l.cmp(CmpOp::Eq, c, t)?;
     let one = l.constf(1.0)?;

@@ -41,6 +41,8 @@ pub(crate) struct Code {
     module: Option<JITModule>,
     pub chunk: ChunkFn,
     pub finalize: Option<FinalFn>,
+    /// The vector constants the code loads (the argument array's last entry points here).
+    pub consts: Vec<crate::math::Const16>,
 }
 
 // SAFETY: after `finalize_definitions` the module is never touched again except to free it on
@@ -65,6 +67,7 @@ pub struct KernelCompiler {
     codes: HashMap<[u8; 32], (Arc<Code>, String)>,
     compiled: usize,
     hits: usize,
+    native_math: bool,
 }
 
 fn sha(parts: &[&str]) -> [u8; 32] {
@@ -97,6 +100,7 @@ impl KernelCompiler {
             codes: HashMap::new(),
             compiled: 0,
             hits: 0,
+            native_math: std::env::var_os("FUSEC_NO_NATIVE_MATH").is_none(),
         })
     }
 
@@ -104,12 +108,16 @@ impl KernelCompiler {
     /// `Err` names what the CPU compiler does not support (the runtime then falls back).
     pub fn compile(&mut self, k: &fusec_ir::Kernel, bind: &fusec_ir::Bindings) -> Result<Arc<CompiledKernel>, String> {
         let binds: String = bind.0.iter().map(|(s, v)| format!("{s}={v};")).collect();
-        let key = sha(&[&k.name, &fusec_ir::text::print(&k.body), &binds]);
+        let native = if self.native_math { "native" } else { "" };
+        let key = sha(&[&k.name, &fusec_ir::text::print(&k.body), &binds, native]);
         if let Some(c) = self.kernels.get(&key) {
             self.hits += 1;
             return Ok(c.clone());
         }
-        let progs = lower::lower_kernel(k, bind)?;
+        let mut progs = lower::lower_kernel(k, bind)?;
+        if self.native_math {
+            progs.iter_mut().for_each(crate::vmath::assign);
+        }
         let mut segments = Vec::with_capacity(progs.len());
         let mut scratch: Vec<Vec<f32>> = Vec::new();
         let mut clif_text = String::new();
@@ -151,7 +159,7 @@ impl KernelCompiler {
             name: k.name.clone(),
             clif: clif_text,
             segments,
-            state: Mutex::new(RunState { scratch, args: Vec::with_capacity(max_slots) }),
+            state: Mutex::new(RunState { scratch, args: Vec::with_capacity(max_slots + clif::CONST_ARGS) }),
             n_operands,
             n_results: k.body.outputs.len(),
             bytes,
@@ -160,6 +168,13 @@ impl KernelCompiler {
         self.compiled += 1;
         self.kernels.insert(key, ck.clone());
         Ok(ck)
+    }
+
+    /// Whether element `exp` / `tanh` over long rows may run in the native routines (AVX-512F
+    /// hosts; on by default). They give the same bits as the generated code, so this only
+    /// changes speed; tests compare the two.
+    pub fn set_native_math(&mut self, on: bool) {
+        self.native_math = on;
     }
 
     /// `(kernels compiled, kernel cache hits)`.
@@ -178,7 +193,7 @@ impl KernelCompiler {
         if let Some((c, t)) = self.codes.get(&key) {
             return Ok((c.clone(), t.clone(), key));
         }
-        let built = clif::build(p, self.isa.default_call_conv(), self.isa.frontend_config(), &mut self.fctx)
+        let mut built = clif::build(p, self.isa.default_call_conv(), self.isa.frontend_config(), &mut self.fctx)
             .map_err(|e| format!("kernel `{}`: {e}", p.name))?;
         let mut module = JITModule::new(JITBuilder::with_isa(self.isa.clone(), default_libcall_names()));
         let mut text = String::new();
@@ -195,13 +210,18 @@ impl KernelCompiler {
                 };
                 return Err(format!("kernel `{}`: Cranelift rejected the generated code: {detail}", p.name));
             }
+            if let (Ok(dir), Some(cc)) = (std::env::var("FUSEC_ASM_DIR"), ctx.compiled_code()) {
+                let _ = std::fs::write(format!("{dir}/{}_{name}.bin", p.name), cc.code_buffer());
+                let _ = std::fs::write(format!("{dir}/{}_{name}.clif", p.name), ctx.func.display().to_string());
+            }
             ids.push(id);
         }
         module.finalize_definitions().map_err(|e| e.to_string())?;
         // SAFETY: the functions were built with exactly these signatures.
         let chunk: ChunkFn = unsafe { std::mem::transmute(module.get_finalized_function(ids[0])) };
         let finalize: Option<FinalFn> = ids.get(1).map(|&id| unsafe { std::mem::transmute(module.get_finalized_function(id)) });
-        let code = Arc::new(Code { module: Some(module), chunk, finalize });
+        let consts = std::mem::take(&mut built.consts);
+        let code = Arc::new(Code { module: Some(module), chunk, finalize, consts });
         self.codes.insert(key, (code.clone(), text.clone()));
         Ok((code, text, key))
     }

@@ -39,6 +39,7 @@ mod plan;
 pub mod prog;
 mod run;
 mod segment;
+mod vmath;
 
 pub use jit::KernelCompiler;
 pub use run::CompiledKernel;

@@ -141,7 +141,7 @@ fn lower_segment(body: &Body, name: &str, seg: &Seg) -> Result<Prog, String> {
         split,
         rows,
         cols,
-        prog: Prog { name: name.to_string(), rows, cols, chunks, nodes: vec![], stores: vec![], slots: vec![], stashes: vec![] },
+        prog: Prog { name: name.to_string(), rows, cols, chunks, nodes: vec![], stores: vec![], slots: vec![], stashes: vec![], offloads: vec![] },
         cse: HashMap::new(),
         memo: HashMap::new(),
         comp: HashMap::new(),

@@ -33,6 +33,30 @@ pub(crate) struct Fx<'a, 'f> {
     pub b: &'a mut FunctionBuilder<'f>,
     /// Four lanes (else scalar).
     pub vec: bool,
+    /// Where vector constants come from.
+    pub pool: &'a mut Pool,
+}
+
+/// A 16-byte vector constant.
+#[derive(Clone, Copy, PartialEq, Eq)]
+#[repr(C, align(16))]
+pub struct Const16(pub [u8; 16]);
+
+/// Vector constants of a function. Inside a vector loop (`base` set) a constant is a load from
+/// this table, which the code reaches through the argument array: Cranelift hoists `vconst`s
+/// out of loops, and a loop body with more live constants than registers then spills and
+/// reloads them every iteration, while a load next to its single use becomes the instruction's
+/// memory operand.
+#[derive(Default)]
+pub struct Pool {
+    /// The table (its address is the last entry of the argument array).
+    pub consts: Vec<Const16>,
+    /// The table's address in the current loop body (loaded in the body, so that the constant
+    /// loads depend on a loop-variant value and stay next to their uses), if in one.
+    pub base: Option<Value>,
+    /// In a loop body whose table address is not loaded yet: where to load it from (the
+    /// argument array and the byte offset of this copy's entry). Loaded at the first constant.
+    pub pending: Option<(Value, i32)>,
 }
 
 /// Flags for a bit reinterpretation between vector types (lane order must be explicit).
@@ -57,12 +81,10 @@ impl Fx<'_, '_> {
             types::I32
         }
     }
-    /// A float constant (a constant-pool vector at four lanes).
+    /// A float constant (a vector constant at four lanes).
     pub fn f(&mut self, x: f32) -> Value {
         if self.vec {
-            let bytes: Vec<u8> = (0..4).flat_map(|_| x.to_le_bytes()).collect();
-            let c = self.b.func.dfg.constants.insert(ConstantData::from(bytes));
-            self.b.ins().vconst(types::F32X4, c)
+            self.vconst(types::F32X4, [x.to_bits(); 4])
         } else {
             self.b.ins().f32const(x)
         }
@@ -70,11 +92,38 @@ impl Fx<'_, '_> {
     /// An integer constant.
     pub fn i(&mut self, x: i32) -> Value {
         if self.vec {
-            let bytes: Vec<u8> = (0..4).flat_map(|_| x.to_le_bytes()).collect();
-            let c = self.b.func.dfg.constants.insert(ConstantData::from(bytes));
-            self.b.ins().vconst(types::I32X4, c)
+            self.vconst(types::I32X4, [x as u32; 4])
         } else {
             self.b.ins().iconst(types::I32, x as i64)
+        }
+    }
+    /// A vector constant of four 32-bit lanes: a load from the [`Pool`] in a loop body, else a
+    /// `vconst`.
+    pub fn vconst(&mut self, ty: Type, lanes: [u32; 4]) -> Value {
+        let mut bytes = [0u8; 16];
+        for (i, l) in lanes.iter().enumerate() {
+            bytes[4 * i..4 * i + 4].copy_from_slice(&l.to_le_bytes());
+        }
+        if let (None, Some((args, off))) = (self.pool.base, self.pool.pending) {
+            let base = self.b.ins().load(types::I64, MemFlagsData::trusted().with_readonly(), args, off);
+            self.pool.base = Some(base);
+        }
+        match self.pool.base {
+            Some(base) => {
+                let k = match self.pool.consts.iter().position(|c| c.0 == bytes) {
+                    Some(k) => k,
+                    None => {
+                        self.pool.consts.push(Const16(bytes));
+                        self.pool.consts.len() - 1
+                    }
+                };
+                let fl = MemFlagsData::trusted().with_readonly().with_can_move().with_endianness(Endianness::Little);
+                self.b.ins().load(ty, fl, base, (16 * k) as i32)
+            }
+            None => {
+                let c = self.b.func.dfg.constants.insert(ConstantData::from(bytes.to_vec()));
+                self.b.ins().vconst(ty, c)
+            }
         }
     }
     /// Float bits as integers.

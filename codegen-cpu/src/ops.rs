@@ -8,7 +8,7 @@
 //! i32 0 or 1 like the interpreter's.
 
 use cranelift_codegen::ir::condcodes::{FloatCC, IntCC};
-use cranelift_codegen::ir::{types, ConstantData, InstBuilder, MemFlagsData, Value};
+use cranelift_codegen::ir::{types, InstBuilder, MemFlagsData, Value};
 use fusec_ir::{BinaryOp, CmpOp, UnaryOp};
 
 use crate::clif::{ColPos, Gen};
@@ -53,18 +53,26 @@ pub(crate) fn compute(g: &mut Gen, id: NodeId) -> R<Value> {
             let addr = g.addr(&v)?;
             load(g, v.mem, addr)
         }
-        Expr::ColIota => match g.cpos {
-            ColPos::Var(c) if g.vec => {
-                let c32 = g.b.ins().ireduce(types::I32, c);
+        Expr::ColIota => {
+            let c32 = match g.cpos {
+                ColPos::Var(c, k) => {
+                    let c32 = g.b.ins().ireduce(types::I32, c);
+                    if k == 0 {
+                        c32
+                    } else {
+                        g.b.ins().iadd_imm_s(c32, k as i64)
+                    }
+                }
+                ColPos::Const(t) => g.b.ins().iconst(types::I32, t as i64),
+            };
+            if g.vec {
                 let s = g.b.ins().splat(types::I32X4, c32);
-                let bytes: Vec<u8> = (0..4i32).flat_map(|i| i.to_le_bytes()).collect();
-                let k = g.b.func.dfg.constants.insert(ConstantData::from(bytes));
-                let lanes = g.b.ins().vconst(types::I32X4, k);
+                let lanes = g.fx().vconst(types::I32X4, [0, 1, 2, 3]);
                 g.b.ins().iadd(s, lanes)
+            } else {
+                c32
             }
-            ColPos::Var(c) => g.b.ins().ireduce(types::I32, c),
-            ColPos::Const(t) => g.fx().i(t as i32),
-        },
+        }
         Expr::RowIota { div, modulo } => {
             let mut q = g.r.ok_or("internal: row index outside the row loop")?;
             if div != 1 {
@@ -131,6 +139,7 @@ pub(crate) fn compute(g: &mut Gen, id: NodeId) -> R<Value> {
                 g.b.ins().uextend(types::I32, mask)
             }
         }
+        Expr::Select(_, _, b) if g.vec && g.assume_false.contains(&id) => g.get(b)?,
         Expr::Select(c, a, b) => {
             let cond = mask_of(g, c)?;
             let (x, y) = (g.get(a)?, g.get(b)?);
@@ -151,6 +160,7 @@ pub(crate) fn compute(g: &mut Gen, id: NodeId) -> R<Value> {
             g.b.ins().fcvt_from_sint(t, x)
         }
         Expr::RowReduce(..) => return Err(format!("internal: row reduction %{id} requested before its pass")),
+        Expr::Pick(x, t) => pick(g, x, t)?,
         Expr::ColReduce(op, a, slot) => {
             if !g.fin {
                 return Err(format!("internal: column reduction %{id} outside the finalize function"));
@@ -174,6 +184,30 @@ pub(crate) fn compute(g: &mut Gen, id: NodeId) -> R<Value> {
             acc
         }
     })
+}
+
+/// [`Expr::Pick`]: `x` computed (as a scalar) at column `t` clamped into `[0, C)`, plus `+0.0`,
+/// or `0.0` when `t` is out of range. Called outside the column loops.
+fn pick(g: &mut Gen, x: NodeId, t: NodeId) -> R<Value> {
+    let cols = g.p.cols as i64;
+    let tc = g.clamped_col(t)?;
+    let t32 = g.get(t)?;
+    let t64 = g.b.ins().sextend(types::I64, t32);
+    let inside = g.b.ins().icmp_imm_u(IntCC::UnsignedLessThan, t64, cols);
+    let (saved_pos, saved_level) = (g.cpos, g.level);
+    let (saved_cur, saved_masks) = (std::mem::take(&mut g.cur), std::mem::take(&mut g.cur_masks));
+    g.cpos = ColPos::Var(tc, 0);
+    // Stashed values of earlier passes are read back (see `Gen::get`).
+    g.level = g.p.node(x).level;
+    let v = g.get(x);
+    g.cpos = saved_pos;
+    g.level = saved_level;
+    g.cur = saved_cur;
+    g.cur_masks = saved_masks;
+    let v = v?;
+    let z = g.b.ins().f32const(0.0);
+    let v0 = g.b.ins().fadd(v, z);
+    Ok(g.b.ins().select(inside, v0, z))
 }
 
 /// The raw mask of condition `c` at the current width (a comparison's own mask, else `c != 0`).

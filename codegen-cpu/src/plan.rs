@@ -51,6 +51,26 @@ pub(crate) struct Pass {
     pub(crate) splats: Vec<NodeId>,
     /// Stashed values computed (and written to their row buffer) by this pass.
     pub(crate) stash_writes: Vec<(NodeId, u32)>,
+    /// Offloaded values whose arguments this pass writes to their row buffers (then calls the
+    /// native routine on them): a pass of its own, just before the level's other pass.
+    pub(crate) offload: Vec<(NodeId, u32)>,
+    /// One-hot selects `select(c == t, a, b)` (`t` per row) that only the pass's stores read:
+    /// the column loop computes `b` everywhere, and the stores' values at column `t` (computed
+    /// before the loop, while every operand is intact) are written after it. `(t, selects)`.
+    pub(crate) one_hot: Option<(NodeId, Vec<NodeId>)>,
+}
+
+/// `t` when node `id` is `select(c == t, a, b)` (or `t == c`) for the column index `c` and an
+/// i32 `t` that is constant along the row.
+pub(crate) fn one_hot_index(p: &Prog, id: NodeId) -> Option<NodeId> {
+    let Expr::Select(c, _, _) = p.node(id).expr else { return None };
+    let Expr::Cmp(fusec_ir::CmpOp::Eq, x, y) = p.node(c).expr else { return None };
+    let t = match (&p.node(x).expr, &p.node(y).expr) {
+        (Expr::ColIota, _) => y,
+        (_, Expr::ColIota) => x,
+        _ => return None,
+    };
+    (p.node(t).ty == crate::prog::Ty::I32 && !p.node(t).space.has_col()).then_some(t)
 }
 
 /// What the two functions compute.
@@ -70,6 +90,8 @@ pub(crate) struct Plan {
     pub(crate) colreds: Vec<NodeId>,
     /// Live stashed values and their row-buffer slots.
     pub(crate) stashes: Vec<(NodeId, u32)>,
+    /// Live offloaded values and their row-buffer slots.
+    pub(crate) offloads: Vec<(NodeId, u32)>,
 }
 
 fn mark(p: &Prog, live: &mut [bool], root: NodeId, stop_at_colred: bool) {
@@ -120,6 +142,30 @@ pub(crate) fn plan(p: &Prog) -> Plan {
     let col_colreds: Vec<NodeId> = colreds.iter().copied().filter(|&c| p.node(arg(c)).space.has_col()).collect();
     let row_colreds: Vec<NodeId> = colreds.iter().copied().filter(|&c| !p.node(arg(c)).space.has_col()).collect();
     let stashes: Vec<(NodeId, u32)> = p.stashes.iter().copied().filter(|(t, _)| main_live[*t as usize]).collect();
+    let offloads: Vec<(NodeId, u32)> = p.offloads.iter().copied().filter(|(t, _)| main_live[*t as usize]).collect();
+    // Values a pass of `level` reads back from a row buffer instead of computing them.
+    let read_back = |id: NodeId, level: u32, pre: bool| {
+        let l = p.node(id).level;
+        (l < level && stashes.iter().any(|(t, _)| *t == id)) || ((l < level || (l == level && !pre)) && offloads.iter().any(|(t, _)| *t == id))
+    };
+    // Row values read by a pass's column work are splatted before its loop.
+    let splats_of = |roots: Vec<NodeId>, level: u32, pre: bool| {
+        let mut seen = vec![false; n];
+        let mut splats = vec![];
+        let mut stack = roots;
+        while let Some(id) = stack.pop() {
+            if std::mem::replace(&mut seen[id as usize], true) || read_back(id, level, pre) {
+                continue;
+            }
+            if region(p, id) == Region::Col {
+                stack.extend(p.node(id).expr.args());
+            } else {
+                splats.push(id);
+            }
+        }
+        splats.sort_unstable();
+        splats
+    };
     let last = rowreds
         .iter()
         .chain(&col_colreds)
@@ -132,6 +178,11 @@ pub(crate) fn plan(p: &Prog) -> Plan {
         if last.is_none() {
             break;
         }
+        let off: Vec<(NodeId, u32)> = offloads.iter().copied().filter(|(t, _)| p.node(*t).level == level).collect();
+        if !off.is_empty() {
+            let splats = splats_of(off.iter().map(|(t, _)| arg(*t)).collect(), level, true);
+            passes.push(Pass { level, rowreds: vec![], colreds: vec![], stores: vec![], splats, stash_writes: vec![], offload: off, one_hot: None });
+        }
         let rr: Vec<NodeId> = rowreds.iter().copied().filter(|&r| p.node(arg(r)).level == level).collect();
         let cr: Vec<NodeId> = col_colreds.iter().copied().filter(|&r| p.node(arg(r)).level == level).collect();
         let st: Vec<usize> = if Some(level) == last { elem_stores.clone() } else { vec![] };
@@ -139,28 +190,37 @@ pub(crate) fn plan(p: &Prog) -> Plan {
         if rr.is_empty() && cr.is_empty() && st.is_empty() && sw.is_empty() {
             continue;
         }
-        // Row values read by the pass's column work are splatted before its loop.
-        let mut seen = vec![false; n];
-        let mut splats = vec![];
-        let mut stack: Vec<NodeId> = rr.iter().chain(&cr).map(|&r| arg(r)).collect();
-        stack.extend(st.iter().map(|&s| p.stores[s].value));
-        stack.extend(sw.iter().map(|(t, _)| *t));
-        while let Some(id) = stack.pop() {
-            if std::mem::replace(&mut seen[id as usize], true) {
-                continue;
-            }
-            let read_back = p.node(id).level < level && stashes.iter().any(|(t, _)| *t == id);
-            if read_back {
-                continue;
-            }
-            if region(p, id) == Region::Col {
+        let mut roots: Vec<NodeId> = rr.iter().chain(&cr).map(|&r| arg(r)).collect();
+        roots.extend(st.iter().map(|&s| p.stores[s].value));
+        roots.extend(sw.iter().map(|(t, _)| *t));
+        let splats = splats_of(roots, level, false);
+        // One-hot selects read by the stores only.
+        let reach = |roots: Vec<NodeId>| {
+            let mut seen = vec![false; n];
+            let mut stack = roots;
+            while let Some(id) = stack.pop() {
+                if std::mem::replace(&mut seen[id as usize], true) || read_back(id, level, false) || region(p, id) != Region::Col {
+                    continue;
+                }
                 stack.extend(p.node(id).expr.args());
-            } else {
-                splats.push(id);
+            }
+            seen
+        };
+        let mut others: Vec<NodeId> = rr.iter().chain(&cr).map(|&r| arg(r)).collect();
+        others.extend(sw.iter().map(|(t, _)| *t));
+        let other = reach(others);
+        let stored = reach(st.iter().map(|&s| p.stores[s].value).collect());
+        let mut one_hot: Option<(NodeId, Vec<NodeId>)> = None;
+        for id in (0..n as NodeId).filter(|&i| stored[i as usize] && !other[i as usize] && region(p, i) == Region::Col) {
+            if let Some(t) = one_hot_index(p, id) {
+                match &mut one_hot {
+                    None => one_hot = Some((t, vec![id])),
+                    Some((t0, v)) if *t0 == t => v.push(id),
+                    Some(_) => {}
+                }
             }
         }
-        splats.sort_unstable();
-        passes.push(Pass { level, rowreds: rr, colreds: cr, stores: st, splats, stash_writes: sw });
+        passes.push(Pass { level, rowreds: rr, colreds: cr, stores: st, splats, stash_writes: sw, offload: vec![], one_hot });
     }
-    Plan { passes, main_live, fin_live, row_stores, fin_stores, row_colreds, colreds, stashes }
+    Plan { passes, main_live, fin_live, row_stores, fin_stores, row_colreds, colreds, stashes, offloads }
 }

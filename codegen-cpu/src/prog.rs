@@ -186,6 +186,10 @@ pub enum Expr {
     IToF(NodeId),
     /// A reduction over the columns of a row (level + 1).
     RowReduce(ReduceOp, NodeId),
+    /// `x(r, t) + 0.0` for the per-row (or kernel-wide) i32 column `t`, or `0.0` when `t` is
+    /// outside `[0, C)`: the row sum of `c == t ? x : 0` (a one-hot pick, such as the target's
+    /// logit in cross-entropy), bit for bit, computed at one column instead of summed over all.
+    Pick(NodeId, NodeId),
     /// A reduction over all rows, by chunk partials in the given scratch slot ([`FINAL`]).
     ColReduce(ReduceOp, NodeId, u32),
 }
@@ -197,7 +201,7 @@ impl Expr {
         match *self {
             ConstF(_) | ConstI(_) | Load(_) | ColIota | RowIota { .. } => vec![],
             Unary(_, a) | RoundBf16(a) | FToI(a) | IToF(a) | RowReduce(_, a) | ColReduce(_, a, _) => vec![a],
-            Binary(_, a, b) | Cmp(_, a, b) => vec![a, b],
+            Binary(_, a, b) | Cmp(_, a, b) | Pick(a, b) => vec![a, b],
             Select(c, a, b) => vec![c, a, b],
         }
     }
@@ -258,6 +262,12 @@ pub struct Prog {
     /// Transcendental element values (`exp`, `log`, `tanh`) that later passes read back from a
     /// per-chunk row buffer (in the given scratch slot) instead of recomputing them.
     pub stashes: Vec<(NodeId, u32)>,
+    /// Element `exp` / `tanh` values the CPU code generator computes with a native routine over
+    /// a per-chunk row buffer (in the given scratch slot): the argument is written to the
+    /// buffer, the routine replaces it in place, and every later read loads it back. Empty
+    /// as [`crate::lower::lower_kernel`] returns a program; the CPU compiler fills it in when its
+    /// host has such routines (they give the same bits as the generated code).
+    pub offloads: Vec<(NodeId, u32)>,
 }
 
 /// Rows `[begin, end)` of chunk `k` of `chunks` over `rows` rows.
@@ -323,6 +333,9 @@ impl Prog {
         for (id, slot) in &self.stashes {
             let _ = writeln!(s, "  stash %{id} s{slot}");
         }
+        for (id, slot) in &self.offloads {
+            let _ = writeln!(s, "  offload %{id} s{slot}");
+        }
         s
     }
 }
@@ -362,6 +375,7 @@ fn expr_text(e: &Expr) -> String {
         FToI(a) => format!("f2i %{a}"),
         IToF(a) => format!("i2f %{a}"),
         RowReduce(op, a) => format!("row_{} %{a}", format!("{op:?}").to_lowercase()),
+        Pick(a, t) => format!("pick %{a}, col %{t}"),
         ColReduce(op, a, s) => format!("col_{} %{a} s{s}", format!("{op:?}").to_lowercase()),
     }
 }

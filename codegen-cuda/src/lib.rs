@@ -1,1 +1,233 @@
-//! CUDA code generation (issue 6). Will own: fused kernel -> CUDA C source, NVRTC compilation and the disk cache, cuBLAS calls.
+//! CUDA code generation: fused kernels → CUDA C source, hand-written CUDA C for the ops that
+//! stay their own launches, NVRTC compilation with an on-disk cache, and the row-major →
+//! column-major mapping of GEMMs onto cuBLAS.
+//!
+//! # Fused kernels
+//!
+//! [`kernel_source`] turns a `kernel` node's body into one CUDA C module, a pure function of the
+//! body and the bindings (same body, same text: the twelve identical LayerNorms of GPT-2 124M
+//! compile once). It reuses the CPU backend's backend-neutral lowering — decision: this crate
+//! depends on `fusec-codegen-cpu` for its `lower` and `prog` modules only (the *row program*: the
+//! kernel's domain as `[R, C]`, values per element / row / column / kernel, reduction levels),
+//! so both backends agree on what a kernel computes and differ only in how it is scheduled.
+//! `plan` picks the thread layout (flat, one team per row, one thread per column) and `emit`
+//! prints the kernels: one statement per IR operation, deterministic team reductions (warp
+//! shuffles, then shared memory in warp order), column reductions as per-team or per-chunk
+//! partials summed in a fixed order by a second *finalize* kernel. The module starts with
+//! [`prelude::PRELUDE`] (bf16 conversions by bit shifts with round-to-nearest-even, NaN-
+//! propagating max/min, team reductions) and includes no header.
+//!
+//! Every entry of a fused kernel's module takes the same parameters: the operands (`in0`, ...,
+//! `const T*`), the results (`out0`, ..., `T*`; a result may be the same buffer as an operand
+//! where the memory planner made it in place), then `float* scratch` of at least
+//! [`KernelSource::scratch_bytes`] — or, when that many pointers would not fit in the 4 KiB of
+//! kernel parameters ([`KernelSource::param_table`]), a pointer to a device table of them and
+//! `scratch`. Launch the [`KernelSource::launches`] in order on one stream.
+//!
+//! # The rest
+//!
+//! - [`native`]: gather, deterministic scatter-add, causal attention (softmax parts around
+//!   cuBLAS products), iota, the GEMM epilogue; one module.
+//! - [`nvrtc`]: compiles sources to CUBIN for the device's architecture, in parallel, with an
+//!   on-disk cache keyed by SHA-256 of (source, options, architecture, NVRTC version, fusec
+//!   version).
+//! - [`gemm`]: `y = op(a) op(b)` on row-major buffers as a column-major cuBLAS call.
+
+mod emit;
+pub mod gemm;
+pub mod native;
+pub mod nvrtc;
+mod plan;
+pub mod prelude;
+
+use std::fmt::Write;
+
+use fusec_codegen_cpu::lower::lower_kernel;
+use fusec_codegen_cpu::prog::Slot;
+use fusec_ir::{Bindings, DType, Kernel, Op};
+
+pub use emit::LaunchRule;
+use emit::Seg;
+use plan::{plan, Mapping, BLOCK};
+
+/// Bumped whenever the generated code changes for the same kernel (part of the cache key).
+pub const CODEGEN_REVISION: &str = "fusec-codegen-cuda/1";
+
+/// The CUDA C of one fused kernel and how to launch it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KernelSource {
+    /// The kernel's name (from `fuse-elementwise`), as given.
+    pub name: String,
+    /// The C identifier the entries are named after (sanitized, at most 48 characters).
+    pub ident: String,
+    /// The module's CUDA C.
+    pub source: String,
+    /// The kernels to launch, in order.
+    pub launches: Vec<LaunchRule>,
+    /// Bytes of `scratch` the launches need (column partials), 256-byte multiple.
+    pub scratch_bytes: u64,
+    /// Approximate float operations of one run (for the profiler).
+    pub flops: u64,
+    /// The entries take `(const unsigned long long* args, float* scratch)`: `args` points at
+    /// device memory holding the operand pointers then the result pointers (when they would
+    /// not fit in kernel parameters, see [`MAX_PARAM_BYTES`]).
+    pub param_table: bool,
+}
+
+impl KernelSource {
+    /// The first entry's name.
+    pub fn entry(&self) -> &str {
+        &self.launches[0].entry
+    }
+}
+
+/// A C identifier for a kernel name: letters, digits and `_`, at most 48 characters.
+pub fn ident(name: &str) -> String {
+    let mut s: String = name.chars().map(|c| if c.is_ascii_alphanumeric() || c == '_' { c } else { '_' }).take(48).collect();
+    if s.is_empty() || s.as_bytes()[0].is_ascii_digit() {
+        s.insert_str(0, "k_");
+    }
+    s
+}
+
+fn c_type(d: DType) -> Result<&'static str, String> {
+    match d {
+        DType::F32 => Ok("float"),
+        DType::BF16 => Ok("unsigned short"),
+        DType::I32 => Ok("int"),
+        DType::F16 => Err("f16 storage is not supported by the CUDA kernel generator".into()),
+    }
+}
+
+/// The C types of the kernel's operands and results.
+fn io_types(k: &Kernel) -> Result<(Vec<&'static str>, Vec<&'static str>), String> {
+    let mut ins = vec![];
+    for n in &k.body.nodes {
+        if let Op::Input { ty, .. } = &n.op {
+            ins.push(c_type(ty.dtype)?);
+        }
+    }
+    let outs = k.body.outputs.iter().map(|(_, v)| c_type(k.body.ty(*v).dtype)).collect::<Result<_, _>>()?;
+    Ok((ins, outs))
+}
+
+/// Kernel parameter bytes above which the operand and result pointers are passed through a
+/// table in device memory (CUDA's limit is 4 KiB; the multi-tensor AdamW of GPT-2 124M has
+/// over 1000 pointers).
+pub const MAX_PARAM_BYTES: usize = 2048;
+
+/// The CUDA C source of a fused kernel under concrete bindings (see the crate docs). An `Err`
+/// names what the generator does not support (the same limits as the CPU lowering).
+pub fn kernel_source(k: &Kernel, bind: &Bindings) -> Result<KernelSource, String> {
+    let progs = lower_kernel(k, bind)?;
+    if progs.is_empty() {
+        return Err(format!("kernel `{}` has no outputs", k.name));
+    }
+    let name = ident(&k.name);
+    let (ins, outs) = io_types(k).map_err(|e| format!("kernel `{}`: {e}", k.name))?;
+    let table = (ins.len() + outs.len() + 1) * 8 > MAX_PARAM_BYTES;
+    let params = if table {
+        "const unsigned long long* args, float* scratch".to_string()
+    } else {
+        let mut ps: Vec<String> = ins.iter().enumerate().map(|(i, t)| format!("const {t}* in{i}")).collect();
+        ps.extend(outs.iter().enumerate().map(|(j, t)| format!("{t}* out{j}")));
+        ps.push("float* scratch".into());
+        ps.join(", ")
+    };
+    let decls = |s: &Seg, ind: &str| -> String {
+        if !table {
+            return String::new();
+        }
+        let mut d = String::new();
+        for sl in &s.p.slots {
+            match *sl {
+                Slot::Operand(i) => {
+                    let _ = writeln!(d, "{ind}const {t}* in{i} = (const {t}*)args[{i}];", t = ins[i]);
+                }
+                Slot::Result(j) => {
+                    let _ = writeln!(d, "{ind}{t}* out{j} = ({t}*)args[{}];", ins.len() + j, t = outs[j]);
+                }
+                Slot::Scratch(_) => {}
+            }
+        }
+        d
+    };
+    let mut scratch = 0u64;
+    let mut segs = vec![];
+    for p in &progs {
+        let plan = plan(p);
+        let mut offs = vec![];
+        for &c in &plan.colreds {
+            let arg = p.node(plan::arg(p, c));
+            offs.push((c, scratch));
+            scratch += plan.parts * if arg.space.has_col() { p.cols } else { 1 };
+        }
+        segs.push(Seg { p, plan, scratch: offs });
+    }
+    let mut src = String::new();
+    let _ = writeln!(src, "// {} (fusec: {CODEGEN_REVISION}); {} segment(s)", k.name, segs.len());
+    src.push_str(prelude::PRELUDE);
+    let mut launches = vec![];
+    let sig = |entry: &str, threads: u32| format!("extern \"C\" __global__ void __launch_bounds__({threads}) {entry}({params}) {{\n");
+    let merge = segs.len() > 1 && segs.iter().all(|s| s.plan.mapping == Mapping::Flat && s.plan.fin_stores.is_empty());
+    let err = |e: String| format!("kernel `{}`: {e}", k.name);
+    if merge {
+        // Independent pointwise segments (the multi-tensor AdamW): one launch, a block range each.
+        src.push_str(&sig(&name, BLOCK));
+        let mut first = 0u64;
+        for (i, s) in segs.iter().enumerate() {
+            let blocks = (s.p.rows * s.p.cols).div_ceil(BLOCK as u64);
+            let kw = if i == 0 { "if" } else { "} else if" };
+            let _ = writeln!(src, "  {kw} (blockIdx.x < {}u) {{", first + blocks);
+            src.push_str(&decls(s, "    "));
+            s.flat(&mut src, "    ", first).map_err(err)?;
+            first += blocks;
+        }
+        src.push_str("  }\n}\n");
+        launches.push(LaunchRule { entry: name.clone(), grid: grid_1d(first)?, block: [BLOCK, 1, 1] });
+    } else {
+        for (i, s) in segs.iter().enumerate() {
+            let entry = if segs.len() == 1 { name.clone() } else { format!("{name}_s{i}") };
+            let p = s.p;
+            let (grid, block) = match s.plan.mapping {
+                Mapping::Flat => (grid_1d((p.rows * p.cols).div_ceil(BLOCK as u64))?, [BLOCK, 1, 1]),
+                Mapping::Rows { team, tpb, teams } => (grid_1d(teams.div_ceil(tpb as u64))?, [team * tpb, 1, 1]),
+                Mapping::Cols { bx, by, chunks } => {
+                    ([p.cols.div_ceil(bx as u64) as u32, u32::try_from(chunks / by as u64).map_err(|e| e.to_string())?, 1], [bx, by, 1])
+                }
+            };
+            src.push_str(&sig(&entry, block[0] * block[1]));
+            src.push_str(&decls(s, "  "));
+            s.main_body(&mut src).map_err(err)?;
+            src.push_str("}\n");
+            launches.push(LaunchRule { entry: entry.clone(), grid, block });
+            let mut fin = String::new();
+            if let Some(gx) = s.fin_body(&mut fin).map_err(err)? {
+                let fe = format!("{entry}_fin");
+                src.push_str(&sig(&fe, BLOCK));
+                src.push_str(&decls(s, "  "));
+                src.push_str(&fin);
+                src.push_str("}\n");
+                launches.push(LaunchRule { entry: fe, grid: [gx, 1, 1], block: [32, 8, 1] });
+            }
+        }
+    }
+    let flops = progs.iter().map(|p| p.flops()).sum();
+    Ok(KernelSource {
+        name: k.name.clone(),
+        ident: name,
+        source: src,
+        launches,
+        scratch_bytes: (scratch * 4).div_ceil(256) * 256,
+        flops,
+        param_table: table,
+    })
+}
+
+fn grid_1d(blocks: u64) -> Result<[u32; 3], String> {
+    let b = u32::try_from(blocks.max(1))
+        .ok()
+        .filter(|&b| b < i32::MAX as u32)
+        .ok_or_else(|| format!("{blocks} blocks exceed the grid limit"))?;
+    Ok([b, 1, 1])
+}

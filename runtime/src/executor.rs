@@ -37,6 +37,10 @@ pub trait Executor {
     fn run(&mut self, program: Program) -> Result<StepOutputs, String>;
     /// The output `name` of the latest run of `program`.
     fn output(&self, program: Program, name: &str) -> Result<Tensor, String>;
+    /// Peak device memory in bytes, for GPU executors.
+    fn peak_device_bytes(&self) -> Option<u64> {
+        None
+    }
     /// Per-kernel timings, for executors that profile.
     fn profile(&self) -> Option<crate::cpu::profile::Profile> {
         None

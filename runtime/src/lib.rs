@@ -4,6 +4,7 @@
 pub mod checkpoint;
 pub mod corpus;
 pub mod cpu;
+pub mod cuda;
 pub mod data;
 pub mod executor;
 pub mod file_error;

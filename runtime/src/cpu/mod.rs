@@ -2,7 +2,7 @@
 //! through the `gemm` crate, native attention and embedding ops, per-launch timing.
 
 mod launch;
-mod layout;
+pub(crate) mod layout;
 pub mod ops;
 pub mod profile;
 

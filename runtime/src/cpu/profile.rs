@@ -33,17 +33,22 @@ pub struct Profile {
 impl Profile {
     /// Adds one launch's time.
     pub fn record(&mut self, _program: Program, _index: usize, l: &Launch, dt: Duration) {
-        if !self.stats.contains_key(&l.name) {
-            self.order.push(l.name.clone());
-            self.stats.insert(l.name.clone(), Stat { min: dt, ..Stat::default() });
+        self.record_launch(&l.name, l.bytes, l.flops, dt);
+    }
+
+    /// Adds one launch's time by name, with its static byte and FLOP counts (any target).
+    pub fn record_launch(&mut self, name: &str, bytes: u64, flops: u64, dt: Duration) {
+        if !self.stats.contains_key(name) {
+            self.order.push(name.to_string());
+            self.stats.insert(name.to_string(), Stat { min: dt, ..Stat::default() });
         }
-        let s = self.stats.get_mut(&l.name).expect("inserted above");
+        let s = self.stats.get_mut(name).expect("inserted above");
         s.calls += 1;
         s.total += dt;
         s.min = s.min.min(dt);
         s.max = s.max.max(dt);
-        s.bytes += l.bytes;
-        s.flops += l.flops;
+        s.bytes += bytes;
+        s.flops += flops;
     }
 
     /// The stats in first-launch order.

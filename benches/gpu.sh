@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# GPU benchmark and parity check, for a machine with an NVIDIA GPU (the device tool's H100).
+#
+# Needs, inside the repository (ignored by git, carried to the device as `.dev`):
+#   .dev/fusec                  the release binary built on the development machine
+#   .dev/torch_gpt2_bench.py    ../shared/bench/torch_gpt2_bench.py
+#   .dev/refs/llmc-odd/         ../shared/refs/llmc-odd (optional: the parity step is skipped without it)
+#
+# Runs:
+#   1. llm.c parity on llmc-odd with plain fp32 products (--no-tf32): 10 losses vs reference.json
+#   2. GPT-2 124M, fp32 (TF32 products), B=16 T=1024, 30 steps from random init, --profile
+#   3. PyTorch on the same shape: eager-fp32 (TF32 allowed, as the bench sets it) and compile-bf16
+# and prints fusec's tokens/s next to each PyTorch mode's, with the ratio.
+#
+# Output files go to $OUT (the device tool's result folder) or /tmp/fusec-gpu-bench.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+BIN=${FUSEC_BIN:-.dev/fusec}
+TORCH=${TORCH_BENCH:-.dev/torch_gpt2_bench.py}
+REFS=${FUSEC_REFS:-.dev/refs/llmc-odd}
+OUTDIR=${OUT:-/tmp/fusec-gpu-bench}
+STEPS=${STEPS:-30}
+mkdir -p "$OUTDIR"
+export FUSEC_CACHE_DIR=${FUSEC_CACHE_DIR:-$OUTDIR/cache}
+# CUDA's libraries (libnvrtc, libcublas) where the toolkit keeps them, if the loader does not know them.
+for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib; do
+  [ -d "$d" ] && export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}$d"
+done
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+
+echo "== 1. llm.c parity (llmc-odd, fp32, --no-tf32)"
+if [ -f "$REFS/reference.json" ]; then
+  "$BIN" export gpt2 --like "$REFS/gpt2_odd_s4242.bin" -o "$OUTDIR/odd.graph"
+  "$BIN" run "$OUTDIR/odd.graph" --target cuda --no-tf32 --init "$REFS/gpt2_odd_s4242.bin" \
+    --data "$REFS/tokens_train_s11.bin" --val "$REFS/tokens_val_s12.bin" --val-every 100 \
+    --batch 3 --seq 48 --steps 10 --lr 1e-3 --log-json "$OUTDIR/parity.jsonl" | tee "$OUTDIR/parity.txt"
+  python3 - "$REFS/reference.json" "$OUTDIR/parity.jsonl" <<'EOF'
+import json, sys
+ref = json.load(open(sys.argv[1]))
+got = [json.loads(l) for l in open(sys.argv[2]) if l.strip()]
+worst = max(abs(g["loss"] - w) for g, w in zip(got, ref["losses"]))
+print(f"parity: {len(got)} losses, worst difference from llm.c {worst:.3e} ({'PASS' if worst <= 1e-5 else 'FAIL'} at 1e-5)")
+EOF
+else
+  echo "skipped: no $REFS/reference.json"
+fi
+
+echo "== 2. fusec: GPT-2 124M fp32 (TF32 products) B=16 T=1024, $STEPS steps"
+"$BIN" run models/gpt2-124m.graph --target cuda --batch 16 --seq 1024 --steps "$STEPS" --val-every 1000000 \
+  --profile --profile-json "$OUTDIR/profile.json" --log-json "$OUTDIR/fusec.jsonl" | tee "$OUTDIR/fusec.txt"
+
+echo "== 3. PyTorch: eager-fp32, compile-bf16"
+python3 "$TORCH" --layers 12 --heads 12 --channels 768 --batch 16 --seq 1024 \
+  --modes eager-fp32,compile-bf16 | tee "$OUTDIR/torch.jsonl"
+
+python3 - "$OUTDIR/fusec.jsonl" "$OUTDIR/torch.jsonl" <<'EOF'
+import json, sys
+steps = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+ms = sorted(s["ms"] for s in steps[1:]) or [steps[0]["ms"]]
+med = ms[len(ms) // 2]
+fusec = 16 * 1024 / (med / 1000.0)
+print(f"fusec cuda fp32/tf32: {med:.1f} ms/step (median of steps 1..), {fusec:,.0f} tok/s, loss {steps[0]['loss']:.4f} -> {steps[-1]['loss']:.4f}")
+for l in open(sys.argv[2]):
+    l = l.strip()
+    if not l.startswith("{"):
+        continue
+    t = json.loads(l)
+    print(f"torch {t['mode']:>13}: {t['ms_per_step_median']:.1f} ms/step, {t['tokens_per_s']:,} tok/s, peak {t['peak_mem_mib']} MiB"
+          f"  -> fusec / torch = {fusec / t['tokens_per_s']:.2f}x")
+EOF

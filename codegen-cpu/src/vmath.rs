@@ -1,0 +1,209 @@
+//! Native `exp` and `tanh` over a row buffer, for hosts with AVX-512F.
+//!
+//! Cranelift emits at most 128-bit vectors, so an `exp` costs about 45 instructions per four
+//! lanes in generated code; these routines run the same algorithms 16 lanes at a time. A kernel
+//! whose rows are long enough computes the argument of such a function into a per-chunk row
+//! buffer, calls the routine on it in place, and reads the results back (see
+//! [`crate::prog::Prog::offloads`]).
+//!
+//! The routines are op-for-op ports of the generated code in [`crate::math`] (same constants,
+//! same order of IEEE operations, no FMA, compare-and-blend selects), so they produce exactly
+//! the same bits: a kernel gives the same results whether or not its host has AVX-512.
+
+use fusec_ir::UnaryOp;
+
+use crate::prog::{Expr, NodeId, Prog, Slot, FINAL};
+
+/// `fn(buf, n)`: replaces `buf[..n]` by `f(buf[..n])`.
+pub(crate) type RowFn = unsafe extern "C" fn(*mut f32, u64);
+
+/// The native routine for `u` on this host, if there is one.
+pub(crate) fn native(u: UnaryOp) -> Option<RowFn> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            return match u {
+                UnaryOp::Exp => Some(x86::exp_row as RowFn),
+                UnaryOp::Tanh => Some(x86::tanh_row as RowFn),
+                _ => None,
+            };
+        }
+    }
+    let _ = u;
+    None
+}
+
+/// Rows shorter than this compute `exp` / `tanh` inline (a call per row would not pay off).
+pub(crate) const MIN_COLS: u64 = 64;
+
+/// Fills in [`Prog::offloads`]: every element `exp` / `tanh` node with a native routine on this
+/// host, in a program with rows of at least [`MIN_COLS`] columns, whose argument does not read
+/// another offloaded value of its own level (those are computed in one pass before the calls).
+/// A stashed node keeps its stash buffer as its row buffer (no longer a stash).
+pub(crate) fn assign(p: &mut Prog) {
+    if p.cols < MIN_COLS {
+        return;
+    }
+    let n = p.nodes.len();
+    let mut off = vec![false; n];
+    for id in 0..n {
+        let node = &p.nodes[id];
+        let Expr::Unary(u, a) = node.expr else { continue };
+        if !node.space.has_col() || node.level == FINAL || native(u).is_none() {
+            continue;
+        }
+        // Does the argument read an offloaded node of this level (through element values)?
+        let mut stack = vec![a];
+        let mut seen = vec![false; n];
+        let mut nested = false;
+        while let Some(x) = stack.pop() {
+            if std::mem::replace(&mut seen[x as usize], true) {
+                continue;
+            }
+            let xn = &p.nodes[x as usize];
+            if !xn.space.has_col() || xn.level != node.level {
+                continue;
+            }
+            if off[x as usize] {
+                nested = true;
+                break;
+            }
+            stack.extend(xn.expr.args());
+        }
+        off[id] = !nested;
+    }
+    for id in (0..n as NodeId).filter(|&i| off[i as usize]) {
+        let slot = match p.stashes.iter().position(|&(t, _)| t == id) {
+            Some(k) => p.stashes.remove(k).1,
+            None => {
+                p.slots.push(Slot::Scratch((p.chunks * p.cols) as usize));
+                (p.slots.len() - 1) as u32
+            }
+        };
+        p.offloads.push((id, slot));
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    /// The Cephes `expf` polynomial, highest degree first (as `math::exp`).
+    #[allow(clippy::excessive_precision)]
+    const EXP_P: [f32; 6] = [1.987_569_1e-4, 1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 1.666_666_5e-1, 5.000_000_1e-1];
+    /// The Cephes `tanhf` polynomial (as `math::tanh`).
+    #[allow(clippy::excessive_precision)]
+    const TANH_P: [f32; 5] = [-5.704_988_7e-3, 2.063_908_9e-2, -5.373_971_6e-2, 1.333_144_2e-1, -3.333_328_2e-1];
+
+    #[inline(always)]
+    unsafe fn splat(x: f32) -> __m512 {
+        _mm512_set1_ps(x)
+    }
+
+    /// `c[0] x^n + ...`, as `Fx::horner`: multiply, then add, one rounding each.
+    #[inline(always)]
+    unsafe fn horner(x: __m512, cs: &[f32]) -> __m512 {
+        let mut p = splat(cs[0]);
+        for &c in &cs[1..] {
+            p = _mm512_mul_ps(p, x);
+            p = _mm512_add_ps(p, splat(c));
+        }
+        p
+    }
+
+    /// `math::exp` on 16 lanes.
+    #[inline(always)]
+    unsafe fn exp16(x: __m512) -> __m512 {
+        const LOG2E: f32 = std::f32::consts::LOG2_E;
+        const C1: f32 = 0.693_359_4;
+        #[allow(clippy::excessive_precision)]
+        const C2: f32 = -2.121_944_4e-4;
+        const MAGIC: f32 = 12_582_912.0;
+        let hi = splat(89.0);
+        let x = _mm512_mask_blend_ps(_mm512_cmp_ps_mask::<_CMP_GT_OQ>(x, hi), x, hi);
+        let lo = splat(-104.0);
+        let x = _mm512_mask_blend_ps(_mm512_cmp_ps_mask::<_CMP_LT_OQ>(x, lo), x, lo);
+        let t = _mm512_mul_ps(x, splat(LOG2E));
+        let tm = _mm512_add_ps(t, splat(MAGIC));
+        let n = _mm512_sub_ps(tm, splat(MAGIC));
+        let ni = _mm512_sub_epi32(_mm512_castps_si512(tm), _mm512_set1_epi32(MAGIC.to_bits() as i32));
+        let r1 = _mm512_sub_ps(x, _mm512_mul_ps(n, splat(C1)));
+        let r = _mm512_sub_ps(r1, _mm512_mul_ps(n, splat(C2)));
+        let z = _mm512_mul_ps(r, r);
+        let p = horner(r, &EXP_P);
+        let pz = _mm512_mul_ps(p, z);
+        let pr = _mm512_add_ps(pz, r);
+        let y = _mm512_add_ps(pr, splat(1.0));
+        let n1 = _mm512_srai_epi32::<1>(ni);
+        let n2 = _mm512_sub_epi32(ni, n1);
+        let bias = _mm512_set1_epi32(127);
+        let s1 = _mm512_castsi512_ps(_mm512_slli_epi32::<23>(_mm512_add_epi32(n1, bias)));
+        let s2 = _mm512_castsi512_ps(_mm512_slli_epi32::<23>(_mm512_add_epi32(n2, bias)));
+        _mm512_mul_ps(_mm512_mul_ps(y, s1), s2)
+    }
+
+    /// `math::tanh` on 16 lanes.
+    #[inline(always)]
+    unsafe fn tanh16(x: __m512) -> __m512 {
+        let a = _mm512_abs_ps(x);
+        let z = _mm512_mul_ps(x, x);
+        let p = horner(z, &TANH_P);
+        let pz = _mm512_mul_ps(p, z);
+        let pzx = _mm512_mul_ps(pz, x);
+        let small_v = _mm512_add_ps(pzx, x);
+        let a2 = _mm512_add_ps(a, a);
+        let e = exp16(a2);
+        let e1 = _mm512_add_ps(e, splat(1.0));
+        let q = _mm512_div_ps(splat(2.0), e1);
+        let t = _mm512_sub_ps(splat(1.0), q);
+        let nt = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(t), _mm512_set1_epi32(i32::MIN)));
+        let neg = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(x, splat(0.0));
+        let large_v = _mm512_mask_blend_ps(neg, t, nt);
+        let small = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(a, splat(0.625));
+        _mm512_mask_blend_ps(small, large_v, small_v)
+    }
+
+    /// Applies `$f` to `$p[..$n]` in place, 16 lanes at a time (a masked tail).
+    macro_rules! map {
+        ($p:expr, $n:expr, $f:ident) => {{
+            let (p, n) = ($p, $n as usize);
+            let mut i = 0;
+            while i + 32 <= n {
+                let a = _mm512_loadu_ps(p.add(i));
+                let b = _mm512_loadu_ps(p.add(i + 16));
+                _mm512_storeu_ps(p.add(i), $f(a));
+                _mm512_storeu_ps(p.add(i + 16), $f(b));
+                i += 32;
+            }
+            while i < n {
+                let rest = (n - i).min(16);
+                let m: __mmask16 = if rest == 16 { 0xffff } else { (1u16 << rest) - 1 };
+                let a = _mm512_maskz_loadu_ps(m, p.add(i));
+                _mm512_mask_storeu_ps(p.add(i), m, $f(a));
+                i += rest;
+            }
+        }};
+    }
+
+    #[target_feature(enable = "avx512f")]
+    unsafe fn exp_avx512(p: *mut f32, n: u64) {
+        map!(p, n, exp16)
+    }
+
+    #[target_feature(enable = "avx512f")]
+    unsafe fn tanh_avx512(p: *mut f32, n: u64) {
+        map!(p, n, tanh16)
+    }
+
+    /// # Safety
+    /// `p[..n]` must be valid for reads and writes, and the host must have AVX-512F.
+    pub(super) unsafe extern "C" fn exp_row(p: *mut f32, n: u64) {
+        exp_avx512(p, n)
+    }
+
+    /// # Safety
+    /// `p[..n]` must be valid for reads and writes, and the host must have AVX-512F.
+    pub(super) unsafe extern "C" fn tanh_row(p: *mut f32, n: u64) {
+        tanh_avx512(p, n)
+    }
+}

@@ -1,0 +1,500 @@
+//! Row program → CUDA C: the main kernel of each mapping and the finalize kernel.
+//!
+//! Every node becomes one C statement `const T v<id> = ...;` placed in the scope where its
+//! [`Region`] lives (function entry, once per row, per column); element values needed by a pass
+//! are (re)computed inside that pass's column loop. One IR operation is one C operation: NVRTC
+//! runs with `--fmad=false`, so `a * b + c` is rounded twice, as in the interpreter, and
+//! `exp`/`log`/`tanh`/`sqrt` are the CUDA math library's `expf`/`logf`/`tanhf`/`sqrtf` (no fast
+//! math). Kernel parameters are the kernel's operands (`in0..`), results (`out0..`) and one
+//! `float* scratch` for column partials, for every entry of the module.
+
+use std::collections::BTreeSet;
+use std::fmt::Write;
+
+use fusec_codegen_cpu::prog::{Expr, Mem, NodeId, Prog, RowTerm, Slot, Store, Ty, View};
+use fusec_ir::{BinaryOp, CmpOp, ReduceOp, UnaryOp};
+
+use crate::plan::{arg, region, Mapping, Plan, Region, BLOCK, MAX_REG_PARTIALS};
+
+type R<T> = Result<T, String>;
+
+/// One generated kernel entry and how to launch it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LaunchRule {
+    /// The `extern "C"` function name.
+    pub entry: String,
+    /// Grid size (blocks).
+    pub grid: [u32; 3],
+    /// Block size (threads).
+    pub block: [u32; 3],
+}
+
+/// Code generation state for one segment.
+pub(crate) struct Seg<'p> {
+    pub p: &'p Prog,
+    pub plan: Plan,
+    /// Scratch offset (in floats) of each column reduction's partials.
+    pub scratch: Vec<(NodeId, u64)>,
+}
+
+fn ty(t: Ty) -> &'static str {
+    match t {
+        Ty::F32 => "float",
+        Ty::I32 => "int",
+    }
+}
+
+/// A C float literal that reads back as exactly `x`.
+pub(crate) fn float_lit(x: f32) -> String {
+    if x.is_finite() {
+        let s = format!("{x:?}");
+        format!("{s}f")
+    } else {
+        format!("__uint_as_float(0x{:08x}u)", x.to_bits())
+    }
+}
+
+fn red_fn(op: ReduceOp) -> &'static str {
+    match op {
+        ReduceOp::Sum => "red_sum",
+        ReduceOp::Max => "red_max",
+    }
+}
+
+fn red_init(op: ReduceOp) -> &'static str {
+    match op {
+        ReduceOp::Sum => "0.0f",
+        ReduceOp::Max => "__uint_as_float(0xff800000u)",
+    }
+}
+
+fn op_of(e: &Expr) -> ReduceOp {
+    match e {
+        Expr::RowReduce(op, _) | Expr::ColReduce(op, _, _) => *op,
+        _ => unreachable!("not a reduction"),
+    }
+}
+
+impl Seg<'_> {
+    fn slot_name(&self, slot: u32) -> R<String> {
+        match self.p.slots[slot as usize] {
+            Slot::Operand(k) => Ok(format!("in{k}")),
+            Slot::Result(j) => Ok(format!("out{j}")),
+            Slot::Scratch(_) => Err("internal: a load or store through a scratch slot".into()),
+        }
+    }
+
+    /// The element offset of `(r, c)` in a view.
+    fn offset(v: &View) -> String {
+        let terms: Vec<String> = v.row.iter().map(term).collect();
+        let mut s = terms.join(" + ");
+        if v.col {
+            s = if s.is_empty() { "c".into() } else { format!("{s} + c") };
+        }
+        if s.is_empty() {
+            "0".into()
+        } else {
+            s
+        }
+    }
+
+    fn load(&self, v: &View) -> R<String> {
+        let a = format!("{}[{}]", self.slot_name(v.slot)?, Self::offset(v));
+        Ok(match v.mem {
+            Mem::Bf16 => format!("bf16_to_f32({a})"),
+            Mem::F32 | Mem::I32 => a,
+        })
+    }
+
+    fn store(&self, s: &Store) -> R<String> {
+        let a = format!("{}[{}]", self.slot_name(s.view.slot)?, Self::offset(&s.view));
+        let v = format!("v{}", s.value);
+        Ok(match s.view.mem {
+            Mem::Bf16 => format!("{a} = f32_to_bf16({v});"),
+            Mem::F32 | Mem::I32 => format!("{a} = {v};"),
+        })
+    }
+
+    /// The right-hand side of node `id` (not a reduction).
+    fn expr(&self, id: NodeId) -> R<String> {
+        let n = self.p.node(id);
+        let v = |a: &NodeId| format!("v{a}");
+        Ok(match &n.expr {
+            Expr::ConstF(b) => float_lit(f32::from_bits(*b)),
+            Expr::ConstI(i) => {
+                if *i == i32::MIN {
+                    "(-2147483647 - 1)".into()
+                } else {
+                    i.to_string()
+                }
+            }
+            Expr::Load(view) => self.load(view)?,
+            Expr::ColIota => "c".into(),
+            Expr::RowIota { div, modulo } => {
+                let q = if *div == 1 { "r".to_string() } else { format!("(r / {div})") };
+                if *modulo == 0 {
+                    format!("(int)({q})")
+                } else {
+                    format!("(int)({q} % {modulo})")
+                }
+            }
+            Expr::Unary(u, a) => match u {
+                UnaryOp::Neg => format!("-{}", v(a)),
+                UnaryOp::Exp => format!("expf({})", v(a)),
+                UnaryOp::Log => format!("logf({})", v(a)),
+                UnaryOp::Sqrt => format!("sqrtf({})", v(a)),
+                UnaryOp::Rsqrt => format!("1.0f / sqrtf({})", v(a)),
+                UnaryOp::Tanh => format!("tanhf({})", v(a)),
+                UnaryOp::Recip => format!("1.0f / {}", v(a)),
+            },
+            Expr::Binary(op, a, b) => {
+                let (x, y) = (v(a), v(b));
+                match (n.ty, op) {
+                    (_, BinaryOp::Add) => format!("{x} + {y}"),
+                    (_, BinaryOp::Sub) => format!("{x} - {y}"),
+                    (_, BinaryOp::Mul) => format!("{x} * {y}"),
+                    (Ty::F32, BinaryOp::Div) => format!("{x} / {y}"),
+                    (Ty::F32, BinaryOp::Max) => format!("max_nan({x}, {y})"),
+                    (Ty::F32, BinaryOp::Min) => format!("min_nan({x}, {y})"),
+                    (Ty::I32, BinaryOp::Max) => format!("max({x}, {y})"),
+                    (Ty::I32, BinaryOp::Min) => format!("min({x}, {y})"),
+                    (Ty::I32, BinaryOp::Div) => return Err("i32 division".into()),
+                }
+            }
+            Expr::Cmp(c, a, b) => {
+                let o = match c {
+                    CmpOp::Lt => "<",
+                    CmpOp::Le => "<=",
+                    CmpOp::Gt => ">",
+                    CmpOp::Ge => ">=",
+                    CmpOp::Eq => "==",
+                    CmpOp::Ne => "!=",
+                };
+                format!("({} {o} {}) ? 1 : 0", v(a), v(b))
+            }
+            Expr::Select(c, a, b) => format!("{} != 0 ? {} : {}", v(c), v(a), v(b)),
+            Expr::RoundBf16(a) => format!("round_bf16({})", v(a)),
+            Expr::FToI(a) => format!("__float2int_rz({})", v(a)),
+            Expr::IToF(a) => format!("__int2float_rn({})", v(a)),
+            Expr::RowReduce(..) | Expr::ColReduce(..) | Expr::Pick(..) => return Err(format!("internal: %{id} outside its place")),
+        })
+    }
+
+    fn node_line(&self, out: &mut String, ind: &str, id: NodeId) -> R<()> {
+        if let Expr::Pick(x, t) = self.p.node(id).expr {
+            // `x` at column `t` (`+ 0.0`, as the row sum it replaces), 0 outside the row.
+            let _ = writeln!(out, "{ind}float v{id} = 0.0f;");
+            let _ = writeln!(out, "{ind}if (v{t} >= 0 && v{t} < {}) {{\n{ind}  const int c = v{t};", self.p.cols);
+            let inner = format!("{ind}  ");
+            for n in self.needed([x], |i| region(self.p, i) == Region::Col) {
+                self.node_line(out, &inner, n)?;
+            }
+            let _ = writeln!(out, "{ind}  v{id} = v{x} + 0.0f;\n{ind}}}");
+            return Ok(());
+        }
+        let e = self.expr(id)?;
+        let _ = writeln!(out, "{ind}const {} v{id} = {e};", ty(self.p.node(id).ty));
+        Ok(())
+    }
+
+    /// The nodes needed for `roots`, following arguments while `inside` holds (others are in
+    /// scope already), in topological (id) order.
+    fn needed(&self, roots: impl IntoIterator<Item = NodeId>, inside: impl Fn(NodeId) -> bool) -> Vec<NodeId> {
+        let mut seen = BTreeSet::new();
+        let mut stack: Vec<NodeId> = roots.into_iter().filter(|&r| inside(r)).collect();
+        while let Some(id) = stack.pop() {
+            if seen.insert(id) {
+                stack.extend(self.p.node(id).expr.args().into_iter().filter(|&a| inside(a)));
+            }
+        }
+        seen.into_iter().collect()
+    }
+
+    fn lines(&self, out: &mut String, ind: &str, ids: &[NodeId]) -> R<()> {
+        ids.iter().try_for_each(|&id| self.node_line(out, ind, id))
+    }
+
+    fn scratch_of(&self, id: NodeId) -> u64 {
+        self.scratch.iter().find(|(n, _)| *n == id).map(|(_, o)| *o).expect("column reduction has scratch")
+    }
+
+    fn entry_nodes(&self, live: &[bool]) -> Vec<NodeId> {
+        (0..self.p.nodes.len() as NodeId).filter(|&i| live[i as usize] && region(self.p, i) == Region::Entry).collect()
+    }
+
+    /// The body of the main kernel (after the signature), indented by two spaces.
+    pub fn main_body(&self, out: &mut String) -> R<()> {
+        match self.plan.mapping {
+            Mapping::Flat => self.flat(out, "  ", 0),
+            Mapping::Cols { bx, by, chunks } => self.cols(out, bx, by, chunks),
+            Mapping::Rows { team, tpb, teams } => self.rows(out, team, tpb, teams),
+        }
+    }
+
+    /// The flat body: element `i` of this segment is thread `threadIdx.x` of block
+    /// `blockIdx.x - first_block`.
+    pub fn flat(&self, out: &mut String, ind: &str, first_block: u64) -> R<()> {
+        let (p, plan) = (self.p, &self.plan);
+        let total = p.rows * p.cols;
+        let it = if total < (1 << 31) { "unsigned" } else { "unsigned long long" };
+        let b = if first_block == 0 { "blockIdx.x".to_string() } else { format!("(blockIdx.x - {first_block}u)") };
+        let _ = writeln!(out, "{ind}const {it} i = (({it}){b}) * {BLOCK}u + threadIdx.x;");
+        let _ = writeln!(out, "{ind}if (i >= {total}ull) return;");
+        let _ = writeln!(out, "{ind}const {it} r = i / {}u;\n{ind}const int c = (int)(i % {}u);", p.cols, p.cols);
+        let live = &plan.main_live;
+        let ids: Vec<NodeId> = (0..p.nodes.len() as NodeId).filter(|&i| live[i as usize]).collect();
+        self.lines(out, ind, &ids)?;
+        for &s in &plan.elem_stores {
+            let _ = writeln!(out, "{ind}{}", self.store(&p.stores[s])?);
+        }
+        if !plan.row_stores.is_empty() {
+            let _ = writeln!(out, "{ind}if (c == 0) {{");
+            for &s in &plan.row_stores {
+                let _ = writeln!(out, "{ind}  {}", self.store(&p.stores[s])?);
+            }
+            let _ = writeln!(out, "{ind}}}");
+        }
+        Ok(())
+    }
+
+    fn cols(&self, out: &mut String, bx: u32, by: u32, chunks: u64) -> R<()> {
+        let (p, plan) = (self.p, &self.plan);
+        let live = &plan.main_live;
+        self.lines(out, "  ", &self.entry_nodes(live))?;
+        let _ = writeln!(out, "  const int c = blockIdx.x * {bx} + threadIdx.x;");
+        let _ = writeln!(out, "  const long long chunk = (long long)blockIdx.y * {by} + threadIdx.y;");
+        let _ = writeln!(out, "  if (c >= {}) return;", p.cols);
+        let roots: Vec<NodeId> =
+            plan.colreds.iter().map(|&c| arg(p, c)).chain(plan.elem_stores.iter().map(|&s| p.stores[s].value)).collect();
+        let in_loop = |id: NodeId| live[id as usize] && matches!(region(p, id), Region::Col | Region::Row);
+        let all = self.needed(roots, in_loop);
+        let (hoisted, body): (Vec<NodeId>, Vec<NodeId>) = all.into_iter().partition(|&i| !p.node(i).space.has_row());
+        self.lines(out, "  ", &hoisted)?;
+        for &c in &plan.colreds {
+            let _ = writeln!(out, "  float p{c} = {};", red_init(op_of(&p.node(c).expr)));
+        }
+        let rows = p.rows;
+        let _ = writeln!(out, "  const long long r0 = chunk * {rows} / {chunks}, r1 = (chunk + 1) * {rows} / {chunks};");
+        let _ = writeln!(out, "  for (long long r = r0; r < r1; ++r) {{");
+        self.lines(out, "    ", &body)?;
+        for &c in &plan.colreds {
+            let _ = writeln!(out, "    p{c} = {}(p{c}, v{});", red_fn(op_of(&p.node(c).expr)), arg(p, c));
+        }
+        for &s in &plan.elem_stores {
+            let _ = writeln!(out, "    {}", self.store(&p.stores[s])?);
+        }
+        let _ = writeln!(out, "  }}");
+        for &c in &plan.colreds {
+            let _ = writeln!(out, "  scratch[{} + chunk * {} + c] = p{c};", self.scratch_of(c), p.cols);
+        }
+        Ok(())
+    }
+
+    fn rows(&self, out: &mut String, team: u32, tpb: u32, teams: u64) -> R<()> {
+        let (p, plan) = (self.p, &self.plan);
+        let live = &plan.main_live;
+        let cols = p.cols;
+        let k_count = cols.div_ceil(team as u64);
+        let reg = k_count <= MAX_REG_PARTIALS;
+        if team > 32 {
+            let _ = writeln!(out, "  __shared__ float sh[{}];", team / 32);
+        } else {
+            let _ = writeln!(out, "  float* sh = 0;");
+        }
+        self.lines(out, "  ", &self.entry_nodes(live))?;
+        let _ = writeln!(out, "  const int lane = threadIdx.x % {team};");
+        let _ = writeln!(out, "  const long long team = (long long)blockIdx.x * {tpb} + threadIdx.x / {team};");
+        let _ = writeln!(out, "  if (team >= {teams}) return;");
+        for &(c, _) in &self.scratch {
+            let op = op_of(&p.node(c).expr);
+            if !plan.row_colreds.contains(&c) && reg {
+                let _ = writeln!(out, "  float p{c}[{k_count}];");
+                let _ = writeln!(out, "#pragma unroll\n  for (int k = 0; k < {k_count}; ++k) p{c}[k] = {};", red_init(op));
+            } else if !plan.row_colreds.contains(&c) {
+                let _ = writeln!(out, "  float* p{c} = scratch + {} + team * {cols};", self.scratch_of(c));
+                let _ = writeln!(out, "  for (int c = lane; c < {cols}; c += {team}) p{c}[c] = {};", red_init(op));
+            } else {
+                let _ = writeln!(out, "  float p{c} = {};", red_init(op));
+            }
+        }
+        let _ = writeln!(out, "  for (long long r = team; r < {}; r += {teams}) {{", p.rows);
+        let row_nodes = |level: u32| -> Vec<NodeId> {
+            (0..p.nodes.len() as NodeId)
+                .filter(|&id| {
+                    live[id as usize]
+                        && region(p, id) == Region::Row
+                        && p.node(id).level == level
+                        && !matches!(p.node(id).expr, Expr::RowReduce(..))
+                })
+                .collect()
+        };
+        self.lines(out, "    ", &row_nodes(0))?;
+        let max_level = (0..p.nodes.len())
+            .filter(|&i| live[i] && p.nodes[i].level != fusec_codegen_cpu::prog::FINAL)
+            .map(|i| p.nodes[i].level)
+            .max()
+            .unwrap_or(0);
+        let mut next = 0;
+        for level in 0..=max_level {
+            if next < plan.passes.len() && plan.passes[next].level == level {
+                let pass = &plan.passes[next];
+                next += 1;
+                for &rr in &pass.rowreds {
+                    let _ = writeln!(out, "    float a{rr} = {};", red_init(op_of(&p.node(rr).expr)));
+                }
+                let unrolled = reg && !pass.colreds.is_empty();
+                if unrolled {
+                    let _ = writeln!(out, "#pragma unroll\n    for (int k = 0; k < {k_count}; ++k) {{");
+                    let _ = writeln!(out, "      const int c = lane + k * {team};");
+                    if cols % team as u64 != 0 {
+                        let _ = writeln!(out, "      if (c >= {cols}) break;");
+                    }
+                } else {
+                    let _ = writeln!(out, "    for (int c = lane; c < {cols}; c += {team}) {{");
+                }
+                let roots: Vec<NodeId> = pass
+                    .rowreds
+                    .iter()
+                    .chain(&pass.colreds)
+                    .map(|&r| arg(p, r))
+                    .chain(pass.stores.iter().map(|&s| p.stores[s].value))
+                    .collect();
+                let body = self.needed(roots, |id| live[id as usize] && region(p, id) == Region::Col);
+                self.lines(out, "      ", &body)?;
+                for &rr in &pass.rowreds {
+                    let _ = writeln!(out, "      a{rr} = {}(a{rr}, v{});", red_fn(op_of(&p.node(rr).expr)), arg(p, rr));
+                }
+                for &c in &pass.colreds {
+                    let f = red_fn(op_of(&p.node(c).expr));
+                    let at = if unrolled { format!("p{c}[k]") } else { format!("p{c}[c]") };
+                    let _ = writeln!(out, "      {at} = {f}({at}, v{});", arg(p, c));
+                }
+                for &s in &pass.stores {
+                    let _ = writeln!(out, "      {}", self.store(&p.stores[s])?);
+                }
+                let _ = writeln!(out, "    }}");
+                for &rr in &pass.rowreds {
+                    let f = match op_of(&p.node(rr).expr) {
+                        ReduceOp::Sum => "team_sum",
+                        ReduceOp::Max => "team_max",
+                    };
+                    let _ = writeln!(out, "    const float v{rr} = {f}<{team}>(a{rr}, sh);");
+                }
+            }
+            self.lines(out, "    ", &row_nodes(level + 1))?;
+        }
+        if !plan.row_stores.is_empty() {
+            let _ = writeln!(out, "    if (lane == 0) {{");
+            for &s in &plan.row_stores {
+                let _ = writeln!(out, "      {}", self.store(&p.stores[s])?);
+            }
+            let _ = writeln!(out, "    }}");
+        }
+        for &c in &plan.row_colreds {
+            let _ = writeln!(out, "    p{c} = {}(p{c}, v{});", red_fn(op_of(&p.node(c).expr)), arg(p, c));
+        }
+        let _ = writeln!(out, "  }}");
+        for &(c, off) in &self.scratch {
+            if plan.row_colreds.contains(&c) {
+                let _ = writeln!(out, "  if (lane == 0) scratch[{off} + team] = p{c};");
+            } else if reg {
+                let _ = writeln!(out, "#pragma unroll\n  for (int k = 0; k < {k_count}; ++k) {{");
+                let _ = writeln!(out, "    const int c = lane + k * {team};");
+                let _ = writeln!(out, "    if (c < {cols}) scratch[{off} + team * {cols} + c] = p{c}[k];\n  }}");
+            }
+        }
+        Ok(())
+    }
+
+    /// The body of the finalize kernel (block 32 x 8), or `None` when there is nothing to do
+    /// after the rows.
+    pub fn fin_body(&self, out: &mut String) -> R<Option<u32>> {
+        let (p, plan) = (self.p, &self.plan);
+        if plan.fin_stores.is_empty() {
+            return Ok(None);
+        }
+        let live = &plan.fin_live;
+        let cols = p.cols;
+        let np = plan.parts;
+        let col_colreds: Vec<NodeId> = plan.colreds.iter().copied().filter(|c| !plan.row_colreds.contains(c)).collect();
+        for &c in &col_colreds {
+            let _ = writeln!(out, "  __shared__ float f{c}[8][33];");
+        }
+        let _ = writeln!(out, "  const int x = threadIdx.x, y = threadIdx.y;\n  const int c = blockIdx.x * 32 + x;");
+        // Kernel-wide values: entry nodes, combined row-value reductions and what follows them.
+        for id in 0..p.nodes.len() as NodeId {
+            if !live[id as usize] {
+                continue;
+            }
+            let n = p.node(id);
+            match region(p, id) {
+                Region::Entry => self.node_line(out, "  ", id)?,
+                Region::Final if !n.space.has_col() => {
+                    if let Expr::ColReduce(op, _, _) = n.expr {
+                        let off = self.scratch_of(id);
+                        let _ = writeln!(out, "  float v{id} = scratch[{off}];");
+                        let _ = writeln!(out, "  for (int q = 1; q < {np}; ++q) v{id} = {}(v{id}, scratch[{off} + q]);", red_fn(op));
+                    } else {
+                        self.node_line(out, "  ", id)?;
+                    }
+                }
+                Region::Row => return Err("a per-row value used by a column result".into()),
+                _ => {}
+            }
+        }
+        for &c in &col_colreds {
+            let op = op_of(&p.node(c).expr);
+            let off = self.scratch_of(c);
+            let _ = writeln!(out, "  {{\n    float a = {};\n    if (c < {cols}) {{", red_init(op));
+            let _ = writeln!(
+                out,
+                "      for (long long q = y * {np}ll / 8; q < (y + 1) * {np}ll / 8; ++q) a = {}(a, scratch[{off} + q * {cols} + c]);",
+                red_fn(op)
+            );
+            let _ = writeln!(out, "    }}\n    f{c}[y][x] = a;\n  }}");
+        }
+        if !col_colreds.is_empty() {
+            let _ = writeln!(out, "  __syncthreads();");
+        }
+        let (col_stores, uni_stores): (Vec<usize>, Vec<usize>) = plan.fin_stores.iter().partition(|&&s| p.stores[s].view.col);
+        if !col_stores.is_empty() {
+            let _ = writeln!(out, "  if (y == 0 && c < {cols}) {{");
+            let is_col =
+                |id: NodeId| live[id as usize] && p.node(id).space.has_col() && matches!(region(p, id), Region::Col | Region::Final);
+            let ids = self.needed(col_stores.iter().map(|&s| p.stores[s].value), is_col);
+            for id in ids {
+                if let Expr::ColReduce(op, _, _) = p.node(id).expr {
+                    let _ = writeln!(out, "    float v{id} = f{id}[0][x];");
+                    let _ = writeln!(out, "    for (int j = 1; j < 8; ++j) v{id} = {}(v{id}, f{id}[j][x]);", red_fn(op));
+                } else {
+                    self.node_line(out, "    ", id)?;
+                }
+            }
+            for &s in &col_stores {
+                let _ = writeln!(out, "    {}", self.store(&p.stores[s])?);
+            }
+            let _ = writeln!(out, "  }}");
+        }
+        if !uni_stores.is_empty() {
+            let _ = writeln!(out, "  if (blockIdx.x == 0 && x == 0 && y == 0) {{");
+            for &s in &uni_stores {
+                let _ = writeln!(out, "    {}", self.store(&p.stores[s])?);
+            }
+            let _ = writeln!(out, "  }}");
+        }
+        let grid = if col_stores.is_empty() { 1 } else { cols.div_ceil(32) as u32 };
+        Ok(Some(grid))
+    }
+}
+
+fn term(t: &RowTerm) -> String {
+    let mut q = if t.div == 1 { "r".to_string() } else { format!("(r / {})", t.div) };
+    if t.modulo != 0 {
+        q = format!("({q} % {})", t.modulo);
+    }
+    if t.stride == 1 {
+        q
+    } else {
+        format!("{q} * {}", t.stride)
+    }
+}

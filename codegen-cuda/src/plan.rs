@@ -1,0 +1,200 @@
+//! How a row program ([`Prog`]) maps onto the GPU, and which nodes each generated function
+//! computes.
+//!
+//! Three mappings, picked from what the program reduces:
+//!
+//! - [`Mapping::Flat`] (no reductions: pointwise chains, AdamW): one thread per element, 256
+//!   threads a block, row values recomputed per element.
+//! - [`Mapping::Cols`] (column reductions only: bias gradients): one thread per column, blocks
+//!   of 256 columns (or several row chunks of narrower domains), each thread walking a fixed
+//!   chunk of rows in order and keeping its column partials in registers.
+//! - [`Mapping::Rows`] (row reductions, with or without column reductions: LayerNorm, softmax,
+//!   cross-entropy, their gradients): a *team* of threads per row — one warp for rows up to
+//!   4096 columns, else a block of 256 (1024 when there are few rows) — making one pass over
+//!   the row's columns per reduction level, as in the CPU backend's plan, with team reductions
+//!   between passes. With column reductions a fixed number of teams walk the rows (team `t`
+//!   takes rows `t, t + teams, ...`) and keep column partials per team.
+//!
+//! Column partials land in scratch (`[parts, C]` per reduction); a *finalize* kernel sums them
+//! in a fixed order (each of 8 thread rows sums a contiguous slice of the partials in order,
+//! then the 8 slice sums are added in order) and runs the column-space epilogue. It also
+//! stores every result that has no row axis (as on the CPU: written once, after every row has
+//! read the operands it might overwrite in place). Nothing depends on timing: same inputs,
+//! same bits.
+//!
+//! Unlike the CPU backend nothing is stashed between passes: element values a later pass needs
+//! are recomputed from the inputs (GPU arithmetic is cheap next to the loads it saves).
+
+use fusec_codegen_cpu::prog::{Expr, NodeId, Prog, Space, FINAL};
+
+/// Where a node is computed (as in the CPU backend's plan).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Region {
+    /// Once, at function entry (kernel-wide values).
+    Entry,
+    /// Once per row.
+    Row,
+    /// Per column (inside the column loop, or per thread).
+    Col,
+    /// After all rows (column-reduction results and what depends on them).
+    Final,
+}
+
+pub(crate) fn region(p: &Prog, id: NodeId) -> Region {
+    let n = p.node(id);
+    if n.level == FINAL {
+        Region::Final
+    } else if n.space.has_col() {
+        Region::Col
+    } else if n.space == Space::Uni && n.level == 0 {
+        Region::Entry
+    } else {
+        Region::Row
+    }
+}
+
+/// Threads per block of the flat, column and finalize kernels, and of row kernels with
+/// warp-wide teams.
+pub(crate) const BLOCK: u32 = 256;
+/// Row-kernel teams when the program has column reductions (each keeps its own partials).
+pub(crate) const MAX_TEAMS: u64 = 2048;
+/// Rows each column-kernel thread aims to walk.
+pub(crate) const ROWS_PER_CHUNK: u64 = 32;
+/// The most row chunks of a column kernel.
+pub(crate) const MAX_CHUNKS: u64 = 1024;
+/// Column partials kept in registers per thread at most (beyond: in scratch).
+pub(crate) const MAX_REG_PARTIALS: u64 = 32;
+
+/// The thread layout of a program's main kernel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Mapping {
+    /// One thread per element.
+    Flat,
+    /// `team` threads per row, `tpb` teams a block, `teams` teams in all.
+    Rows { team: u32, tpb: u32, teams: u64 },
+    /// Blocks of `bx` columns by `by` row chunks; `chunks` chunks in all.
+    Cols { bx: u32, by: u32, chunks: u64 },
+}
+
+/// One pass over the columns of a row (row mapping).
+pub(crate) struct Pass {
+    pub level: u32,
+    /// Row reductions finished by this pass.
+    pub rowreds: Vec<NodeId>,
+    /// Column reductions of element values accumulated in this pass.
+    pub colreds: Vec<NodeId>,
+    /// Element stores (last pass only), as indices into `Prog::stores`.
+    pub stores: Vec<usize>,
+}
+
+/// What the generated functions compute.
+pub(crate) struct Plan {
+    pub mapping: Mapping,
+    pub main_live: Vec<bool>,
+    pub fin_live: Vec<bool>,
+    pub row_stores: Vec<usize>,
+    pub elem_stores: Vec<usize>,
+    /// Stores of the finalize kernel (column-reduction results, results without a row axis).
+    pub fin_stores: Vec<usize>,
+    /// Every column reduction the finalize kernel combines.
+    pub colreds: Vec<NodeId>,
+    /// Column reductions of per-row values (accumulated once per row).
+    pub row_colreds: Vec<NodeId>,
+    /// Row-mapping passes.
+    pub passes: Vec<Pass>,
+    /// Partial sets per column reduction (teams or row chunks).
+    pub parts: u64,
+}
+
+fn mark(p: &Prog, live: &mut [bool], root: NodeId, stop_at_colred: bool) {
+    let mut stack = vec![root];
+    while let Some(id) = stack.pop() {
+        if std::mem::replace(&mut live[id as usize], true) {
+            continue;
+        }
+        let e = &p.node(id).expr;
+        if stop_at_colred && matches!(e, Expr::ColReduce(..)) {
+            continue;
+        }
+        stack.extend(e.args());
+    }
+}
+
+/// The argument of a reduction node.
+pub(crate) fn arg(p: &Prog, id: NodeId) -> NodeId {
+    p.node(id).expr.args()[0]
+}
+
+pub(crate) fn plan(p: &Prog) -> Plan {
+    let n = p.nodes.len();
+    let (mut main_live, mut fin_live) = (vec![false; n], vec![false; n]);
+    let (mut row_stores, mut elem_stores, mut fin_stores) = (vec![], vec![], vec![]);
+    for (i, s) in p.stores.iter().enumerate() {
+        let once = !s.view.space().has_row() && p.rows > 1;
+        if p.node(s.value).level == FINAL || once {
+            fin_stores.push(i);
+        } else if s.view.col {
+            elem_stores.push(i);
+        } else {
+            row_stores.push(i);
+        }
+    }
+    for &i in &fin_stores {
+        mark(p, &mut fin_live, p.stores[i].value, true);
+    }
+    let colreds: Vec<NodeId> =
+        (0..n as NodeId).filter(|&i| fin_live[i as usize] && matches!(p.node(i).expr, Expr::ColReduce(..))).collect();
+    for &i in row_stores.iter().chain(&elem_stores) {
+        mark(p, &mut main_live, p.stores[i].value, false);
+    }
+    for &c in &colreds {
+        mark(p, &mut main_live, arg(p, c), false);
+    }
+    let rowreds: Vec<NodeId> =
+        (0..n as NodeId).filter(|&i| main_live[i as usize] && matches!(p.node(i).expr, Expr::RowReduce(..))).collect();
+    let col_colreds: Vec<NodeId> = colreds.iter().copied().filter(|&c| p.node(arg(p, c)).space.has_col()).collect();
+    let row_colreds: Vec<NodeId> = colreds.iter().copied().filter(|&c| !p.node(arg(p, c)).space.has_col()).collect();
+    let (rows, cols) = (p.rows, p.cols);
+    let mapping = if rowreds.is_empty() && colreds.is_empty() {
+        Mapping::Flat
+    } else if rowreds.is_empty() && row_colreds.is_empty() && row_stores.is_empty() {
+        let bx = cols.div_ceil(32).clamp(1, 8) as u32 * 32;
+        let by = BLOCK / bx;
+        let want = (rows / ROWS_PER_CHUNK).clamp(1, MAX_CHUNKS);
+        Mapping::Cols { bx, by, chunks: want.div_ceil(by as u64) * by as u64 }
+    } else {
+        let team: u32 = if cols <= 4096 {
+            32
+        } else if rows >= 256 {
+            256
+        } else {
+            1024
+        };
+        let tpb = (BLOCK / team).max(1);
+        let teams = if colreds.is_empty() { rows } else { rows.min(MAX_TEAMS) };
+        Mapping::Rows { team, tpb, teams: teams.max(1) }
+    };
+    let parts = match mapping {
+        Mapping::Flat => 0,
+        Mapping::Rows { teams, .. } => teams,
+        Mapping::Cols { chunks, .. } => chunks,
+    };
+    let last = rowreds
+        .iter()
+        .chain(&col_colreds)
+        .map(|&r| p.node(arg(p, r)).level)
+        .chain(elem_stores.iter().map(|&s| p.node(p.stores[s].value).level))
+        .max();
+    let mut passes = vec![];
+    if let Some(last) = last {
+        for level in 0..=last {
+            let rr: Vec<NodeId> = rowreds.iter().copied().filter(|&r| p.node(arg(p, r)).level == level).collect();
+            let cr: Vec<NodeId> = col_colreds.iter().copied().filter(|&r| p.node(arg(p, r)).level == level).collect();
+            let st: Vec<usize> = if level == last { elem_stores.clone() } else { vec![] };
+            if !(rr.is_empty() && cr.is_empty() && st.is_empty()) {
+                passes.push(Pass { level, rowreds: rr, colreds: cr, stores: st });
+            }
+        }
+    }
+    Plan { mapping, main_live, fin_live, row_stores, elem_stores, fin_stores, colreds, row_colreds, passes, parts }
+}

@@ -1,0 +1,183 @@
+//! The generated CUDA C, without a GPU: deterministic text, names, the shape of a few kernels
+//! of the tiny GPT-2 training step, and (when libnvrtc can be loaded) that every generated
+//! kernel of the tiny and 124M training steps and the hand-written module compile with NVRTC.
+
+use std::collections::BTreeMap;
+
+use fusec_codegen_cuda::{gemm, kernel_source, native, nvrtc, KernelSource};
+use fusec_ir::{Bindings, Op};
+use fusec_models::{build_gpt2, Gpt2Config};
+use fusec_passes::pipeline::{compile, Mode, PipelineOptions};
+
+/// Every distinct kernel source of a preset's training step under B x T.
+fn step_sources(preset: &str, b: u64, t: u64) -> (Vec<KernelSource>, usize) {
+    step_sources_with(preset, b, t, &PipelineOptions::default())
+}
+
+fn step_sources_with(preset: &str, b: u64, t: u64, opts: &PipelineOptions) -> (Vec<KernelSource>, usize) {
+    let cfg = Gpt2Config::preset(preset).unwrap();
+    let g = build_gpt2(&cfg, preset);
+    let mut bind = Bindings::default();
+    bind.set("B", b).set("T", t);
+    let step = compile(&g, "schedule", Mode::Step, opts, &bind).unwrap().graph;
+    let mut out: Vec<KernelSource> = vec![];
+    let mut kernels = 0;
+    for n in &step.nodes {
+        if let Op::Kernel(k) = &n.op {
+            kernels += 1;
+            let ks = kernel_source(k, &bind).unwrap_or_else(|e| panic!("{}: {e}", k.name));
+            if !out.iter().any(|o| o.source == ks.source) {
+                out.push(ks);
+            }
+        }
+    }
+    (out, kernels)
+}
+
+fn by_name(sources: &[KernelSource]) -> BTreeMap<String, &KernelSource> {
+    sources.iter().map(|s| (s.name.clone(), s)).collect()
+}
+
+#[test]
+fn sources_are_deterministic_and_shared_across_layers() {
+    let (a, kernels) = step_sources("tiny", 2, 8);
+    let (b, _) = step_sources("tiny", 2, 8);
+    assert_eq!(a, b, "same graph, same text");
+    // 22 kernels in the tiny step, but identical layers give identical text.
+    assert_eq!(kernels, 22);
+    let names: Vec<&str> = a.iter().map(|s| s.name.as_str()).collect();
+    assert!(a.len() < 15, "{} distinct sources: {names:?}", a.len());
+    for s in &a {
+        assert!(s.source.contains("void __launch_bounds__("), "{}", s.name);
+        assert!(s.source.starts_with(&format!("// {} (fusec: ", s.name)));
+        assert!(!s.source.contains("#include"), "no headers: NVRTC 11.8 has no cuda_bf16.h");
+        for l in &s.launches {
+            assert!(l.entry.starts_with(&s.ident), "entry {} of {}", l.entry, s.name);
+            assert!(s.source.contains(&format!(" {}(", l.entry)));
+            assert!(l.block.iter().product::<u32>() <= 1024 && l.grid.iter().all(|&g| g >= 1));
+        }
+    }
+}
+
+#[test]
+fn layernorm_kernel_is_a_warp_per_row_with_three_passes() {
+    let (s, _) = step_sources("tiny", 2, 8);
+    let m = by_name(&s);
+    let ln = m["add_layernorm"];
+    assert_eq!(ln.launches.len(), 1);
+    assert_eq!(ln.launches[0].block, [256, 1, 1]);
+    assert_eq!(ln.launches[0].grid, [2, 1, 1], "16 rows, 8 warps a block");
+    let src = &ln.source;
+    assert_eq!(src.matches("for (int c = lane; c < 64; c += 32)").count(), 3, "mean, variance, output:\n{src}");
+    assert_eq!(src.matches("team_sum<32>(a").count(), 2);
+    assert!(src.contains("const float v14 = 1.0f / sqrtf(v13);"), "exact rsqrt:\n{src}");
+    assert!(src.contains("if (lane == 0) {\n      out2[r] = v7;\n      out3[r] = v14;"), "mean and rstd once per row:\n{src}");
+    assert!(src.contains("const float v12 = 1e-5f;"));
+}
+
+#[test]
+fn column_reductions_have_a_finalize_kernel() {
+    let (s, _) = step_sources("tiny", 2, 8);
+    let m = by_name(&s);
+    let lg = m["layernorm_grad_add"];
+    assert_eq!(lg.launches.iter().map(|l| l.entry.as_str()).collect::<Vec<_>>(), ["layernorm_grad_add", "layernorm_grad_add_fin"]);
+    assert!(lg.source.contains("[2];\n#pragma unroll"), "dw, db partials in registers (64 columns, 2 a lane):\n{}", lg.source);
+    assert!(lg.scratch_bytes >= 2 * 16 * 64 * 4);
+    let rs = s.iter().find(|k| k.name == "reduce_sum_add" && k.source.contains("if (c >= 64) return;")).expect("a 64-column bias gradient");
+    assert_eq!(rs.launches[0].block, [64, 4, 1], "one thread per column, four row chunks a block");
+    assert!(rs.source.contains("for (long long r = r0; r < r1; ++r)"));
+    assert!(rs.source.contains("for (int j = 1; j < 8; ++j) v2 = red_sum(v2, f2[j][x]);"), "fixed combine order");
+    let ce = m["cross_entropy_grad"];
+    assert!(ce.source.contains("expf(") && !ce.source.contains("__expf"), "accurate exp, no fast math");
+    let adam = m["adamw"];
+    assert_eq!(adam.launches.len(), 1, "one launch for every parameter's update");
+    assert!(adam.source.contains("} else if (blockIdx.x < "));
+}
+
+#[test]
+fn bf16_and_special_values_print_exactly() {
+    assert!(fusec_codegen_cuda::prelude::PRELUDE.contains("(u + 0x7fffu + ((u >> 16) & 1u)) >> 16"));
+    let (s, _) = step_sources("tiny", 2, 8);
+    let ce = by_name(&s)["cross_entropy"];
+    assert!(ce.source.contains("__uint_as_float(0xff800000u)"), "-inf as bits");
+    assert_eq!(fusec_codegen_cuda::ident("9 odd-name"), "k_9_odd_name");
+}
+
+#[test]
+fn gemm_mapping_matches_a_row_major_product() {
+    // c[m, n] = op(a) op(b), row-major, every transpose combination, against a naive product.
+    let (m, n, k) = (3usize, 5usize, 4usize);
+    let a: Vec<f32> = (0..m * k).map(|i| (i as f32 * 0.37).sin()).collect();
+    let b: Vec<f32> = (0..k * n).map(|i| (i as f32 * 0.11).cos()).collect();
+    for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
+        let at = |i: usize, p: usize| if ta { a[p * m + i] } else { a[i * k + p] };
+        let bt = |p: usize, j: usize| if tb { b[j * k + p] } else { b[p * n + j] };
+        let call = gemm::row_major(m, n, k, ta, tb, if ta { m } else { k }, if tb { k } else { n }, n).unwrap();
+        let mut c = vec![0f32; m * n];
+        gemm::colmajor_reference(&call, &b, &a, &mut c);
+        for i in 0..m {
+            for j in 0..n {
+                let want: f32 = (0..k).map(|p| at(i, p) * bt(p, j)).sum();
+                assert!((c[i * n + j] - want).abs() < 1e-5, "ta {ta} tb {tb} ({i}, {j})");
+            }
+        }
+    }
+}
+
+/// NVRTC, or `None` with the reason printed.
+fn nvrtc_or_skip() -> Option<nvrtc::Compiler> {
+    match nvrtc::Compiler::with_cache_dir("sm_80", None) {
+        Ok(c) => Some(c),
+        Err(e) => {
+            eprintln!("SKIPPED: {e}");
+            None
+        }
+    }
+}
+
+fn compile_all(c: &mut nvrtc::Compiler, sources: &[KernelSource]) {
+    let items: Vec<(String, String)> = sources.iter().map(|s| (s.ident.clone(), s.source.clone())).collect();
+    for (s, r) in sources.iter().zip(c.compile_all(&items)) {
+        let img = r.unwrap_or_else(|e| panic!("{e}\n--- source of {} ---\n{}", s.name, s.source));
+        assert!(!img.bytes.is_empty() && !img.ptx, "{}: a CUBIN", s.name);
+    }
+}
+
+#[test]
+fn every_kernel_of_the_tiny_and_124m_steps_compiles_with_nvrtc() {
+    let Some(mut c) = nvrtc_or_skip() else { return };
+    eprintln!("NVRTC {:?}", c.nvrtc_version());
+    let img = nvrtc::compile(&native::source(), native::NAME, "sm_80").unwrap_or_else(|e| panic!("{e}"));
+    assert!(!img.ptx);
+    let (tiny, _) = step_sources("tiny", 4, 64);
+    compile_all(&mut c, &tiny);
+    let (big, _) = step_sources("d12", 16, 1024);
+    compile_all(&mut c, &big);
+    // Gradient clipping (a global norm: full reductions), weight decay, and bf16 matmul
+    // operands (casts to bf16 inside the kernels).
+    let mut opts = PipelineOptions::default();
+    opts.adamw.clip = true;
+    opts.adamw.weight_decay = 0.1;
+    opts.precision = fusec_passes::amp::Precision::Bf16;
+    let (other, _) = step_sources_with("tiny", 4, 64, &opts);
+    assert!(other.iter().any(|s| s.source.contains("f32_to_bf16(")), "bf16 stores");
+    compile_all(&mut c, &other);
+    eprintln!("compiled {} tiny, {} 124M and {} clip/bf16 modules ({} NVRTC runs)", tiny.len(), big.len(), other.len(), c.compiled);
+}
+
+#[test]
+fn the_disk_cache_hits_on_the_second_compiler() {
+    let Some(_) = nvrtc_or_skip() else { return };
+    let dir = std::env::temp_dir().join(format!("fusec-nvrtc-cache-test-{}", std::process::id()));
+    let (tiny, _) = step_sources("tiny", 2, 8);
+    let items: Vec<(String, String)> = tiny.iter().take(3).map(|s| (s.ident.clone(), s.source.clone())).collect();
+    let mut a = nvrtc::Compiler::with_cache_dir("sm_80", Some(dir.clone())).unwrap();
+    assert!(a.compile_all(&items).iter().all(|r| r.is_ok()));
+    assert_eq!((a.compiled, a.disk_hits), (3, 0));
+    assert!(a.compile_all(&items).iter().all(|r| r.is_ok()));
+    assert_eq!(a.memory_hits, 3, "same process: no second compile");
+    let mut b = nvrtc::Compiler::with_cache_dir("sm_80", Some(dir.clone())).unwrap();
+    assert!(b.compile_all(&items).iter().all(|r| r.is_ok()));
+    assert_eq!((b.compiled, b.disk_hits), (0, 3));
+    let _ = std::fs::remove_dir_all(&dir);
+}

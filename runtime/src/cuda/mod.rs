@@ -1,0 +1,532 @@
+//! The CUDA target: one device allocation from the memory plans (shared by the programs as on
+//! the CPU, via [`crate::cpu::layout::SharedLayout`]), NVRTC-compiled fused kernels, cuBLAS
+//! products, hand-written gather / scatter-add / attention kernels, all launched in order on one
+//! stream; per-launch CUDA-event timing when profiling.
+//!
+//! The allocation is laid out as `[persistent | arena | scratch | static | cuBLAS workspace]`:
+//! the Step program's parameters, gradients, Adam state and inputs, then the largest program's
+//! arena, then scratch shared by every launch (column partials, attention score matrices, a
+//! GEMM epilogue's temporary), then pointer tables, then the workspace handed to cuBLAS (so it
+//! never allocates on its own).
+//!
+//! Without profiling, each program is captured into a CUDA graph on its first run and replayed
+//! afterwards (one launch per step instead of hundreds; `FUSEC_CUDA_GRAPHS=0` turns it off).
+//! Every address, kernel argument and table is fixed when the executor is built, so a replay
+//! is exactly the launches it recorded.
+//!
+//! Everything that can be missing on a machine (the driver, cuBLAS, NVRTC, a GPU) is checked
+//! before it is used; [`CudaExecutor::new`] returns an `Err` saying what is missing and never
+//! panics. Launches are asynchronous: an error inside a kernel surfaces at the end of the
+//! program; `FUSEC_CUDA_SYNC=1` waits after every launch so the error names it.
+
+mod device;
+mod launch;
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use cudarc::cublas::sys as blas;
+use cudarc::driver::sys;
+use fusec_codegen_cuda::nvrtc::Compiler;
+use fusec_codegen_cuda::{kernel_source, native, KernelSource};
+use fusec_ir::interp::Tensor;
+use fusec_ir::{Bindings, DType, Graph, Op};
+use fusec_passes::memplan::{memplan, MemPlan, MemplanOptions, ALIGN};
+
+use crate::cpu::layout::SharedLayout;
+use crate::cpu::profile::Profile;
+use crate::executor::{Executor, Program, StepOutputs};
+pub use device::check_libraries;
+use device::{ck, ckb, Device};
+use launch::{Addr, Arg, Builder, Launch, Loaded, Native, Step, ERR_WORDS, NATIVE_ENTRIES};
+
+/// Bytes given to cuBLAS as its workspace (NVIDIA's recommendation for Hopper).
+const CUBLAS_WORKSPACE: u64 = 32 << 20;
+
+/// Kernel compilation counts of a build.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct KernelStats {
+    /// Fused-kernel launches built (every `kernel` node of every program).
+    pub kernels: usize,
+    /// Distinct CUDA modules (identical kernels share one), the hand-written module included.
+    pub modules: usize,
+    /// Modules NVRTC compiled in this process.
+    pub compiled: usize,
+    /// Modules read from the on-disk cache.
+    pub disk_hits: usize,
+}
+
+/// What building the programs for the GPU produced, for the run summary.
+pub struct CudaBuild {
+    /// Memory planning, code generation, NVRTC (or the cache) and module loading.
+    pub compile_time: Duration,
+    /// Kernel compilation counts.
+    pub kernels: KernelStats,
+    /// The GPU, e.g. `NVIDIA H100 80GB HBM3 (sm_90)`.
+    pub device: String,
+    /// NVRTC's version.
+    pub nvrtc: (i32, i32),
+    /// Bytes of the one device allocation (everything, the cuBLAS workspace included).
+    pub device_bytes: u64,
+    /// Bytes of it that are scratch shared by the launches.
+    pub scratch_bytes: u64,
+    /// GPU memory in use after the build (every process; total minus free).
+    pub device_used: u64,
+    /// The Step program's plan (for the summary).
+    pub step_plan: MemPlan,
+}
+
+/// One compiled program.
+struct Compiled {
+    launches: Vec<Launch>,
+    scalars: Vec<(String, u64)>,
+    outputs: HashMap<String, (u64, DType, Vec<usize>)>,
+}
+
+/// Runs the programs of a training run on a GPU.
+pub struct CudaExecutor {
+    layout: SharedLayout,
+    programs: HashMap<Program, Compiled>,
+    types: HashMap<String, (DType, Vec<usize>)>,
+    scratch_base: u64,
+    static_base: u64,
+    sync_each: bool,
+    use_graphs: bool,
+    graphs: HashMap<Program, sys::CUgraphExec>,
+    events: Vec<(sys::CUevent, sys::CUevent)>,
+    peak: u64,
+    /// Per-launch timings (CUDA events), when profiling.
+    pub profile: Option<Profile>,
+    dev: Device,
+}
+
+impl CudaExecutor {
+    /// Plans memory for the scheduled programs (which must include `Step`), opens GPU 0,
+    /// compiles every kernel (NVRTC, in parallel, through the disk cache), and allocates the
+    /// one device buffer. `tf32`: cuBLAS products on TF32 tensor cores (about 1e-3 relative);
+    /// otherwise plain fp32. `profile`: time every launch with CUDA events.
+    pub fn new(graphs: &HashMap<Program, Graph>, bind: &Bindings, profile: bool, tf32: bool) -> Result<(CudaExecutor, CudaBuild), String> {
+        let t0 = Instant::now();
+        let step = graphs.get(&Program::Step).ok_or("the CUDA target needs the Step program")?;
+        let mut dev = Device::open(tf32)?;
+        let mut order: Vec<Program> = graphs.keys().copied().collect();
+        order.sort_by_key(|p| *p as u8);
+        let mut plans = HashMap::new();
+        for p in &order {
+            plans.insert(*p, memplan(&graphs[p], bind, &MemplanOptions::default()).map_err(|e| format!("memory plan of {p:?}: {e}"))?);
+        }
+        let layout = SharedLayout::new(step, &plans[&Program::Step]);
+        let arena_max = plans.values().map(|p| p.arena_bytes).max().unwrap_or(0);
+
+        // Generate every kernel's source, then compile the distinct ones at once.
+        let mut sources: Vec<Arc<KernelSource>> = vec![];
+        let mut by_text: HashMap<String, usize> = HashMap::new();
+        let mut node_src: HashMap<(Program, usize), usize> = HashMap::new();
+        for p in &order {
+            for (i, n) in graphs[p].nodes.iter().enumerate() {
+                if let Op::Kernel(k) = &n.op {
+                    let ks = kernel_source(k, bind).map_err(|e| format!("{p:?} program, node {i}: {e}"))?;
+                    let idx = *by_text.entry(ks.source.clone()).or_insert_with(|| {
+                        sources.push(Arc::new(ks));
+                        sources.len() - 1
+                    });
+                    node_src.insert((*p, i), idx);
+                }
+            }
+        }
+        let mut compiler = Compiler::new(&dev.sm())?;
+        let mut items: Vec<(String, String)> = sources.iter().map(|s| (s.ident.clone(), s.source.clone())).collect();
+        items.push((native::NAME.to_string(), native::source()));
+        let images = compiler.compile_all(&items);
+        let mut funcs: Vec<Vec<sys::CUfunction>> = vec![];
+        for (i, img) in images.iter().enumerate() {
+            let img = img.as_ref().map_err(|e| e.clone())?;
+            let names: Vec<&str> =
+                if i < sources.len() { sources[i].launches.iter().map(|l| l.entry.as_str()).collect() } else { NATIVE_ENTRIES.to_vec() };
+            let f = dev.functions(compiler.key(&items[i].1), &img.bytes, &names).map_err(|e| format!("kernel `{}`: {e}", items[i].0))?;
+            funcs.push(f);
+        }
+        let nf = funcs.pop().expect("the native module");
+        let native = Native {
+            gather: nf[0],
+            scatter_add: nf[1],
+            attn_softmax: nf[2],
+            attn_probs: nf[3],
+            attn_dscores: nf[4],
+            iota_f32: nf[5],
+            iota_i32: nf[6],
+            gemm_epilogue: nf[7],
+        };
+
+        let mut b = Builder { native: &native, words: vec![None; ERR_WORDS], scratch: 0 };
+        let mut programs = HashMap::new();
+        let mut types = HashMap::new();
+        for p in &order {
+            let (g, plan) = (&graphs[p], &plans[p]);
+            let lookup = |i: usize| node_src.get(&(*p, i)).map(|&s| Loaded { src: sources[s].clone(), funcs: funcs[s].clone() });
+            let launches = b.launches(g, plan, &layout, bind, &lookup).map_err(|e| format!("{p:?} program: {e}"))?;
+            let mut scalars = vec![];
+            let mut outputs = HashMap::new();
+            for (name, v) in &g.outputs {
+                let (off, ty) = (layout.offset(g, plan, *v)?, g.ty(*v));
+                if ty.shape.rank() == 0 {
+                    scalars.push((name.clone(), off));
+                }
+                outputs.insert(name.clone(), (off, ty.dtype, ty.shape.eval(bind)?.into_iter().collect()));
+            }
+            for (name, v) in g.params().into_iter().chain(g.inputs()) {
+                types.insert(name.to_string(), (g.ty(v).dtype, g.ty(v).shape.eval(bind)?.into_iter().collect()));
+            }
+            programs.insert(*p, Compiled { launches, scalars, outputs });
+        }
+
+        let align = |x: u64| x.div_ceil(ALIGN) * ALIGN;
+        let scratch_base = align(layout.persistent_bytes + arena_max);
+        let static_base = scratch_base + align(b.scratch);
+        let total = static_base + align(b.words.len() as u64 * 8);
+        dev.allocate(total, CUBLAS_WORKSPACE)?;
+        let words: Vec<u64> = b.words.iter().map(|w| w.map_or(0, |a| resolve(dev.base, scratch_base, static_base, a))).collect();
+        dev.upload(dev.base + static_base, &words)?;
+
+        let used = dev.used_bytes();
+        let max_launches = programs.values().map(|c| c.launches.len()).max().unwrap_or(0);
+        let mut events = vec![];
+        if profile {
+            for _ in 0..max_launches {
+                let ev =
+                    || cudarc::driver::result::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT).map_err(|e| format!("event: {e:?}"));
+                events.push((ev()?, ev()?));
+            }
+        }
+        let build = CudaBuild {
+            compile_time: t0.elapsed(),
+            kernels: KernelStats {
+                kernels: node_src.len(),
+                modules: items.len(),
+                compiled: compiler.compiled,
+                disk_hits: compiler.disk_hits,
+            },
+            device: format!("{} ({})", dev.name, dev.sm()),
+            nvrtc: compiler.nvrtc_version(),
+            device_bytes: dev.size,
+            scratch_bytes: b.scratch,
+            device_used: used,
+            step_plan: plans.remove(&Program::Step).expect("checked above"),
+        };
+        let sync_each = std::env::var_os("FUSEC_CUDA_SYNC").is_some_and(|v| v != "0");
+        let use_graphs = std::env::var_os("FUSEC_CUDA_GRAPHS").is_none_or(|v| v != "0");
+        let ex = CudaExecutor {
+            layout,
+            programs,
+            types,
+            scratch_base,
+            static_base,
+            sync_each,
+            use_graphs,
+            graphs: HashMap::new(),
+            events,
+            peak: used,
+            profile: profile.then(Profile::default),
+            dev,
+        };
+        Ok((ex, build))
+    }
+
+    /// The most GPU memory seen in use (every process), sampled after the build and after each
+    /// profiled run.
+    pub fn peak_device_bytes(&self) -> u64 {
+        self.peak
+    }
+
+    /// Static FLOPs of one run of `program`, split into (cuBLAS products, the rest).
+    pub fn flops(&self, program: Program) -> (u64, u64) {
+        let mut f = (0, 0);
+        for l in self.programs.get(&program).map(|p| p.launches.as_slice()).unwrap_or(&[]) {
+            if l.steps.iter().any(|s| matches!(s, Step::Gemm { .. } | Step::GemmArrays { .. })) {
+                f.0 += l.flops;
+            } else {
+                f.1 += l.flops;
+            }
+        }
+        f
+    }
+
+    fn addr(&self, a: Addr) -> u64 {
+        resolve(self.dev.base, self.scratch_base, self.static_base, a)
+    }
+
+    fn place(&self, name: &str) -> Result<(u64, DType, usize), String> {
+        let (off, _) = self.layout.named.get(name).ok_or_else(|| format!("no tensor named `{name}`"))?;
+        let (dt, shape) = &self.types[name];
+        Ok((*off, *dt, shape.iter().product()))
+    }
+
+    fn read(&self, off: u64, dt: DType, shape: Vec<usize>) -> Result<Tensor, String> {
+        let n: usize = shape.iter().product();
+        let data = match dt {
+            DType::I32 => {
+                let mut v = vec![0i32; n];
+                self.dev.download(&mut v, self.dev.base + off)?;
+                v.into_iter().map(|x| x as f64).collect()
+            }
+            DType::F32 => {
+                let mut v = vec![0f32; n];
+                self.dev.download(&mut v, self.dev.base + off)?;
+                v.into_iter().map(|x| x as f64).collect()
+            }
+            d => return Err(format!("reading {d} tensors from the GPU is not supported")),
+        };
+        Ok(Tensor { dtype: dt, shape, data })
+    }
+
+    /// Runs one step on the stream.
+    ///
+    /// # Safety
+    /// The step's addresses were built against this allocation's layout.
+    unsafe fn exec(&self, st: &Step) -> Result<(), String> {
+        let d = &self.dev;
+        let op = |t: bool| if t { blas::cublasOperation_t::CUBLAS_OP_T } else { blas::cublasOperation_t::CUBLAS_OP_N };
+        let one = 1f32;
+        match st {
+            Step::Gemm { g, a, b, c, beta } => {
+                let k = &g.call;
+                // cuBLAS's A is the row-major product's `b`, its B is `a`.
+                let (pa, pb, pc) = (self.addr(*b) as *const f32, self.addr(*a) as *const f32, self.addr(*c) as *mut f32);
+                let r = if g.batch == 1 {
+                    blas::cublasSgemm_v2(d.blas, op(k.trans_a), op(k.trans_b), k.m, k.n, k.k, &one, pa, k.lda, pb, k.ldb, beta, pc, k.ldc)
+                } else {
+                    blas::cublasSgemmStridedBatched(
+                        d.blas,
+                        op(k.trans_a),
+                        op(k.trans_b),
+                        k.m,
+                        k.n,
+                        k.k,
+                        &one,
+                        pa,
+                        k.lda,
+                        g.stride_a,
+                        pb,
+                        k.ldb,
+                        g.stride_b,
+                        beta,
+                        pc,
+                        k.ldc,
+                        g.stride_c,
+                        g.batch,
+                    )
+                };
+                ckb(r, "cuBLAS sgemm")
+            }
+            Step::GemmArrays { call: k, arrays, batch } => {
+                let base = self.addr(*arrays);
+                let n = *batch as u64 * 8;
+                let zero = 0f32;
+                let r = blas::cublasSgemmBatched(
+                    d.blas,
+                    op(k.trans_a),
+                    op(k.trans_b),
+                    k.m,
+                    k.n,
+                    k.k,
+                    &one,
+                    base as *const *const f32,
+                    k.lda,
+                    (base + n) as *const *const f32,
+                    k.ldb,
+                    &zero,
+                    (base + 2 * n) as *const *mut f32,
+                    k.ldc,
+                    *batch,
+                );
+                ckb(r, "cuBLAS batched sgemm")
+            }
+            Step::Kernel { f, grid, block, args } => {
+                let mut vals: Vec<u64> = args
+                    .iter()
+                    .map(|a| match *a {
+                        Arg::Ptr(p) => self.addr(p),
+                        Arg::I32(v) => v as u32 as u64,
+                        Arg::I64(v) => v as u64,
+                        Arg::F32(v) => v.to_bits() as u64,
+                    })
+                    .collect();
+                let mut params: Vec<*mut c_void> = vals.iter_mut().map(|v| v as *mut u64 as *mut c_void).collect();
+                d.launch(*f, *grid, *block, &mut params)
+            }
+            Step::Fill32 { dst, bits, n } => ck(sys::cuMemsetD32Async(self.addr(*dst), *bits, *n, d.stream), "memset"),
+            Step::Copy { dst, src, bytes } => {
+                ck(sys::cuMemcpyDtoDAsync_v2(self.addr(*dst), self.addr(*src), *bytes as usize, d.stream), "copy")
+            }
+        }
+    }
+
+    /// Records the launches of `program` into a CUDA graph (nothing runs yet).
+    fn capture(&self, program: Program) -> Result<sys::CUgraphExec, String> {
+        let prog = self.programs.get(&program).ok_or_else(|| format!("program {program:?} was not compiled"))?;
+        let stream = self.dev.stream;
+        // SAFETY: capture on our own stream; the steps were built against this allocation.
+        unsafe {
+            ck(sys::cuStreamBeginCapture_v2(stream, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL), "CUDA graph capture")?;
+            let mut res = Ok(());
+            'launches: for (i, l) in prog.launches.iter().enumerate() {
+                for st in &l.steps {
+                    if let Err(e) = self.exec(st) {
+                        res = Err(format!(
+                            "{} ({program:?} launch {i}, capturing a CUDA graph; FUSEC_CUDA_GRAPHS=0 runs without): {e}",
+                            l.name
+                        ));
+                        break 'launches;
+                    }
+                }
+            }
+            let mut graph: sys::CUgraph = std::ptr::null_mut();
+            let end = ck(sys::cuStreamEndCapture(stream, &mut graph), "CUDA graph capture");
+            res?;
+            end?;
+            let mut exec: sys::CUgraphExec = std::ptr::null_mut();
+            let r = ck(sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0), "CUDA graph instantiation");
+            let _ = sys::cuGraphDestroy(graph);
+            r.map(|_| exec)
+        }
+    }
+
+    /// The error word of gather / scatter-add, cleared.
+    fn take_index_error(&self) -> Result<(), String> {
+        let mut e = [0i32; 4];
+        self.dev.download(&mut e, self.dev.base + self.static_base)?;
+        if e[0] != 0 {
+            self.dev.upload(self.dev.base + self.static_base, &[0u64; ERR_WORDS])?;
+            return Err(format!("gather/scatter_add: index {} at position {} is outside the table", e[1], e[2]));
+        }
+        Ok(())
+    }
+}
+
+fn resolve(base: u64, scratch: u64, stat: u64, a: Addr) -> u64 {
+    match a {
+        Addr::Plan(o) => base + o,
+        Addr::Scratch(o) => base + scratch + o,
+        Addr::Static(o) => base + stat + o,
+    }
+}
+
+impl Executor for CudaExecutor {
+    fn peak_device_bytes(&self) -> Option<u64> {
+        Some(self.peak)
+    }
+
+    fn set(&mut self, name: &str, t: Tensor) -> Result<(), String> {
+        let (off, dt, n) = self.place(name)?;
+        if t.data.len() != n {
+            return Err(format!("`{name}` holds {n} elements, got {}", t.data.len()));
+        }
+        match dt {
+            DType::I32 => self.dev.upload(self.dev.base + off, &t.data.iter().map(|&x| x as i32).collect::<Vec<_>>()),
+            DType::F32 => self.dev.upload(self.dev.base + off, &t.to_f32()),
+            d => Err(format!("`{name}`: {d} tensors cannot be set on the GPU yet")),
+        }
+    }
+
+    fn get(&self, name: &str) -> Result<Tensor, String> {
+        let (off, dt, _) = self.place(name)?;
+        self.read(off, dt, self.types[name].1.clone())
+    }
+
+    fn set_zeros(&mut self, name: &str, _dtype: DType, _shape: Vec<usize>) -> Result<(), String> {
+        let (off, bytes) = *self.layout.named.get(name).ok_or_else(|| format!("no tensor named `{name}`"))?;
+        self.dev.zero(self.dev.base + off, bytes)
+    }
+
+    fn zero_grads(&mut self) -> Result<(), String> {
+        let (off, bytes) = self.layout.grads;
+        self.dev.zero(self.dev.base + off, bytes)
+    }
+
+    fn run(&mut self, program: Program) -> Result<StepOutputs, String> {
+        self.dev.bind()?;
+        let timing = self.profile.is_some();
+        if self.use_graphs && !timing && !self.sync_each {
+            let exec = match self.graphs.get(&program) {
+                Some(e) => *e,
+                None => {
+                    let e = self.capture(program)?;
+                    self.graphs.insert(program, e);
+                    e
+                }
+            };
+            // SAFETY: a graph of this executor's launches.
+            unsafe { ck(sys::cuGraphLaunch(exec, self.dev.stream), "CUDA graph launch")? };
+        }
+        let prog = self.programs.get(&program).ok_or_else(|| format!("program {program:?} was not compiled"))?;
+        let direct = !(self.use_graphs && !timing && !self.sync_each);
+        for (i, l) in prog.launches.iter().enumerate().filter(|_| direct) {
+            let named = |e: String| format!("{} ({program:?} launch {i}): {e}", l.name);
+            // SAFETY: events were created for at least this many launches; steps were built
+            // against this allocation.
+            unsafe {
+                if timing {
+                    ck(sys::cuEventRecord(self.events[i].0, self.dev.stream), "event").map_err(named)?;
+                }
+                for st in &l.steps {
+                    self.exec(st).map_err(named)?;
+                }
+                if timing {
+                    ck(sys::cuEventRecord(self.events[i].1, self.dev.stream), "event").map_err(named)?;
+                }
+            }
+            if self.sync_each {
+                self.dev.sync("kernel").map_err(named)?;
+            }
+        }
+        self.dev.sync(&format!("{program:?} program (set FUSEC_CUDA_SYNC=1 to find the failing launch)"))?;
+        if let Some(mut p) = self.profile.take() {
+            for (i, l) in prog.launches.iter().enumerate() {
+                // SAFETY: both events were recorded and the stream is idle.
+                let ms = unsafe { cudarc::driver::result::event::elapsed(self.events[i].0, self.events[i].1) }.unwrap_or(0.0);
+                p.record_launch(&l.name, l.bytes, l.flops, Duration::from_secs_f64(ms.max(0.0) as f64 / 1e3));
+            }
+            self.profile = Some(p);
+            self.peak = self.peak.max(self.dev.used_bytes());
+        }
+        self.take_index_error()?;
+        let mut out = StepOutputs::default();
+        for (name, off) in &prog.scalars {
+            let mut v = [0f32];
+            self.dev.download(&mut v, self.dev.base + off)?;
+            out.set(name, v[0] as f64);
+        }
+        Ok(out)
+    }
+
+    fn output(&self, program: Program, name: &str) -> Result<Tensor, String> {
+        let prog = self.programs.get(&program).ok_or_else(|| format!("program {program:?} was not compiled"))?;
+        let (off, dt, shape) = prog.outputs.get(name).ok_or_else(|| format!("{program:?} has no output `{name}`"))?;
+        self.read(*off, *dt, shape.clone())
+    }
+
+    fn profile(&self) -> Option<Profile> {
+        self.profile.clone()
+    }
+}
+
+impl Drop for CudaExecutor {
+    fn drop(&mut self) {
+        let _ = self.dev.bind();
+        for e in self.graphs.values() {
+            // SAFETY: instantiated in `capture`; the stream is idle after the last run.
+            unsafe {
+                let _ = sys::cuGraphExecDestroy(*e);
+            }
+        }
+        for (a, b) in &self.events {
+            // SAFETY: created in `new`, no longer recorded.
+            unsafe {
+                let _ = sys::cuEventDestroy_v2(*a);
+                let _ = sys::cuEventDestroy_v2(*b);
+            }
+        }
+    }
+}

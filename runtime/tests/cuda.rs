@@ -1,0 +1,276 @@
+//! The CUDA target. Without a GPU: `CudaExecutor::new` says what is missing instead of
+//! panicking. With one (`cargo test -p fusec-runtime --test cuda -- --ignored` on the device):
+//! the tiny GPT-2 trains to the CPU target's losses (within 1e-3 with TF32 products, 1e-5
+//! without), the same bits twice, and llm.c's reference run (llmc-odd) is reproduced.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+
+use fusec_ir::{Bindings, Graph};
+use fusec_models::{build_gpt2, Gpt2Config};
+use fusec_passes::pipeline::{compile, Mode, PipelineOptions};
+use fusec_runtime::checkpoint::{random_init, Checkpoint, LlmcConfig};
+use fusec_runtime::cpu::CpuExecutor;
+use fusec_runtime::cuda::{check_libraries, CudaExecutor};
+use fusec_runtime::data::DataLoader;
+use fusec_runtime::executor::{Executor, Program};
+use fusec_runtime::params::params_from_checkpoint;
+use fusec_runtime::tokens::read_tokens;
+use fusec_runtime::train::{eval_loss, init_state, train, TrainConfig};
+
+fn programs(fwd: &Graph, b: usize, t: usize) -> (HashMap<Program, Graph>, Bindings) {
+    programs_with(fwd, b, t, &PipelineOptions::default())
+}
+
+fn programs_with(fwd: &Graph, b: usize, t: usize, opts: &PipelineOptions) -> (HashMap<Program, Graph>, Bindings) {
+    let mut bind = Bindings::default();
+    bind.set("B", b as u64).set("T", t as u64);
+    let c = |m| compile(fwd, "schedule", m, opts, &bind).unwrap().graph;
+    ([(Program::Eval, c(Mode::Forward)), (Program::Grad, c(Mode::Grad)), (Program::Step, c(Mode::Step))].into(), bind)
+}
+
+fn llmc_config(c: &Gpt2Config) -> LlmcConfig {
+    LlmcConfig { max_seq: c.max_seq, vocab: c.vocab, padded_vocab: c.padded_vocab, layers: c.layers, heads: c.heads, channels: c.channels }
+}
+
+fn train_config(b: usize, t: usize, steps: usize) -> TrainConfig {
+    TrainConfig {
+        batch: b,
+        seq: t,
+        steps,
+        lr: 1e-3,
+        betas: (0.9, 0.999),
+        grad_accum: 1,
+        grad_clip: None,
+        val_every: None,
+        val_batches: 0,
+        log_json: None,
+    }
+}
+
+#[test]
+fn without_a_gpu_new_is_an_error_naming_what_is_missing() {
+    let cfg = Gpt2Config::preset("tiny").unwrap();
+    let (graphs, bind) = programs(&build_gpt2(&cfg, "tiny"), 2, 8);
+    match check_libraries() {
+        Ok(()) => eprintln!("SKIPPED: the CUDA libraries are present here (this test is for machines without a GPU)"),
+        Err(e) => {
+            let err = CudaExecutor::new(&graphs, &bind, false, true).err().expect("no GPU: an error");
+            assert_eq!(err, e);
+            if !e.starts_with("no CUDA driver found") {
+                eprintln!("the driver is present but: {e}");
+            } else {
+                assert_eq!(err, "no CUDA driver found (libcuda.so): --target cuda needs an NVIDIA GPU");
+            }
+        }
+    }
+}
+
+/// Losses of `steps` training steps of the tiny GPT-2 (random init, the embedded corpus) on
+/// an executor, plus the validation loss before training.
+fn tiny_losses(ex: &mut dyn Executor, step: &Graph, cfg: &Gpt2Config, b: usize, t: usize, steps: usize) -> Vec<f64> {
+    tiny_losses_with(ex, step, cfg, &train_config(b, t, steps))
+}
+
+fn tiny_losses_with(ex: &mut dyn Executor, step: &Graph, cfg: &Gpt2Config, tc: &TrainConfig) -> Vec<f64> {
+    let fwd = build_gpt2(cfg, "tiny");
+    let params = params_from_checkpoint(&fwd, &random_init(&llmc_config(cfg), 1337)).unwrap();
+    init_state(ex, step, &params).unwrap();
+    let data = DataLoader::new(fusec_runtime::corpus::markov_tokens(cfg.vocab, 20_000, 42, 1), tc.batch, tc.seq).unwrap();
+    let mut out = vec![eval_loss(ex, &data, 2, tc.batch, tc.seq).unwrap()];
+    for l in train(ex, tc, &data, None, |_| {}).unwrap() {
+        out.push(l.loss);
+        out.extend(l.grad_norm);
+    }
+    out
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --ignored on the device"]
+fn tiny_gpt2_with_clipping_decay_and_accumulation_trains_like_the_cpu_target() {
+    let cfg = Gpt2Config::preset("tiny").unwrap();
+    let mut opts = PipelineOptions::default();
+    opts.adamw.clip = true;
+    opts.adamw.weight_decay = 0.1;
+    let (graphs, bind) = programs_with(&build_gpt2(&cfg, "tiny"), 2, 32, &opts);
+    let step = &graphs[&Program::Step];
+    let tc = TrainConfig { grad_accum: 2, grad_clip: Some(0.5), ..train_config(2, 32, 3) };
+    let (mut cpu, _) = CpuExecutor::new(&graphs, &bind, 2, false).unwrap();
+    let want = tiny_losses_with(&mut cpu, step, &cfg, &tc);
+    let (mut gpu, _) = CudaExecutor::new(&graphs, &bind, false, false).unwrap_or_else(|e| panic!("{e}"));
+    let got = tiny_losses_with(&mut gpu, step, &cfg, &tc);
+    eprintln!("losses and gradient norms: cpu {want:?}\n                           gpu {got:?}");
+    assert_eq!(got.len(), want.len());
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert!(g.is_finite() && (g - w).abs() <= 1e-5 * w.abs().max(1.0), "value {i}: gpu {g} vs cpu {w}");
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --ignored on the device"]
+fn tiny_gpt2_trains_like_the_cpu_target() {
+    let cfg = Gpt2Config::preset("tiny").unwrap();
+    let (b, t, steps) = (4, 64, 3);
+    let (graphs, bind) = programs(&build_gpt2(&cfg, "tiny"), b, t);
+    let step = &graphs[&Program::Step];
+    let (mut cpu, _) = CpuExecutor::new(&graphs, &bind, 2, false).unwrap();
+    let want = tiny_losses(&mut cpu, step, &cfg, b, t, steps);
+    for (tf32, tol) in [(true, 1e-3), (false, 1e-5)] {
+        let (mut gpu, build) = CudaExecutor::new(&graphs, &bind, true, tf32).unwrap_or_else(|e| panic!("{e}"));
+        eprintln!(
+            "{}: {} kernels, {} modules ({} compiled, {} from the cache), {:.1} MiB, built in {:.0} ms",
+            build.device,
+            build.kernels.kernels,
+            build.kernels.modules,
+            build.kernels.compiled,
+            build.kernels.disk_hits,
+            build.device_bytes as f64 / 1048576.0,
+            build.compile_time.as_secs_f64() * 1e3
+        );
+        let got = tiny_losses(&mut gpu, step, &cfg, b, t, steps);
+        eprintln!("tf32 {tf32}: cpu {want:?}\n            gpu {got:?}");
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert!(g.is_finite() && (g - w).abs() <= tol, "tf32 {tf32}, loss {i}: gpu {g} vs cpu {w} (tolerance {tol})");
+        }
+        // Deterministic: a second run from the same state gives the same bits.
+        let again = tiny_losses(&mut gpu, step, &cfg, b, t, steps);
+        assert_eq!(got, again, "tf32 {tf32}: two runs differ");
+        let p = gpu.profile().unwrap();
+        assert!(p.rows().iter().any(|(n, _)| *n == "add_layernorm"), "profile has the fused kernels");
+        // Parameters agree after training.
+        let (w, g) = (cpu.get("wte").unwrap(), gpu.get("wte").unwrap());
+        let worst = w.data.iter().zip(&g.data).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
+        eprintln!("tf32 {tf32}: wte max abs difference {worst:e}");
+        let _ = tiny_losses(&mut cpu, step, &cfg, b, t, steps);
+    }
+}
+
+/// The llm.c reference folder: `../shared/refs/llmc-odd` beside the repository, or
+/// `.dev/refs/llmc-odd` inside it (the device copy), or `$FUSEC_LLMC_REFS`.
+fn llmc_odd() -> Option<PathBuf> {
+    let mut c: Vec<PathBuf> = std::env::var_os("FUSEC_LLMC_REFS").map(PathBuf::from).into_iter().collect();
+    c.push(PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared/refs/llmc-odd")));
+    c.push(PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../.dev/refs/llmc-odd")));
+    if let Ok(d) = std::env::current_dir() {
+        c.push(d.join(".dev/refs/llmc-odd"));
+        c.push(d.join("../.dev/refs/llmc-odd"));
+    }
+    let found = c.into_iter().find(|p| p.join("reference.json").exists());
+    if found.is_none() {
+        eprintln!("SKIPPED: no llmc-odd reference (../shared/refs/llmc-odd, .dev/refs/llmc-odd or $FUSEC_LLMC_REFS)");
+    }
+    found
+}
+
+fn json_floats(text: &str, key: &str) -> Vec<f64> {
+    let at = text.find(&format!("\"{key}\"")).unwrap_or_else(|| panic!("reference.json has no {key}"));
+    let rest = &text[at..];
+    let (open, close) = (rest.find('[').unwrap(), rest.find(']').unwrap());
+    rest[open + 1..close].split(',').map(|x| x.trim().parse().unwrap()).collect()
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --ignored on the device"]
+fn llmc_odd_matches_llmc_without_tf32() {
+    let Some(dir) = llmc_odd() else { return };
+    let json = std::fs::read_to_string(dir.join("reference.json")).unwrap();
+    let ckpt = Checkpoint::read(&dir.join("gpt2_odd_s4242.bin")).unwrap();
+    let c = &ckpt.config;
+    let cfg = Gpt2Config {
+        layers: c.layers,
+        heads: c.heads,
+        channels: c.channels,
+        vocab: c.vocab,
+        padded_vocab: c.padded_vocab,
+        max_seq: c.max_seq,
+    };
+    let (b, t) = (3, 48);
+    let fwd = build_gpt2(&cfg, "gpt2_odd");
+    let (graphs, bind) = programs(&fwd, b, t);
+    let (mut ex, _) = CudaExecutor::new(&graphs, &bind, false, false).unwrap_or_else(|e| panic!("{e}"));
+    init_state(&mut ex, &graphs[&Program::Step], &params_from_checkpoint(&fwd, &ckpt).unwrap()).unwrap();
+    let data = DataLoader::new(read_tokens(&dir.join("tokens_train_s11.bin")).unwrap(), b, t).unwrap();
+    let logs = train(&mut ex, &train_config(b, t, 10), &data, None, |_| {}).unwrap();
+    let want = json_floats(&json, "losses");
+    let mut worst = 0f64;
+    for (l, w) in logs.iter().zip(&want) {
+        worst = worst.max((l.loss - w).abs());
+        assert!((l.loss - w).abs() <= 1e-5, "step {}: loss {} vs llm.c {w}", l.step, l.loss);
+    }
+    let reference: Vec<f32> = std::fs::read(dir.join("params_step10.f32"))
+        .unwrap()
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect();
+    let (mut offset, mut worst_p) = (0, 0f32);
+    for (name, shape, _) in ckpt.named_tensors() {
+        let n: usize = shape.iter().product();
+        for (a, r) in ex.get(&name).unwrap().to_f32().iter().zip(&reference[offset..offset + n]) {
+            worst_p = worst_p.max((a - r).abs());
+        }
+        offset += n;
+    }
+    eprintln!("cuda (no tf32): worst loss difference {worst:e}, params after 10 steps max abs difference {worst_p:e}");
+    assert!(worst_p <= 2e-5, "params after 10 steps differ by {worst_p}");
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU with ~30 GB: run with --ignored on the device"]
+fn gpt2_124m_training_step_time() {
+    let cfg = Gpt2Config::preset("d12").unwrap();
+    let env = |k: &str, d: usize| std::env::var(k).ok().and_then(|v| v.parse().ok()).unwrap_or(d);
+    let (b, t, steps) = (env("FUSEC_B", 16), env("FUSEC_T", 1024), env("FUSEC_STEPS", 10));
+    let fwd = build_gpt2(&cfg, "gpt2_124m");
+    let (graphs, bind) = programs(&fwd, b, t);
+    let (mut ex, build) = CudaExecutor::new(&graphs, &bind, true, true).unwrap_or_else(|e| panic!("{e}"));
+    eprintln!(
+        "{}: {} kernels, {} modules ({} compiled, {} cached), {:.1} GiB allocated, built in {:.2} s",
+        build.device,
+        build.kernels.kernels,
+        build.kernels.modules,
+        build.kernels.compiled,
+        build.kernels.disk_hits,
+        build.device_bytes as f64 / (1u64 << 30) as f64,
+        build.compile_time.as_secs_f64()
+    );
+    let params = params_from_checkpoint(&fwd, &random_init(&llmc_config(&cfg), 1337)).unwrap();
+    init_state(&mut ex, &graphs[&Program::Step], &params).unwrap();
+    let data = DataLoader::new(fusec_runtime::corpus::markov_tokens(cfg.vocab, 400_000, 42, 1), b, t).unwrap();
+    let logs = train(&mut ex, &train_config(b, t, steps), &data, None, |r| eprintln!("step {}: loss {:.4} {:.1} ms", r.step, r.loss, r.ms))
+        .unwrap();
+    let mut ms: Vec<f64> = logs.iter().skip(1).map(|l| l.ms).collect();
+    ms.sort_by(f64::total_cmp);
+    let med = ms[ms.len() / 2];
+    eprintln!(
+        "median {med:.1} ms/step, {:.0} tok/s; peak device memory {:.1} GiB",
+        (b * t) as f64 / med * 1e3,
+        ex.peak_device_bytes() as f64 / (1u64 << 30) as f64
+    );
+    let p = ex.profile().unwrap();
+    let total = p.total().as_secs_f64();
+    let mut rows = p.rows();
+    rows.sort_by_key(|r| std::cmp::Reverse(r.1.total));
+    for (name, s) in rows.iter().take(25) {
+        let secs = s.total.as_secs_f64();
+        eprintln!(
+            "{name:>28} {:>6} calls {:>9.2} ms {:>5.1}%  {:>7.0} GB/s {:>7.1} TFLOP/s",
+            s.calls,
+            secs * 1e3 / logs.len() as f64,
+            100.0 * secs / total,
+            s.bytes as f64 / secs / 1e9,
+            s.flops as f64 / secs / 1e12
+        );
+    }
+    assert!(logs.iter().all(|l| l.loss.is_finite()));
+    // Without profiling: the programs replay as CUDA graphs.
+    drop(ex);
+    let (mut ex, _) = CudaExecutor::new(&graphs, &bind, false, true).unwrap_or_else(|e| panic!("{e}"));
+    init_state(&mut ex, &graphs[&Program::Step], &params).unwrap();
+    let again = train(&mut ex, &train_config(b, t, steps), &data, None, |_| {}).unwrap();
+    let mut ms: Vec<f64> = again.iter().skip(1).map(|l| l.ms).collect();
+    ms.sort_by(f64::total_cmp);
+    let med = ms[ms.len() / 2];
+    eprintln!("without profiling (CUDA graphs): median {med:.1} ms/step, {:.0} tok/s", (b * t) as f64 / med * 1e3);
+    let (l0, l1): (Vec<f64>, Vec<f64>) = (logs.iter().map(|l| l.loss).collect(), again.iter().map(|l| l.loss).collect());
+    assert_eq!(l0, l1, "graph replay gives the same bits as direct launches");
+}
