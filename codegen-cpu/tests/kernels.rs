@@ -9,6 +9,8 @@
 mod harness;
 #[path = "kernels/math.rs"]
 mod math;
+#[path = "kernels/rows.rs"]
+mod rows;
 
 use std::collections::HashMap;
 use std::time::Instant;
