@@ -105,6 +105,9 @@ pub(crate) struct Gen<'p, 'f> {
     pub cc: CallConv,
     /// One-hot selects taken as not hit in the vector loop (see `Pass::one_hot`).
     pub assume_false: HashSet<NodeId>,
+    /// The next row of up to two element operands and its bytes, for the native routines to
+    /// prefetch.
+    pub prefetch: Vec<(Value, u64)>,
     /// The level of the pass being generated.
     pub level: u32,
     /// The function's argument array.
@@ -188,6 +191,14 @@ impl<'f> Gen<'_, 'f> {
             if v.row.is_empty() || self.rowaddr.contains_key(&key) {
                 continue;
             }
+            let a = self.row_address(v, r);
+            self.rowaddr.insert(key, a);
+        }
+    }
+
+    /// The address of row `r` of a view with row terms.
+    fn row_address(&mut self, v: &View, r: Value) -> Value {
+        {
             let mut off: Option<Value> = None;
             for t in &v.row {
                 let mut q = r;
@@ -205,8 +216,7 @@ impl<'f> Gen<'_, 'f> {
                     None => q,
                 });
             }
-            let a = self.b.ins().iadd(self.slots[v.slot as usize], off.expect("row terms"));
-            self.rowaddr.insert(key, a);
+            self.b.ins().iadd(self.slots[v.slot as usize], off.expect("row terms"))
         }
     }
 
@@ -487,13 +497,25 @@ impl<'f> Gen<'_, 'f> {
         let Expr::Unary(u, _) = self.p.node(t).expr else { return Err(format!("internal: offloaded %{t} is not a unary op")) };
         let f = crate::vmath::native(u).ok_or_else(|| format!("internal: no native routine for `{u:?}`"))?;
         let mut sig = Signature::new(self.cc);
-        sig.params.push(AbiParam::new(types::I64));
-        sig.params.push(AbiParam::new(types::I64));
+        for _ in 0..6 {
+            sig.params.push(AbiParam::new(types::I64));
+        }
         let sr = self.b.import_signature(sig);
         let fp = self.b.ins().iconst(types::I64, f as usize as i64);
         let n = self.b.ins().iconst(types::I64, self.p.cols as i64);
         let base = self.offload_base[&t];
-        self.b.ins().call_indirect(sr, fp, &[base, n]);
+        let zero = self.b.ins().iconst(types::I64, 0);
+        let mut args = vec![base, n];
+        for k in 0..2 {
+            match self.prefetch.get(k) {
+                Some(&(a, bytes)) => {
+                    let nb = self.b.ins().iconst(types::I64, bytes as i64);
+                    args.extend([a, nb]);
+                }
+                None => args.extend([zero, zero]),
+            }
+        }
+        self.b.ins().call_indirect(sr, fp, &args);
         self.ready.insert(t);
         Ok(())
     }
@@ -597,6 +619,7 @@ fn new_gen<'p, 'f>(p: &'p Prog, b: FunctionBuilder<'f>, fin: bool) -> Gen<'p, 'f
         ready: HashSet::new(),
         cc: CallConv::SystemV,
         assume_false: HashSet::new(),
+        prefetch: Vec::new(),
         level: 0,
         args: None,
         pool: Pool::default(),
@@ -667,6 +690,19 @@ fn build_main(
         .chain(p.stores.iter().filter(|s| s.view.space().has_row()).map(|s| s.view.clone()))
         .collect();
     g.row_addresses(&views);
+    if !plan.offloads.is_empty() {
+        // The next row of (up to) two element operands, for the native routines to prefetch
+        // while they compute: the first pass over a row is otherwise a stall on memory.
+        let r1 = g.b.ins().iadd_imm_s(r, 1);
+        let mut streams: Vec<View> = Vec::new();
+        for (i, n) in p.nodes.iter().enumerate() {
+            let Expr::Load(v) = &n.expr else { continue };
+            if plan.main_live[i] && v.col && !v.row.is_empty() && streams.len() < 2 && !streams.iter().any(|s| s.slot == v.slot && s.row == v.row) {
+                streams.push(v.clone());
+            }
+        }
+        g.prefetch = streams.iter().map(|v| (g.row_address(v, r1), p.cols * v.mem.size())).collect();
+    }
     let row_nodes = |level: u32| -> Vec<NodeId> {
         (0..p.nodes.len() as NodeId)
             .filter(|&id| {

@@ -14,8 +14,10 @@ use fusec_ir::UnaryOp;
 
 use crate::prog::{Expr, NodeId, Prog, Slot, FINAL};
 
-/// `fn(buf, n)`: replaces `buf[..n]` by `f(buf[..n])`.
-pub(crate) type RowFn = unsafe extern "C" fn(*mut f32, u64);
+/// `fn(buf, n, a, a_bytes, b, b_bytes)`: replaces `buf[..n]` by `f(buf[..n])`, prefetching
+/// `a[..a_bytes]` and `b[..b_bytes]` into L2 meanwhile (the next row of the kernel's operands:
+/// the routine computes while the memory system fetches).
+pub(crate) type RowFn = unsafe extern "C" fn(*mut f32, u64, *const u8, u64, *const u8, u64);
 
 /// The native routine for `u` on this host, if there is one.
 pub(crate) fn native(u: UnaryOp) -> Option<RowFn> {
@@ -163,12 +165,26 @@ mod x86 {
         _mm512_mask_blend_ps(small, large_v, small_v)
     }
 
-    /// Applies `$f` to `$p[..$n]` in place, 16 lanes at a time (a masked tail).
+    /// Applies `$f` to `$p[..$n]` in place, 16 lanes at a time (a masked tail), prefetching
+    /// the byte ranges `$pf` (pointer, bytes) into L2 along the way.
     macro_rules! map {
-        ($p:expr, $n:expr, $f:ident) => {{
+        ($p:expr, $n:expr, $pf:expr, $f:ident) => {{
             let (p, n) = ($p, $n as usize);
+            let mut pf: [(*const u8, usize); 2] = $pf;
+            // Cache lines to prefetch per iteration of 32 elements, over all streams.
+            let lines: usize = pf.iter().map(|s| s.1.div_ceil(64)).sum();
+            let per = lines.div_ceil(n.div_ceil(32).max(1));
             let mut i = 0;
             while i + 32 <= n {
+                let mut k = 0;
+                for s in pf.iter_mut() {
+                    while k < per && s.1 > 0 {
+                        _mm_prefetch::<_MM_HINT_T1>(s.0 as *const i8);
+                        s.0 = s.0.wrapping_add(64);
+                        s.1 = s.1.saturating_sub(64);
+                        k += 1;
+                    }
+                }
                 let a = _mm512_loadu_ps(p.add(i));
                 let b = _mm512_loadu_ps(p.add(i + 16));
                 _mm512_storeu_ps(p.add(i), $f(a));
@@ -186,24 +202,25 @@ mod x86 {
     }
 
     #[target_feature(enable = "avx512f")]
-    unsafe fn exp_avx512(p: *mut f32, n: u64) {
-        map!(p, n, exp16)
+    unsafe fn exp_avx512(p: *mut f32, n: u64, pf: [(*const u8, usize); 2]) {
+        map!(p, n, pf, exp16)
     }
 
     #[target_feature(enable = "avx512f")]
-    unsafe fn tanh_avx512(p: *mut f32, n: u64) {
-        map!(p, n, tanh16)
+    unsafe fn tanh_avx512(p: *mut f32, n: u64, pf: [(*const u8, usize); 2]) {
+        map!(p, n, pf, tanh16)
     }
 
     /// # Safety
-    /// `p[..n]` must be valid for reads and writes, and the host must have AVX-512F.
-    pub(super) unsafe extern "C" fn exp_row(p: *mut f32, n: u64) {
-        exp_avx512(p, n)
+    /// `p[..n]` must be valid for reads and writes, and the host must have AVX-512F (the
+    /// prefetched ranges need not be valid memory).
+    pub(super) unsafe extern "C" fn exp_row(p: *mut f32, n: u64, a: *const u8, an: u64, b: *const u8, bn: u64) {
+        exp_avx512(p, n, [(a, an as usize), (b, bn as usize)])
     }
 
     /// # Safety
-    /// `p[..n]` must be valid for reads and writes, and the host must have AVX-512F.
-    pub(super) unsafe extern "C" fn tanh_row(p: *mut f32, n: u64) {
-        tanh_avx512(p, n)
+    /// As [`exp_row`].
+    pub(super) unsafe extern "C" fn tanh_row(p: *mut f32, n: u64, a: *const u8, an: u64, b: *const u8, bn: u64) {
+        tanh_avx512(p, n, [(a, an as usize), (b, bn as usize)])
     }
 }

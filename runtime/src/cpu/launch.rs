@@ -201,8 +201,8 @@ pub fn launches(
     Ok(out)
 }
 
-/// The GEMM shape of `y = op(a) op(b)`.
-fn gemm_spec(g: &Graph, bind: &Bindings, a: ValueId, b: ValueId, y: ValueId, ta: bool, tb: bool) -> Result<GemmSpec, String> {
+/// The GEMM shape of `y = op(a) op(b)` (the CUDA target uses it too).
+pub(crate) fn gemm_spec(g: &Graph, bind: &Bindings, a: ValueId, b: ValueId, y: ValueId, ta: bool, tb: bool) -> Result<GemmSpec, String> {
     let ev = |v: ValueId| g.ty(v).shape.eval(bind);
     let (ad, bd, yd) = (ev(a)?, ev(b)?, ev(y)?);
     let r = yd.len();

@@ -1,7 +1,7 @@
 //! The CPU target: one arena from the memory plans, Cranelift-compiled fused kernels, GEMMs
 //! through the `gemm` crate, native attention and embedding ops, per-launch timing.
 
-mod launch;
+pub(crate) mod launch;
 pub(crate) mod layout;
 pub mod ops;
 pub mod profile;

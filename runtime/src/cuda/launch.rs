@@ -12,7 +12,7 @@
 use std::sync::Arc;
 
 use cudarc::driver::sys::CUfunction;
-use fusec_codegen_cpu::gemm::GemmSpec;
+use crate::cpu::launch::gemm_spec;
 use fusec_codegen_cuda::gemm::{batched, row_major, Batched, ColMajor};
 use fusec_codegen_cuda::KernelSource;
 use fusec_ir::{Bindings, DType, Graph, Op, ValueId};
@@ -382,15 +382,3 @@ impl Builder<'_> {
     }
 }
 
-/// The GEMM shape of `y = op(a) op(b)` (as the CPU target computes it).
-fn gemm_spec(g: &Graph, bind: &Bindings, a: ValueId, b: ValueId, y: ValueId, ta: bool, tb: bool) -> Result<GemmSpec, String> {
-    let ev = |v: ValueId| g.ty(v).shape.eval(bind);
-    let (ad, bd, yd) = (ev(a)?, ev(b)?, ev(y)?);
-    let r = yd.len();
-    let k = if ta { ad[ad.len() - 2] } else { ad[ad.len() - 1] };
-    let mut spec = GemmSpec::new(yd[r - 2], yd[r - 1], k);
-    spec.batch = yd[..r - 2].iter().product();
-    (spec.trans_a, spec.trans_b) = (ta, tb);
-    spec.b_shared = bd.len() == 2 && ad.len() > 2;
-    Ok(spec)
-}
