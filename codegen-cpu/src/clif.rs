@@ -35,7 +35,7 @@ use fusec_ir::ReduceOp;
 
 use crate::math::{Const16, Fx, Pool};
 use crate::ops;
-use crate::plan::{plan, region, Pass, Plan, Region};
+use crate::plan::{plan, region, Offload, Pass, Plan, Region};
 use crate::prog::{Expr, NodeId, Prog, RowTerm, Space, Store, Ty, View, FINAL, UNI_PARTIAL_STRIDE};
 
 type R<T> = Result<T, String>;
@@ -45,6 +45,8 @@ type R<T> = Result<T, String>;
 const UNROLL_REDUCE: usize = 4;
 /// Copies of the vector-loop body per iteration in a pass without row reductions.
 const UNROLL_STORE: usize = 2;
+/// Memory ranges a native routine call prefetches (see [`crate::vmath::RowFn`]).
+const PREFETCH_STREAMS: usize = 3;
 /// Entries of the argument array after the slots: the constant table's address, once per copy
 /// of the loop body (see `Gen::enter_loop_body`).
 pub const CONST_ARGS: usize = if UNROLL_REDUCE > UNROLL_STORE { UNROLL_REDUCE } else { UNROLL_STORE };
@@ -105,8 +107,8 @@ pub(crate) struct Gen<'p, 'f> {
     pub cc: CallConv,
     /// One-hot selects taken as not hit in the vector loop (see `Pass::one_hot`).
     pub assume_false: HashSet<NodeId>,
-    /// The next row of up to two element operands and its bytes, for the native routines to
-    /// prefetch.
+    /// The next row of up to [`PREFETCH_STREAMS`] element operands and results and its bytes,
+    /// for the native routines to prefetch.
     pub prefetch: Vec<(Value, u64)>,
     /// The level of the pass being generated.
     pub level: u32,
@@ -254,8 +256,9 @@ impl<'f> Gen<'_, 'f> {
         let cvals: Vec<Value> = pass.colreds.iter().map(|&r| self.get(p.node(r).expr.args()[0])).collect::<R<_>>()?;
         let svals: Vec<Value> = pass.stores.iter().map(|&s| self.get(p.stores[s].value)).collect::<R<_>>()?;
         let stvals: Vec<Value> = pass.stash_writes.iter().map(|&(t, _)| self.get(t)).collect::<R<_>>()?;
-        let ovals: Vec<Value> = pass.offload.iter().map(|&(t, _)| self.get(p.node(t).expr.args()[0])).collect::<R<_>>()?;
-        for (i, &(t, _)) in pass.offload.iter().enumerate() {
+        let written: Vec<NodeId> = pass.offload.iter().filter(|o| o.src.is_none()).map(|o| o.node).collect();
+        let ovals: Vec<Value> = written.iter().map(|&t| self.get(p.node(t).expr.args()[0])).collect::<R<_>>()?;
+        for (i, &t) in written.iter().enumerate() {
             let base = self.offload_base[&t];
             let addr = self.col_offset(base, 4);
             self.b.ins().store(MemFlagsData::trusted(), ovals[i], addr, 0);
@@ -321,7 +324,9 @@ impl<'f> Gen<'_, 'f> {
             fixup = Some((tc, vals));
             self.assume_false = sels.iter().copied().collect();
         }
-        let cols = self.p.cols;
+        let work = !(pass.rowreds.is_empty() && pass.colreds.is_empty() && pass.stores.is_empty() && pass.stash_writes.is_empty())
+            || pass.offload.iter().any(|o| o.src.is_none());
+        let cols = if work { self.p.cols } else { 0 };
         let c4 = cols / 4 * 4;
         let unroll = if pass.rowreds.is_empty() { UNROLL_STORE } else { UNROLL_REDUCE };
         let step = 4 * unroll as u64;
@@ -474,8 +479,8 @@ impl<'f> Gen<'_, 'f> {
                 self.store(&self.p.stores[s], vals[i])?;
             }
         }
-        for &(t, _) in &pass.offload {
-            self.call_native(t)?;
+        for o in &pass.offload {
+            self.call_native(o)?;
         }
         Ok(())
     }
@@ -491,22 +496,41 @@ impl<'f> Gen<'_, 'f> {
         Ok(self.b.ins().smin(lo, last))
     }
 
-    /// Runs the native routine of offloaded node `t` on its row buffer (which holds the
-    /// arguments of the current row); later reads of `t` load the results.
-    fn call_native(&mut self, t: NodeId) -> R<()> {
+    /// Runs the native routine of an offloaded node into its row buffer (from the operand row,
+    /// or in place over the arguments a pass wrote there); later reads of the node load the
+    /// results, and its row sums are the routine's return value.
+    fn call_native(&mut self, o: &Offload) -> R<()> {
+        let t = o.node;
         let Expr::Unary(u, _) = self.p.node(t).expr else { return Err(format!("internal: offloaded %{t} is not a unary op")) };
         let f = crate::vmath::native(u).ok_or_else(|| format!("internal: no native routine for `{u:?}`"))?;
         let mut sig = Signature::new(self.cc);
-        for _ in 0..6 {
+        sig.params.extend([AbiParam::new(types::I64), AbiParam::new(types::I64), AbiParam::new(types::I64), AbiParam::new(types::F32)]);
+        for _ in 0..2 * PREFETCH_STREAMS {
             sig.params.push(AbiParam::new(types::I64));
         }
+        sig.returns.push(AbiParam::new(types::F32));
         let sr = self.b.import_signature(sig);
         let fp = self.b.ins().iconst(types::I64, f as usize as i64);
         let n = self.b.ins().iconst(types::I64, self.p.cols as i64);
         let base = self.offload_base[&t];
+        let (src, shift) = match &o.src {
+            Some((v, m)) => {
+                let src = if v.row.is_empty() {
+                    self.slots[v.slot as usize]
+                } else {
+                    *self.rowaddr.get(&(v.slot, v.row.clone())).ok_or("internal: row address not computed")?
+                };
+                let shift = match m {
+                    Some(m) => *self.scalars.get(m).ok_or_else(|| format!("internal: %{m} not computed before its call"))?,
+                    None => self.b.ins().f32const(0.0),
+                };
+                (src, shift)
+            }
+            None => (base, self.b.ins().f32const(0.0)),
+        };
         let zero = self.b.ins().iconst(types::I64, 0);
-        let mut args = vec![base, n];
-        for k in 0..2 {
+        let mut args = vec![base, n, src, shift];
+        for k in 0..PREFETCH_STREAMS {
             match self.prefetch.get(k) {
                 Some(&(a, bytes)) => {
                     let nb = self.b.ins().iconst(types::I64, bytes as i64);
@@ -515,7 +539,11 @@ impl<'f> Gen<'_, 'f> {
                 None => args.extend([zero, zero]),
             }
         }
-        self.b.ins().call_indirect(sr, fp, &args);
+        let call = self.b.ins().call_indirect(sr, fp, &args);
+        let sum = self.b.inst_results(call)[0];
+        for &r in &o.sums {
+            self.scalars.insert(r, sum);
+        }
         self.ready.insert(t);
         Ok(())
     }
@@ -660,10 +688,10 @@ fn build_main(
     }
     g.init_partials(&plan.colreds, chunk)?;
     g.cc = cc;
-    for &(t, slot) in &plan.offloads {
+    for o in &plan.offloads {
         let off = g.b.ins().imul_imm_s(chunk, (p.cols * 4) as i64);
-        let base = g.b.ins().iadd(g.slots[slot as usize], off);
-        g.offload_base.insert(t, base);
+        let base = g.b.ins().iadd(g.slots[o.slot as usize], off);
+        g.offload_base.insert(o.node, base);
     }
     for &(t, slot) in &plan.stashes {
         let off = g.b.ins().imul_imm_s(chunk, (p.cols * 4) as i64);
@@ -690,14 +718,18 @@ fn build_main(
         .chain(p.stores.iter().filter(|s| s.view.space().has_row()).map(|s| s.view.clone()))
         .collect();
     g.row_addresses(&views);
-    if !plan.offloads.is_empty() {
-        // The next row of (up to) two element operands, for the native routines to prefetch
-        // while they compute: the first pass over a row is otherwise a stall on memory.
+    if !plan.offloads.is_empty() && std::env::var_os("FUSEC_NO_PREFETCH").is_none() {
+        // The next row of (up to) three element operands and results, for the native routines
+        // to prefetch while they compute: the first pass over a row is otherwise a stall on
+        // memory, and so are the stores to lines not yet in cache.
         let r1 = g.b.ins().iadd_imm_s(r, 1);
         let mut streams: Vec<View> = Vec::new();
-        for (i, n) in p.nodes.iter().enumerate() {
-            let Expr::Load(v) = &n.expr else { continue };
-            if plan.main_live[i] && v.col && !v.row.is_empty() && streams.len() < 2 && !streams.iter().any(|s| s.slot == v.slot && s.row == v.row) {
+        let loaded = p.nodes.iter().enumerate().filter(|(i, _)| plan.main_live[*i]).filter_map(|(_, n)| match &n.expr {
+            Expr::Load(v) => Some(v),
+            _ => None,
+        });
+        for v in loaded.chain(p.stores.iter().map(|s| &s.view)) {
+            if v.col && !v.row.is_empty() && streams.len() < PREFETCH_STREAMS && !streams.iter().any(|s| s.slot == v.slot && s.row == v.row) {
                 streams.push(v.clone());
             }
         }

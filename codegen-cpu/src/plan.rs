@@ -10,7 +10,9 @@
 //! the stashed values of level `L` to their row buffers (later passes read them back), and — if
 //! it is the last pass — computes and stores every element result.
 
-use crate::prog::{Expr, NodeId, Prog, Space, FINAL};
+use fusec_ir::{BinaryOp, ReduceOp};
+
+use crate::prog::{Expr, Mem, NodeId, Prog, Space, Ty, View, FINAL};
 
 /// Where a node is computed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -51,13 +53,31 @@ pub(crate) struct Pass {
     pub(crate) splats: Vec<NodeId>,
     /// Stashed values computed (and written to their row buffer) by this pass.
     pub(crate) stash_writes: Vec<(NodeId, u32)>,
-    /// Offloaded values whose arguments this pass writes to their row buffers (then calls the
-    /// native routine on them): a pass of its own, just before the level's other pass.
-    pub(crate) offload: Vec<(NodeId, u32)>,
+    /// Offloaded values of this level, computed by native calls after this pass, which writes
+    /// the arguments that are not read straight from an operand to their row buffers: a pass
+    /// of its own, just before the level's other pass.
+    pub(crate) offload: Vec<Offload>,
     /// One-hot selects `select(c == t, a, b)` (`t` per row) that only the pass's stores read:
     /// the column loop computes `b` everywhere, and the stores' values at column `t` (computed
     /// before the loop, while every operand is intact) are written after it. `(t, selects)`.
     pub(crate) one_hot: Option<(NodeId, Vec<NodeId>)>,
+}
+
+/// One offloaded value (see [`Prog::offloads`](crate::prog::Prog::offloads)).
+#[derive(Clone, Debug)]
+pub(crate) struct Offload {
+    /// The `exp` / `tanh` node.
+    pub(crate) node: NodeId,
+    /// Its row buffer's scratch slot.
+    pub(crate) slot: u32,
+    /// When the argument is an f32 operand row (a contiguous column view), minus a per-row
+    /// value or not: the view and the value. The routine then reads the operand directly
+    /// (no pass writes the argument).
+    pub(crate) src: Option<(View, Option<NodeId>)>,
+    /// Row sums of the node, which the routine returns (summed in the order the column loop
+    /// sums: column `c` into lane `c % 16` of 16 partial sums, those combined as a fixed tree,
+    /// then the scalar tail columns in order), so no pass reads the buffer for them.
+    pub(crate) sums: Vec<NodeId>,
 }
 
 /// `t` when node `id` is `select(c == t, a, b)` (or `t == c`) for the column index `c` and an
@@ -90,8 +110,8 @@ pub(crate) struct Plan {
     pub(crate) colreds: Vec<NodeId>,
     /// Live stashed values and their row-buffer slots.
     pub(crate) stashes: Vec<(NodeId, u32)>,
-    /// Live offloaded values and their row-buffer slots.
-    pub(crate) offloads: Vec<(NodeId, u32)>,
+    /// Live offloaded values.
+    pub(crate) offloads: Vec<Offload>,
 }
 
 fn mark(p: &Prog, live: &mut [bool], root: NodeId, stop_at_colred: bool) {
@@ -137,16 +157,34 @@ pub(crate) fn plan(p: &Prog) -> Plan {
         mark(p, &mut main_live, p.node(c).expr.args()[0], false);
     }
     let arg = |id: NodeId| p.node(id).expr.args()[0];
-    let rowreds: Vec<NodeId> =
+    let all_rowreds: Vec<NodeId> =
         (0..n as NodeId).filter(|&i| main_live[i as usize] && matches!(p.node(i).expr, Expr::RowReduce(..))).collect();
+    let offloads: Vec<Offload> = p
+        .offloads
+        .iter()
+        .filter(|(t, _)| main_live[*t as usize])
+        .map(|&(t, slot)| {
+            let a = arg(t);
+            let f32_row = |x: NodeId| match &p.node(x).expr {
+                Expr::Load(v) if v.col && v.mem == Mem::F32 => Some(v.clone()),
+                _ => None,
+            };
+            let src = match p.node(a).expr {
+                Expr::Binary(BinaryOp::Sub, x, m) if !p.node(m).space.has_col() && p.node(m).ty == Ty::F32 => f32_row(x).map(|v| (v, Some(m))),
+                _ => f32_row(a).map(|v| (v, None)),
+            };
+            let sums = all_rowreds.iter().copied().filter(|&r| p.node(r).expr == Expr::RowReduce(ReduceOp::Sum, t)).collect();
+            Offload { node: t, slot, src, sums }
+        })
+        .collect();
+    let rowreds: Vec<NodeId> = all_rowreds.iter().copied().filter(|r| !offloads.iter().any(|o| o.sums.contains(r))).collect();
     let col_colreds: Vec<NodeId> = colreds.iter().copied().filter(|&c| p.node(arg(c)).space.has_col()).collect();
     let row_colreds: Vec<NodeId> = colreds.iter().copied().filter(|&c| !p.node(arg(c)).space.has_col()).collect();
     let stashes: Vec<(NodeId, u32)> = p.stashes.iter().copied().filter(|(t, _)| main_live[*t as usize]).collect();
-    let offloads: Vec<(NodeId, u32)> = p.offloads.iter().copied().filter(|(t, _)| main_live[*t as usize]).collect();
     // Values a pass of `level` reads back from a row buffer instead of computing them.
     let read_back = |id: NodeId, level: u32, pre: bool| {
         let l = p.node(id).level;
-        (l < level && stashes.iter().any(|(t, _)| *t == id)) || ((l < level || (l == level && !pre)) && offloads.iter().any(|(t, _)| *t == id))
+        (l < level && stashes.iter().any(|(t, _)| *t == id)) || ((l < level || (l == level && !pre)) && offloads.iter().any(|o| o.node == id))
     };
     // Row values read by a pass's column work are splatted before its loop.
     let splats_of = |roots: Vec<NodeId>, level: u32, pre: bool| {
@@ -172,15 +210,16 @@ pub(crate) fn plan(p: &Prog) -> Plan {
         .map(|&r| p.node(arg(r)).level)
         .chain(elem_stores.iter().map(|&s| p.node(p.stores[s].value).level))
         .chain(stashes.iter().map(|(t, _)| p.node(*t).level))
+        .chain(offloads.iter().map(|o| p.node(o.node).level))
         .max();
     let mut passes = vec![];
     for level in 0..=last.unwrap_or(0) {
         if last.is_none() {
             break;
         }
-        let off: Vec<(NodeId, u32)> = offloads.iter().copied().filter(|(t, _)| p.node(*t).level == level).collect();
+        let off: Vec<Offload> = offloads.iter().filter(|o| p.node(o.node).level == level).cloned().collect();
         if !off.is_empty() {
-            let splats = splats_of(off.iter().map(|(t, _)| arg(*t)).collect(), level, true);
+            let splats = splats_of(off.iter().filter(|o| o.src.is_none()).map(|o| arg(o.node)).collect(), level, true);
             passes.push(Pass { level, rowreds: vec![], colreds: vec![], stores: vec![], splats, stash_writes: vec![], offload: off, one_hot: None });
         }
         let rr: Vec<NodeId> = rowreds.iter().copied().filter(|&r| p.node(arg(r)).level == level).collect();

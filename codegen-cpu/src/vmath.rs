@@ -14,10 +14,13 @@ use fusec_ir::UnaryOp;
 
 use crate::prog::{Expr, NodeId, Prog, Slot, FINAL};
 
-/// `fn(buf, n, a, a_bytes, b, b_bytes)`: replaces `buf[..n]` by `f(buf[..n])`, prefetching
-/// `a[..a_bytes]` and `b[..b_bytes]` into L2 meanwhile (the next row of the kernel's operands:
-/// the routine computes while the memory system fetches).
-pub(crate) type RowFn = unsafe extern "C" fn(*mut f32, u64, *const u8, u64, *const u8, u64);
+/// `fn(dst, n, src, shift, a, a_bytes, b, b_bytes, c, c_bytes) -> sum`: `dst[i] = f(src[i] -
+/// shift)` for `i < n` (`src` may be `dst`, with `shift` 0: in place), returning the sum of
+/// the results in the generated column loop's order (so a row sum of them has the same bits
+/// either way). Meanwhile it prefetches `a[..a_bytes]`, `b[..b_bytes]` and `c[..c_bytes]`
+/// into L2 (the next row of the kernel's operands and results: the routine computes while
+/// the memory system fetches; the ranges need not be valid memory).
+pub(crate) type RowFn = unsafe extern "C" fn(*mut f32, u64, *const f32, f32, *const u8, u64, *const u8, u64, *const u8, u64) -> f32;
 
 /// The native routine for `u` on this host, if there is one.
 pub(crate) fn native(u: UnaryOp) -> Option<RowFn> {
@@ -165,17 +168,37 @@ mod x86 {
         _mm512_mask_blend_ps(small, large_v, small_v)
     }
 
-    /// Applies `$f` to `$p[..$n]` in place, 16 lanes at a time (a masked tail), prefetching
-    /// the byte ranges `$pf` (pointer, bytes) into L2 along the way.
+    /// Sum of the 16 lanes as the column loop combines its partial sums: lane `4k + l` is lane
+    /// `l` of accumulator copy `k`; copies `(0 + 1) + (2 + 3)`, then lanes `(0 + 1) + (2 + 3)`.
+    #[inline(always)]
+    unsafe fn tree_sum(acc: __m512) -> f32 {
+        let q = |i: i32| match i {
+            0 => _mm512_extractf32x4_ps::<0>(acc),
+            1 => _mm512_extractf32x4_ps::<1>(acc),
+            2 => _mm512_extractf32x4_ps::<2>(acc),
+            _ => _mm512_extractf32x4_ps::<3>(acc),
+        };
+        let v = _mm_add_ps(_mm_add_ps(q(0), q(1)), _mm_add_ps(q(2), q(3)));
+        let mut l = [0f32; 4];
+        _mm_storeu_ps(l.as_mut_ptr(), v);
+        (l[0] + l[1]) + (l[2] + l[3])
+    }
+
+    /// `$dst[i] = $f($src[i] - $shift)` for `i < $n`, 16 lanes at a time (masked tails), while
+    /// prefetching the byte ranges `$pf` into L2; evaluates to the row sum of the results in
+    /// the column loop's order (see [`tree_sum`]; the last `n % 4` columns added in order).
     macro_rules! map {
-        ($p:expr, $n:expr, $pf:expr, $f:ident) => {{
-            let (p, n) = ($p, $n as usize);
-            let mut pf: [(*const u8, usize); 2] = $pf;
+        ($dst:expr, $n:expr, $src:expr, $shift:expr, $pf:expr, $f:ident) => {{
+            let (dst, n, src) = ($dst, $n as usize, $src);
+            let shift = _mm512_set1_ps($shift);
+            let mut pf: [(*const u8, usize); 3] = $pf;
             // Cache lines to prefetch per iteration of 32 elements, over all streams.
             let lines: usize = pf.iter().map(|s| s.1.div_ceil(64)).sum();
             let per = lines.div_ceil(n.div_ceil(32).max(1));
+            let n4 = n / 4 * 4;
+            let mut acc = _mm512_setzero_ps();
             let mut i = 0;
-            while i + 32 <= n {
+            while i + 32 <= n4 {
                 let mut k = 0;
                 for s in pf.iter_mut() {
                     while k < per && s.1 > 0 {
@@ -185,42 +208,83 @@ mod x86 {
                         k += 1;
                     }
                 }
-                let a = _mm512_loadu_ps(p.add(i));
-                let b = _mm512_loadu_ps(p.add(i + 16));
-                _mm512_storeu_ps(p.add(i), $f(a));
-                _mm512_storeu_ps(p.add(i + 16), $f(b));
+                let a = $f(_mm512_sub_ps(_mm512_loadu_ps(src.add(i)), shift));
+                let b = $f(_mm512_sub_ps(_mm512_loadu_ps(src.add(i + 16)), shift));
+                _mm512_storeu_ps(dst.add(i), a);
+                _mm512_storeu_ps(dst.add(i + 16), b);
+                acc = _mm512_add_ps(acc, a);
+                acc = _mm512_add_ps(acc, b);
                 i += 32;
             }
-            while i < n {
-                let rest = (n - i).min(16);
+            // Whole vectors of four: lanes of the sum as in the loop.
+            while i < n4 {
+                let rest = (n4 - i).min(16);
                 let m: __mmask16 = if rest == 16 { 0xffff } else { (1u16 << rest) - 1 };
-                let a = _mm512_maskz_loadu_ps(m, p.add(i));
-                _mm512_mask_storeu_ps(p.add(i), m, $f(a));
+                let a = $f(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, src.add(i)), shift));
+                _mm512_mask_storeu_ps(dst.add(i), m, a);
+                acc = _mm512_mask_add_ps(acc, m, acc, a);
                 i += rest;
             }
+            let mut sum = tree_sum(acc);
+            // The scalar tail columns, in order.
+            if n4 < n {
+                let m: __mmask16 = (1u16 << (n - n4)) - 1;
+                let a = $f(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, src.add(n4)), shift));
+                _mm512_mask_storeu_ps(dst.add(n4), m, a);
+                let mut l = [0f32; 16];
+                _mm512_storeu_ps(l.as_mut_ptr(), a);
+                for x in &l[..n - n4] {
+                    sum += *x;
+                }
+            }
+            sum
         }};
     }
 
     #[target_feature(enable = "avx512f")]
-    unsafe fn exp_avx512(p: *mut f32, n: u64, pf: [(*const u8, usize); 2]) {
-        map!(p, n, pf, exp16)
+    unsafe fn exp_avx512(dst: *mut f32, n: u64, src: *const f32, shift: f32, pf: [(*const u8, usize); 3]) -> f32 {
+        map!(dst, n, src, shift, pf, exp16)
     }
 
     #[target_feature(enable = "avx512f")]
-    unsafe fn tanh_avx512(p: *mut f32, n: u64, pf: [(*const u8, usize); 2]) {
-        map!(p, n, pf, tanh16)
+    unsafe fn tanh_avx512(dst: *mut f32, n: u64, src: *const f32, shift: f32, pf: [(*const u8, usize); 3]) -> f32 {
+        map!(dst, n, src, shift, pf, tanh16)
     }
 
     /// # Safety
-    /// `p[..n]` must be valid for reads and writes, and the host must have AVX-512F (the
-    /// prefetched ranges need not be valid memory).
-    pub(super) unsafe extern "C" fn exp_row(p: *mut f32, n: u64, a: *const u8, an: u64, b: *const u8, bn: u64) {
-        exp_avx512(p, n, [(a, an as usize), (b, bn as usize)])
+    /// `dst[..n]` must be valid for writes and `src[..n]` for reads (they may be the same
+    /// buffer), and the host must have AVX-512F (the prefetched ranges need not be valid).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe extern "C" fn exp_row(
+        dst: *mut f32,
+        n: u64,
+        src: *const f32,
+        shift: f32,
+        a: *const u8,
+        an: u64,
+        b: *const u8,
+        bn: u64,
+        c: *const u8,
+        cn: u64,
+    ) -> f32 {
+        exp_avx512(dst, n, src, shift, [(a, an as usize), (b, bn as usize), (c, cn as usize)])
     }
 
     /// # Safety
     /// As [`exp_row`].
-    pub(super) unsafe extern "C" fn tanh_row(p: *mut f32, n: u64, a: *const u8, an: u64, b: *const u8, bn: u64) {
-        tanh_avx512(p, n, [(a, an as usize), (b, bn as usize)])
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe extern "C" fn tanh_row(
+        dst: *mut f32,
+        n: u64,
+        src: *const f32,
+        shift: f32,
+        a: *const u8,
+        an: u64,
+        b: *const u8,
+        bn: u64,
+        c: *const u8,
+        cn: u64,
+    ) -> f32 {
+        tanh_avx512(dst, n, src, shift, [(a, an as usize), (b, bn as usize), (c, cn as usize)])
     }
 }

@@ -119,12 +119,31 @@ fn math_inputs(n: usize, seed: u64) -> Vec<f64> {
     v
 }
 
-/// Element `exp` and `tanh` of long rows (the native routines where the host has them) give
-/// the same bits as the generated code, including the masked tail of the native loop and
-/// special values; the native path is taken on AVX-512F hosts.
+/// Compiles `kernel` with and without the native routines and checks that both give the
+/// same bits (NaN as NaN); the native path must be taken on AVX-512F hosts.
+fn native_matches_inline(kernel: &fusec_ir::Kernel, b: &fusec_ir::Bindings, ins: &[Tensor], label: &str) {
+    let mut native = KernelCompiler::new().unwrap();
+    let mut inline = KernelCompiler::new().unwrap();
+    inline.set_native_math(false);
+    let (kn, ki) = (native.compile(kernel, b).unwrap(), inline.compile(kernel, b).unwrap());
+    assert!(!ki.clif.contains("call_indirect"), "{}", ki.clif);
+    assert_eq!(kn.clif.contains("call_indirect"), native_host(), "{}", kn.clif);
+    let (a, z) = (execute(&kn, kernel, b, ins, 2), execute(&ki, kernel, b, ins, 1));
+    for (j, (p, q)) in a.iter().zip(&z).enumerate() {
+        for (i, (u, v)) in p.data.iter().zip(&q.data).enumerate() {
+            let (u, v) = (*u as f32, *v as f32);
+            assert!(u.to_bits() == v.to_bits() || (u.is_nan() && v.is_nan()), "{label}: result {j} element {i}: {u} vs {v}");
+        }
+    }
+}
+
+/// Element `exp` and `tanh` of long rows (the native routines where the host has them) and
+/// their row sums (which the routines return) give the same bits as the generated code,
+/// including the masked tails of the native loop and special values; so do softmax and
+/// cross-entropy, whose `exp` reads the logits directly.
 #[test]
 fn native_math_matches_generated_code() {
-    for cols in [64u64, 1013] {
+    for cols in [64u64, 1013, 1024] {
         let d = [s("B"), s("T"), l(cols)];
         let mut k = Body::new();
         let x = k.input(DType::F32, &d);
@@ -132,26 +151,31 @@ fn native_math_matches_generated_code() {
         let e = k.un(UnaryOp::Exp, x);
         let t = k.un(UnaryOp::Tanh, y);
         let g = k.op(Op::GeluGrad, &[y, x]);
-        let kernel = k.kernel("math_rows", &[e, t, g]);
+        let es = k.op(Op::Reduce { op: ReduceOp::Sum, axes: vec![2] }, &[e]);
+        let ts = k.op(Op::Reduce { op: ReduceOp::Sum, axes: vec![2] }, &[t]);
+        let kernel = k.kernel("math_rows", &[e, t, g, es, ts]);
         let b = bind(2, 9);
         let n = 18 * cols as usize;
         let ins = vec![
             Tensor::new(DType::F32, vec![2, 9, cols as usize], math_inputs(n, cols)),
             Tensor::new(DType::F32, vec![2, 9, cols as usize], math_inputs(n, cols + 1)),
         ];
-        let mut native = KernelCompiler::new().unwrap();
-        let mut inline = KernelCompiler::new().unwrap();
-        inline.set_native_math(false);
-        let (kn, ki) = (native.compile(&kernel, &b).unwrap(), inline.compile(&kernel, &b).unwrap());
-        assert!(!ki.clif.contains("call_indirect"), "{}", ki.clif);
-        assert_eq!(kn.clif.contains("call_indirect"), native_host(), "{}", kn.clif);
-        let (a, z) = (execute(&kn, &kernel, &b, &ins, 2), execute(&ki, &kernel, &b, &ins, 1));
-        for (j, (p, q)) in a.iter().zip(&z).enumerate() {
-            for (i, (u, v)) in p.data.iter().zip(&q.data).enumerate() {
-                let (u, v) = (*u as f32, *v as f32);
-                assert!(u.to_bits() == v.to_bits() || (u.is_nan() && v.is_nan()), "C={cols} result {j} element {i}: {u} vs {v}");
-            }
-        }
+        native_matches_inline(&kernel, &b, &ins, &format!("math C={cols}"));
+
+        let r = [s("B"), s("T")];
+        let vocab = cols - 3;
+        let mut k = Body::new();
+        let x = k.input(DType::F32, &d);
+        let tg = k.input(DType::I32, &r);
+        let dl = k.input(DType::F32, &r);
+        let loss = k.op(Op::CrossEntropy { vocab: cols }, &[x, tg]);
+        let lp = k.op(Op::CrossEntropy { vocab }, &[x, tg]);
+        let gr = k.op(Op::CrossEntropyGrad { vocab: cols }, &[x, tg, dl]);
+        let sm = k.op(Op::Softmax, &[x]);
+        let kernel = k.kernel("ce_rows", &[loss, lp, gr, sm]);
+        let mut ins = random_inputs(&kernel, &b, 90 + cols, vocab, &[]);
+        ins[0].data.iter_mut().for_each(|v| *v *= 5.0);
+        native_matches_inline(&kernel, &b, &ins, &format!("cross-entropy C={cols}"));
     }
 }
 
