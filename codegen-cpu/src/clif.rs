@@ -5,21 +5,39 @@
 //! ```text
 //! entry:    slot pointers from `args`; kernel-wide values (constants, scalar operands);
 //!           this chunk's column-reduction partials set to 0 (or -inf for max)
-//! row loop: per-row addresses and level-0 row values (targets, mean, rstd)
-//!           for each pass L:  splat the row values it reads (hoisted out of the column loop)
-//!                             vector loop over c in steps of 4 (f32x4): element values,
-//!                               row-reduction accumulators, column partials, stashed
-//!                               values (written here, read back by later passes), stores
-//!                             horizontal reduction of the accumulators, lanes in fixed order
+//! row loop: per-row addresses and level-0 row values (targets, mean, rstd, picked logits);
+//!           the next row's addresses (for the native routines to prefetch)
+//!           for each level L:
+//!             [native pass]   native row maxima of operand rows; the arguments of the
+//!                             offloaded exp/tanh values not read straight from an operand,
+//!                             written to their row buffers by a column loop; the native calls
+//!                             (results in the row buffers, row sums returned)
+//!             pass L:         one-hot fix-up values computed (column t, before any store)
+//!                             splat the row values it reads (hoisted out of the column loop)
+//!                             vector loop over c, unrolled (4 copies of the f32x4 body with
+//!                               one row reduction, 2 with two, each copy with its own
+//!                               accumulators; 2 without reductions): element values, column
+//!                               partials, accumulators, stashed values (written here, read
+//!                               back by later passes), stores
+//!                             the remaining whole vectors (into accumulator copies 0, 1, ..)
+//!                             copies combined (0 ⊕ 1) ⊕ (2 ⊕ 3), then lanes (0 ⊕ 1) ⊕ (2 ⊕ 3)
 //!                             scalar tail columns (C mod 4, unrolled: C is a constant)
-//!                             row values of level L + 1 (statistics)
+//!                             the one-hot fix-up stores
+//!             row values of level L + 1 (statistics)
 //!           per-row results; row-value column partials
 //! ```
 //!
 //! The finalize function `fn(args)` runs once after every chunk: it adds the partials in chunk
 //! order (then the column-space epilogue, e.g. `grad.w + dw`) and stores column and scalar
-//! results. Row reductions sum four interleaved lanes then the tail, column reductions sum rows
-//! in order within a chunk then chunks in order: fixed orders, so results are deterministic.
+//! results. Row reductions put column `c` into lane `c % 4u` of `4u` partial results (`u`
+//! copies; combined as above, then the tail columns in order), column reductions sum rows in
+//! order within a chunk then chunks in order: fixed orders, so results are deterministic. A
+//! row max is a `maxps` per lane (which drops NaN) plus a per-lane NaN flag, so NaN still
+//! propagates.
+//!
+//! The native routines (module `vmath`) compute the same bits as the loop would (a returned
+//! row sum in the order of a pass with that one reduction) except, for a row max, the sign of
+//! a zero maximum.
 //!
 //! Element code uses one instruction per IR operation (separate `fmul` and `fadd`: the
 //! interpreter rounds after every op, so contraction into FMA would change results), and
@@ -33,23 +51,21 @@ use cranelift_codegen::isa::{CallConv, TargetFrontendConfig};
 use cranelift_frontend::{FunctionBuilder, FunctionBuilderContext, Variable};
 use fusec_ir::ReduceOp;
 
-use crate::math::{Const16, Fx, Pool};
+use crate::math::Fx;
 use crate::ops;
 use crate::plan::{plan, region, Offload, Pass, Plan, Region};
 use crate::prog::{Expr, NodeId, Prog, RowTerm, Space, Store, Ty, View, FINAL, UNI_PARTIAL_STRIDE};
 
 type R<T> = Result<T, String>;
 
-/// Copies of the vector-loop body per iteration in a pass with row reductions (independent
-/// accumulators: a row reduction is otherwise one dependency chain through the whole row).
+/// Accumulators per vector loop, over all its row reductions: each reduction gets
+/// `UNROLL_REDUCE / count` copies (a row reduction is otherwise one dependency chain through the
+/// whole row; more accumulators than this are spilled, every iteration).
 const UNROLL_REDUCE: usize = 4;
 /// Copies of the vector-loop body per iteration in a pass without row reductions.
 const UNROLL_STORE: usize = 2;
 /// Memory ranges a native routine call prefetches (see [`crate::vmath::RowFn`]).
 const PREFETCH_STREAMS: usize = 3;
-/// Entries of the argument array after the slots: the constant table's address, once per copy
-/// of the loop body (see `Gen::enter_loop_body`).
-pub const CONST_ARGS: usize = if UNROLL_REDUCE > UNROLL_STORE { UNROLL_REDUCE } else { UNROLL_STORE };
 
 /// The Cranelift functions of one program.
 pub struct Built {
@@ -57,9 +73,6 @@ pub struct Built {
     pub main: Function,
     /// The finalize function, if the program has column-space or scalar results.
     pub finalize: Option<Function>,
-    /// The vector constants both functions load (the argument array's entry after the slots
-    /// points at them).
-    pub consts: Vec<Const16>,
 }
 
 /// The column being computed.
@@ -112,16 +125,12 @@ pub(crate) struct Gen<'p, 'f> {
     pub prefetch: Vec<(Value, u64)>,
     /// The level of the pass being generated.
     pub level: u32,
-    /// The function's argument array.
-    pub args: Option<Value>,
-    /// Vector constants.
-    pub pool: Pool,
 }
 
 impl<'f> Gen<'_, 'f> {
     /// An `Fx` at the current width.
     pub fn fx(&mut self) -> Fx<'_, 'f> {
-        Fx { b: &mut self.b, vec: self.vec, pool: &mut self.pool }
+        Fx { b: &mut self.b, vec: self.vec }
     }
 
     /// The register type of a node at the current width.
@@ -200,26 +209,24 @@ impl<'f> Gen<'_, 'f> {
 
     /// The address of row `r` of a view with row terms.
     fn row_address(&mut self, v: &View, r: Value) -> Value {
-        {
-            let mut off: Option<Value> = None;
-            for t in &v.row {
-                let mut q = r;
-                if t.div != 1 {
-                    let d = self.b.ins().iconst(types::I64, t.div as i64);
-                    q = self.b.ins().udiv(q, d);
-                }
-                if t.modulo != 0 {
-                    let m = self.b.ins().iconst(types::I64, t.modulo as i64);
-                    q = self.b.ins().urem(q, m);
-                }
-                let q = self.b.ins().imul_imm_s(q, (t.stride * v.mem.size()) as i64);
-                off = Some(match off {
-                    Some(o) => self.b.ins().iadd(o, q),
-                    None => q,
-                });
+        let mut off: Option<Value> = None;
+        for t in &v.row {
+            let mut q = r;
+            if t.div != 1 {
+                let d = self.b.ins().iconst(types::I64, t.div as i64);
+                q = self.b.ins().udiv(q, d);
             }
-            self.b.ins().iadd(self.slots[v.slot as usize], off.expect("row terms"))
+            if t.modulo != 0 {
+                let m = self.b.ins().iconst(types::I64, t.modulo as i64);
+                q = self.b.ins().urem(q, m);
+            }
+            let q = self.b.ins().imul_imm_s(q, (t.stride * v.mem.size()) as i64);
+            off = Some(match off {
+                Some(o) => self.b.ins().iadd(o, q),
+                None => q,
+            });
         }
+        self.b.ins().iadd(self.slots[v.slot as usize], off.expect("row terms"))
     }
 
     /// Identity of a reduction at the current width.
@@ -312,6 +319,9 @@ impl<'f> Gen<'_, 'f> {
     /// fixed by `C` alone.
     fn pass(&mut self, pass: &Pass) -> R<()> {
         self.level = pass.level;
+        for (r, v, k) in &pass.native_maxes {
+            self.call_native_max(*r, v, *k)?;
+        }
         // One-hot selects: the stores' values at column `t` first (see `Pass::one_hot`).
         let mut fixup: Option<(Value, Vec<Value>)> = None;
         if let Some((t, sels)) = &pass.one_hot {
@@ -328,7 +338,10 @@ impl<'f> Gen<'_, 'f> {
             || pass.offload.iter().any(|o| o.src.is_none());
         let cols = if work { self.p.cols } else { 0 };
         let c4 = cols / 4 * 4;
-        let unroll = if pass.rowreds.is_empty() { UNROLL_STORE } else { UNROLL_REDUCE };
+        let unroll = match pass.rowreds.len() {
+            0 => UNROLL_STORE,
+            n => (UNROLL_REDUCE / n).max(1),
+        };
         let step = 4 * unroll as u64;
         let cu = cols / step * step;
         let ops_of: Vec<ReduceOp> = pass
@@ -399,8 +412,6 @@ impl<'f> Gen<'_, 'f> {
                 self.b.switch_to_block(body);
                 let c = self.b.use_var(cvar);
                 for k in 0..unroll {
-                    // Per copy, so that the copies do not share (and keep live) loaded constants.
-                    self.enter_loop_body(k);
                     self.cpos = ColPos::Var(c, 4 * k as u64);
                     self.cur.clear();
                     self.cur_masks.clear();
@@ -409,8 +420,6 @@ impl<'f> Gen<'_, 'f> {
                 }
                 let c2 = self.b.ins().iadd_imm_s(c, step as i64);
                 self.b.def_var(cvar, c2);
-                self.pool.base = None;
-                self.pool.pending = None;
                 let more = self.b.ins().icmp_imm_s(IntCC::SignedLessThan, c2, cu as i64);
                 self.b.ins().brif(more, body, &[], after, &[]);
                 self.b.switch_to_block(after);
@@ -485,6 +494,32 @@ impl<'f> Gen<'_, 'f> {
         Ok(())
     }
 
+    /// Computes row max `r` of the operand row `v` (its first `k` columns) natively.
+    fn call_native_max(&mut self, r: NodeId, v: &View, k: u64) -> R<()> {
+        let f = crate::vmath::native_max().ok_or("internal: no native row max")?;
+        let mut sig = Signature::new(self.cc);
+        sig.params.extend([AbiParam::new(types::I64), AbiParam::new(types::I64), AbiParam::new(types::I64)]);
+        sig.returns.push(AbiParam::new(types::F32));
+        let sr = self.b.import_signature(sig);
+        let fp = self.b.ins().iconst(types::I64, f as usize as i64);
+        let src = self.row_base(v)?;
+        let n = self.b.ins().iconst(types::I64, k as i64);
+        let n4 = self.b.ins().iconst(types::I64, k.min(self.p.cols / 4 * 4) as i64);
+        let call = self.b.ins().call_indirect(sr, fp, &[src, n, n4]);
+        let m = self.b.inst_results(call)[0];
+        self.scalars.insert(r, m);
+        Ok(())
+    }
+
+    /// The address of column 0 of the current row of view `v`.
+    fn row_base(&mut self, v: &View) -> R<Value> {
+        Ok(if v.row.is_empty() {
+            self.slots[v.slot as usize]
+        } else {
+            *self.rowaddr.get(&(v.slot, v.row.clone())).ok_or("internal: row address not computed")?
+        })
+    }
+
     /// The per-row i32 node `t` as an i64 column index clamped into `[0, C)`.
     pub fn clamped_col(&mut self, t: NodeId) -> R<Value> {
         let cols = self.p.cols as i64;
@@ -515,11 +550,7 @@ impl<'f> Gen<'_, 'f> {
         let base = self.offload_base[&t];
         let (src, shift) = match &o.src {
             Some((v, m)) => {
-                let src = if v.row.is_empty() {
-                    self.slots[v.slot as usize]
-                } else {
-                    *self.rowaddr.get(&(v.slot, v.row.clone())).ok_or("internal: row address not computed")?
-                };
+                let src = self.row_base(v)?;
                 let shift = match m {
                     Some(m) => *self.scalars.get(m).ok_or_else(|| format!("internal: %{m} not computed before its call"))?,
                     None => self.b.ins().f32const(0.0),
@@ -529,7 +560,8 @@ impl<'f> Gen<'_, 'f> {
             None => (base, self.b.ins().f32const(0.0)),
         };
         let zero = self.b.ins().iconst(types::I64, 0);
-        let mut args = vec![base, n, src, shift];
+        let dst = if o.read { base } else { zero };
+        let mut args = vec![dst, n, src, shift];
         for k in 0..PREFETCH_STREAMS {
             match self.prefetch.get(k) {
                 Some(&(a, bytes)) => {
@@ -595,22 +627,7 @@ impl<'f> Gen<'_, 'f> {
         Ok(())
     }
 
-    /// At the top of copy `k` of a vector loop body: the constant table's address, loaded from
-    /// the argument array in the body itself (see [`Pool`]). Each copy reads its own entry (they
-    /// all hold the same address), or Cranelift would merge the loads and with them the copies'
-    /// constants, which would then stay live across the whole body again.
-    fn enter_loop_body(&mut self, k: usize) {
-        if std::env::var("FUSEC_NOPOOL").is_ok() {
-            return;
-        }
-        let args = self.args.expect("argument array");
-        let off = ((self.p.slots.len() + k) * 8) as i32;
-        self.pool.base = None;
-        self.pool.pending = Some((args, off));
-    }
-
     fn load_slots(&mut self, args: Value) {
-        self.args = Some(args);
         for i in 0..self.p.slots.len() {
             let v = self.b.ins().load(types::I64, MemFlagsData::trusted().with_readonly(), args, (i * 8) as i32);
             self.slots.push(v);
@@ -649,31 +666,20 @@ fn new_gen<'p, 'f>(p: &'p Prog, b: FunctionBuilder<'f>, fin: bool) -> Gen<'p, 'f
         assume_false: HashSet::new(),
         prefetch: Vec::new(),
         level: 0,
-        args: None,
-        pool: Pool::default(),
     }
 }
 
 /// Builds the Cranelift functions of a program (named `<name>_chunk` and `<name>_final`).
 pub fn build(p: &Prog, cc: CallConv, tfc: TargetFrontendConfig, fctx: &mut FunctionBuilderContext) -> R<Built> {
     let plan = plan(p);
-    let mut consts = Vec::new();
-    let main = build_main(p, &plan, cc, tfc, fctx, &mut consts)?;
-    let finalize = if plan.fin_stores.is_empty() { None } else { Some(build_final(p, &plan, cc, tfc, fctx, &mut consts)?) };
-    Ok(Built { main, finalize, consts })
+    let main = build_main(p, &plan, cc, tfc, fctx)?;
+    let finalize = if plan.fin_stores.is_empty() { None } else { Some(build_final(p, &plan, cc, tfc, fctx)?) };
+    Ok(Built { main, finalize })
 }
 
-fn build_main(
-    p: &Prog,
-    plan: &Plan,
-    cc: CallConv,
-    tfc: TargetFrontendConfig,
-    fctx: &mut FunctionBuilderContext,
-    consts: &mut Vec<Const16>,
-) -> R<Function> {
+fn build_main(p: &Prog, plan: &Plan, cc: CallConv, tfc: TargetFrontendConfig, fctx: &mut FunctionBuilderContext) -> R<Function> {
     let mut func = Function::with_name_signature(UserFuncName::testcase(format!("{}_chunk", p.name)), signature(cc, 4));
     let mut g = new_gen(p, FunctionBuilder::new(&mut func, fctx), false);
-    g.pool.consts = std::mem::take(consts);
     let entry = g.b.create_block();
     g.b.append_block_params_for_function_params(entry);
     g.b.switch_to_block(entry);
@@ -718,7 +724,7 @@ fn build_main(
         .chain(p.stores.iter().filter(|s| s.view.space().has_row()).map(|s| s.view.clone()))
         .collect();
     g.row_addresses(&views);
-    if !plan.offloads.is_empty() && std::env::var_os("FUSEC_NO_PREFETCH").is_none() {
+    if !plan.offloads.is_empty() {
         // The next row of (up to) three element operands and results, for the native routines
         // to prefetch while they compute: the first pass over a row is otherwise a stall on
         // memory, and so are the stores to lines not yet in cache.
@@ -729,7 +735,8 @@ fn build_main(
             _ => None,
         });
         for v in loaded.chain(p.stores.iter().map(|s| &s.view)) {
-            if v.col && !v.row.is_empty() && streams.len() < PREFETCH_STREAMS && !streams.iter().any(|s| s.slot == v.slot && s.row == v.row) {
+            if v.col && !v.row.is_empty() && streams.len() < PREFETCH_STREAMS && !streams.iter().any(|s| s.slot == v.slot && s.row == v.row)
+            {
                 streams.push(v.clone());
             }
         }
@@ -778,22 +785,13 @@ fn build_main(
     g.b.switch_to_block(exit);
     g.b.ins().return_(&[]);
     g.b.seal_all_blocks();
-    *consts = std::mem::take(&mut g.pool.consts);
     g.b.finalize(tfc);
     Ok(func)
 }
 
-fn build_final(
-    p: &Prog,
-    plan: &Plan,
-    cc: CallConv,
-    tfc: TargetFrontendConfig,
-    fctx: &mut FunctionBuilderContext,
-    consts: &mut Vec<Const16>,
-) -> R<Function> {
+fn build_final(p: &Prog, plan: &Plan, cc: CallConv, tfc: TargetFrontendConfig, fctx: &mut FunctionBuilderContext) -> R<Function> {
     let mut func = Function::with_name_signature(UserFuncName::testcase(format!("{}_final", p.name)), signature(cc, 1));
     let mut g = new_gen(p, FunctionBuilder::new(&mut func, fctx), true);
-    g.pool.consts = std::mem::take(consts);
     let entry = g.b.create_block();
     g.b.append_block_params_for_function_params(entry);
     g.b.switch_to_block(entry);
@@ -821,6 +819,7 @@ fn build_final(
             splats: (0..p.nodes.len() as NodeId).filter(|&id| plan.fin_live[id as usize] && g.scalars.contains_key(&id)).collect(),
             stash_writes: vec![],
             offload: vec![],
+            native_maxes: vec![],
             one_hot: None,
         };
         g.pass(&pass)?;
@@ -834,7 +833,6 @@ fn build_final(
     }
     g.b.ins().return_(&[]);
     g.b.seal_all_blocks();
-    *consts = std::mem::take(&mut g.pool.consts);
     g.b.finalize(tfc);
     Ok(func)
 }

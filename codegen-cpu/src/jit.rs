@@ -29,7 +29,7 @@ use crate::run::{CompiledKernel, RunState, SegmentRun, SlotRef};
 use crate::{clif, lower};
 
 /// Bumped whenever generated code changes for the same input (part of every cache key).
-const CODEGEN_REVISION: &str = "fusec-codegen-cpu/1";
+const CODEGEN_REVISION: &str = "fusec-codegen-cpu/2";
 
 /// `fn(args, row_begin, row_end, chunk)`.
 pub(crate) type ChunkFn = unsafe extern "C" fn(*const *mut u8, i64, i64, i64);
@@ -41,8 +41,6 @@ pub(crate) struct Code {
     module: Option<JITModule>,
     pub chunk: ChunkFn,
     pub finalize: Option<FinalFn>,
-    /// The vector constants the code loads (the argument array's last entry points here).
-    pub consts: Vec<crate::math::Const16>,
 }
 
 // SAFETY: after `finalize_definitions` the module is never touched again except to free it on
@@ -100,7 +98,7 @@ impl KernelCompiler {
             codes: HashMap::new(),
             compiled: 0,
             hits: 0,
-            native_math: std::env::var_os("FUSEC_NO_NATIVE_MATH").is_none(),
+            native_math: true,
         })
     }
 
@@ -159,7 +157,7 @@ impl KernelCompiler {
             name: k.name.clone(),
             clif: clif_text,
             segments,
-            state: Mutex::new(RunState { scratch, args: Vec::with_capacity(max_slots + clif::CONST_ARGS) }),
+            state: Mutex::new(RunState { scratch, args: Vec::with_capacity(max_slots) }),
             n_operands,
             n_results: k.body.outputs.len(),
             bytes,
@@ -170,9 +168,10 @@ impl KernelCompiler {
         Ok(ck)
     }
 
-    /// Whether element `exp` / `tanh` over long rows may run in the native routines (AVX-512F
-    /// hosts; on by default). They give the same bits as the generated code, so this only
-    /// changes speed; tests compare the two.
+    /// Whether element `exp` / `tanh` over long rows and row maxima of operand rows may run in
+    /// the native routines (AVX-512F hosts; on by default). They give the same bits as the
+    /// generated code (a row max: the same value; the sign of a zero maximum may differ), so
+    /// this only changes speed; tests compare the two.
     pub fn set_native_math(&mut self, on: bool) {
         self.native_math = on;
     }
@@ -193,7 +192,7 @@ impl KernelCompiler {
         if let Some((c, t)) = self.codes.get(&key) {
             return Ok((c.clone(), t.clone(), key));
         }
-        let mut built = clif::build(p, self.isa.default_call_conv(), self.isa.frontend_config(), &mut self.fctx)
+        let built = clif::build(p, self.isa.default_call_conv(), self.isa.frontend_config(), &mut self.fctx)
             .map_err(|e| format!("kernel `{}`: {e}", p.name))?;
         let mut module = JITModule::new(JITBuilder::with_isa(self.isa.clone(), default_libcall_names()));
         let mut text = String::new();
@@ -210,18 +209,13 @@ impl KernelCompiler {
                 };
                 return Err(format!("kernel `{}`: Cranelift rejected the generated code: {detail}", p.name));
             }
-            if let (Ok(dir), Some(cc)) = (std::env::var("FUSEC_ASM_DIR"), ctx.compiled_code()) {
-                let _ = std::fs::write(format!("{dir}/{}_{name}.bin", p.name), cc.code_buffer());
-                let _ = std::fs::write(format!("{dir}/{}_{name}.clif", p.name), ctx.func.display().to_string());
-            }
             ids.push(id);
         }
         module.finalize_definitions().map_err(|e| e.to_string())?;
         // SAFETY: the functions were built with exactly these signatures.
         let chunk: ChunkFn = unsafe { std::mem::transmute(module.get_finalized_function(ids[0])) };
         let finalize: Option<FinalFn> = ids.get(1).map(|&id| unsafe { std::mem::transmute(module.get_finalized_function(id)) });
-        let consts = std::mem::take(&mut built.consts);
-        let code = Arc::new(Code { module: Some(module), chunk, finalize, consts });
+        let code = Arc::new(Code { module: Some(module), chunk, finalize });
         self.codes.insert(key, (code.clone(), text.clone()));
         Ok((code, text, key))
     }

@@ -11,10 +11,15 @@
 //!    per-row, per-column or kernel-wide, scheduled into passes over each row (a value that
 //!    depends on a row reduction is computed in a later pass; earlier element values are
 //!    recomputed, except `exp`/`log`/`tanh` results, which are stashed in a per-chunk row
-//!    buffer), with column reductions as per-chunk partials.
+//!    buffer), with column reductions as per-chunk partials. The row sum of a one-hot
+//!    selection (the target logit of cross-entropy) becomes a pick of one column.
 //! 2. [`clif`] (+ `plan`, `ops`, `math`): each program becomes a Cranelift function over a chunk of
-//!    rows (f32x4 column loops with a scalar tail) and, when it has column results, a finalize
-//!    function; `exp`/`log`/`tanh` are inline polynomial routines (≤ 1.4 ulp measured).
+//!    rows (unrolled f32x4 column loops with independent reduction accumulators, a scalar tail)
+//!    and, when it has column results, a finalize function; `exp`/`log`/`tanh` are inline
+//!    polynomial routines (≤ 1.4 ulp measured). On AVX-512F hosts, element `exp`/`tanh` of rows
+//!    of at least 64 columns and the row max of an operand row run in native 16-lane routines
+//!    (`vmath`) called once per row, which also return the row sum and prefetch the next row;
+//!    they give the same bits as the generated loops (but for the sign of a zero row max).
 //! 3. `jit`: compilation for the host CPU, with a kernel cache (identical bodies compile once)
 //!    and a function cache (equal segments of different kernels share code); `run`
 //!    ([`CompiledKernel::run`]) invokes it over rayon, allocating nothing per call.

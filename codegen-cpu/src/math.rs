@@ -33,30 +33,6 @@ pub(crate) struct Fx<'a, 'f> {
     pub b: &'a mut FunctionBuilder<'f>,
     /// Four lanes (else scalar).
     pub vec: bool,
-    /// Where vector constants come from.
-    pub pool: &'a mut Pool,
-}
-
-/// A 16-byte vector constant.
-#[derive(Clone, Copy, PartialEq, Eq)]
-#[repr(C, align(16))]
-pub struct Const16(pub [u8; 16]);
-
-/// Vector constants of a function. Inside a vector loop (`base` set) a constant is a load from
-/// this table, which the code reaches through the argument array: Cranelift hoists `vconst`s
-/// out of loops, and a loop body with more live constants than registers then spills and
-/// reloads them every iteration, while a load next to its single use becomes the instruction's
-/// memory operand.
-#[derive(Default)]
-pub struct Pool {
-    /// The table (its address is the last entry of the argument array).
-    pub consts: Vec<Const16>,
-    /// The table's address in the current loop body (loaded in the body, so that the constant
-    /// loads depend on a loop-variant value and stay next to their uses), if in one.
-    pub base: Option<Value>,
-    /// In a loop body whose table address is not loaded yet: where to load it from (the
-    /// argument array and the byte offset of this copy's entry). Loaded at the first constant.
-    pub pending: Option<(Value, i32)>,
 }
 
 /// Flags for a bit reinterpretation between vector types (lane order must be explicit).
@@ -97,34 +73,11 @@ impl Fx<'_, '_> {
             self.b.ins().iconst(types::I32, x as i64)
         }
     }
-    /// A vector constant of four 32-bit lanes: a load from the [`Pool`] in a loop body, else a
-    /// `vconst`.
+    /// A vector constant of four 32-bit lanes.
     pub fn vconst(&mut self, ty: Type, lanes: [u32; 4]) -> Value {
-        let mut bytes = [0u8; 16];
-        for (i, l) in lanes.iter().enumerate() {
-            bytes[4 * i..4 * i + 4].copy_from_slice(&l.to_le_bytes());
-        }
-        if let (None, Some((args, off))) = (self.pool.base, self.pool.pending) {
-            let base = self.b.ins().load(types::I64, MemFlagsData::trusted().with_readonly(), args, off);
-            self.pool.base = Some(base);
-        }
-        match self.pool.base {
-            Some(base) => {
-                let k = match self.pool.consts.iter().position(|c| c.0 == bytes) {
-                    Some(k) => k,
-                    None => {
-                        self.pool.consts.push(Const16(bytes));
-                        self.pool.consts.len() - 1
-                    }
-                };
-                let fl = MemFlagsData::trusted().with_readonly().with_can_move().with_endianness(Endianness::Little);
-                self.b.ins().load(ty, fl, base, (16 * k) as i32)
-            }
-            None => {
-                let c = self.b.func.dfg.constants.insert(ConstantData::from(bytes.to_vec()));
-                self.b.ins().vconst(ty, c)
-            }
-        }
+        let bytes: Vec<u8> = lanes.iter().flat_map(|l| l.to_le_bytes()).collect();
+        let c = self.b.func.dfg.constants.insert(ConstantData::from(bytes));
+        self.b.ins().vconst(ty, c)
     }
     /// Float bits as integers.
     pub fn as_int(&mut self, v: Value) -> Value {

@@ -9,6 +9,16 @@
 //! reductions of level-`L` values, accumulates the column reductions of level-`L` values, writes
 //! the stashed values of level `L` to their row buffers (later passes read them back), and — if
 //! it is the last pass — computes and stores every element result.
+//!
+//! Native work of level `L` (see [`crate::vmath`]) goes in a pass of its own just before pass
+//! `L`: row maxima of operand rows, and the offloaded `exp` / `tanh` values — their arguments
+//! written to the row buffers by that pass's column loop unless the routine reads them straight
+//! from an operand (`x - max`), then one call per value, which also returns its row sum (so no
+//! pass sums it). Every later read of an offloaded value loads it from its buffer.
+//!
+//! A last pass whose stores read one-hot selects `select(c == t, a, b)` (`t` per row, e.g. the
+//! cross-entropy gradient's `p - 1` at the target) computes `b` in the column loop and writes
+//! the stores' values at column `t` separately.
 
 use fusec_ir::{BinaryOp, ReduceOp};
 
@@ -57,6 +67,9 @@ pub(crate) struct Pass {
     /// the arguments that are not read straight from an operand to their row buffers: a pass
     /// of its own, just before the level's other pass.
     pub(crate) offload: Vec<Offload>,
+    /// Row maxima computed by native calls before this pass's loop: `(node, operand row,
+    /// columns read)` (see [`Prog::native_maxes`](crate::prog::Prog::native_maxes)).
+    pub(crate) native_maxes: Vec<(NodeId, View, u64)>,
     /// One-hot selects `select(c == t, a, b)` (`t` per row) that only the pass's stores read:
     /// the column loop computes `b` everywhere, and the stores' values at column `t` (computed
     /// before the loop, while every operand is intact) are written after it. `(t, selects)`.
@@ -78,6 +91,9 @@ pub(crate) struct Offload {
     /// sums: column `c` into lane `c % 16` of 16 partial sums, those combined as a fixed tree,
     /// then the scalar tail columns in order), so no pass reads the buffer for them.
     pub(crate) sums: Vec<NodeId>,
+    /// Whether anything reads the values themselves (else only the sums: the routine does
+    /// not write the buffer).
+    pub(crate) read: bool,
 }
 
 /// `t` when node `id` is `select(c == t, a, b)` (or `t == c`) for the column index `c` and an
@@ -170,21 +186,39 @@ pub(crate) fn plan(p: &Prog) -> Plan {
                 _ => None,
             };
             let src = match p.node(a).expr {
-                Expr::Binary(BinaryOp::Sub, x, m) if !p.node(m).space.has_col() && p.node(m).ty == Ty::F32 => f32_row(x).map(|v| (v, Some(m))),
+                Expr::Binary(BinaryOp::Sub, x, m) if !p.node(m).space.has_col() && p.node(m).ty == Ty::F32 => {
+                    f32_row(x).map(|v| (v, Some(m)))
+                }
                 _ => f32_row(a).map(|v| (v, None)),
             };
-            let sums = all_rowreds.iter().copied().filter(|&r| p.node(r).expr == Expr::RowReduce(ReduceOp::Sum, t)).collect();
-            Offload { node: t, slot, src, sums }
+            // The routine sums as a loop with one reduction does (16 lanes): only a level's one
+            // row reduction moves into it, so that the sum has the same bits either way.
+            let level_reds = all_rowreds.iter().filter(|&&r| p.node(arg(r)).level == p.node(t).level).count();
+            let sums: Vec<NodeId> =
+                all_rowreds.iter().copied().filter(|&r| level_reds == 1 && p.node(r).expr == Expr::RowReduce(ReduceOp::Sum, t)).collect();
+            let read = p.stores.iter().any(|s| s.value == t)
+                || (0..n as NodeId).any(|i| main_live[i as usize] && !sums.contains(&i) && p.node(i).expr.args().contains(&t));
+            Offload { node: t, slot, src, sums, read }
         })
         .collect();
-    let rowreds: Vec<NodeId> = all_rowreds.iter().copied().filter(|r| !offloads.iter().any(|o| o.sums.contains(r))).collect();
+    let native_maxes: Vec<(NodeId, View, u64)> = all_rowreds
+        .iter()
+        .filter(|r| p.native_maxes.contains(r))
+        .filter_map(|&r| crate::vmath::max_source(p, arg(r)).map(|(v, k)| (r, v, k)))
+        .collect();
+    let rowreds: Vec<NodeId> = all_rowreds
+        .iter()
+        .copied()
+        .filter(|r| !offloads.iter().any(|o| o.sums.contains(r)) && !native_maxes.iter().any(|m| m.0 == *r))
+        .collect();
     let col_colreds: Vec<NodeId> = colreds.iter().copied().filter(|&c| p.node(arg(c)).space.has_col()).collect();
     let row_colreds: Vec<NodeId> = colreds.iter().copied().filter(|&c| !p.node(arg(c)).space.has_col()).collect();
     let stashes: Vec<(NodeId, u32)> = p.stashes.iter().copied().filter(|(t, _)| main_live[*t as usize]).collect();
     // Values a pass of `level` reads back from a row buffer instead of computing them.
     let read_back = |id: NodeId, level: u32, pre: bool| {
         let l = p.node(id).level;
-        (l < level && stashes.iter().any(|(t, _)| *t == id)) || ((l < level || (l == level && !pre)) && offloads.iter().any(|o| o.node == id))
+        (l < level && stashes.iter().any(|(t, _)| *t == id))
+            || ((l < level || (l == level && !pre)) && offloads.iter().any(|o| o.node == id))
     };
     // Row values read by a pass's column work are splatted before its loop.
     let splats_of = |roots: Vec<NodeId>, level: u32, pre: bool| {
@@ -211,6 +245,7 @@ pub(crate) fn plan(p: &Prog) -> Plan {
         .chain(elem_stores.iter().map(|&s| p.node(p.stores[s].value).level))
         .chain(stashes.iter().map(|(t, _)| p.node(*t).level))
         .chain(offloads.iter().map(|o| p.node(o.node).level))
+        .chain(native_maxes.iter().map(|m| p.node(arg(m.0)).level))
         .max();
     let mut passes = vec![];
     for level in 0..=last.unwrap_or(0) {
@@ -218,9 +253,20 @@ pub(crate) fn plan(p: &Prog) -> Plan {
             break;
         }
         let off: Vec<Offload> = offloads.iter().filter(|o| p.node(o.node).level == level).cloned().collect();
-        if !off.is_empty() {
+        let nm: Vec<(NodeId, View, u64)> = native_maxes.iter().filter(|m| p.node(arg(m.0)).level == level).cloned().collect();
+        if !off.is_empty() || !nm.is_empty() {
             let splats = splats_of(off.iter().filter(|o| o.src.is_none()).map(|o| arg(o.node)).collect(), level, true);
-            passes.push(Pass { level, rowreds: vec![], colreds: vec![], stores: vec![], splats, stash_writes: vec![], offload: off, one_hot: None });
+            passes.push(Pass {
+                level,
+                rowreds: vec![],
+                colreds: vec![],
+                stores: vec![],
+                splats,
+                stash_writes: vec![],
+                offload: off,
+                native_maxes: nm,
+                one_hot: None,
+            });
         }
         let rr: Vec<NodeId> = rowreds.iter().copied().filter(|&r| p.node(arg(r)).level == level).collect();
         let cr: Vec<NodeId> = col_colreds.iter().copied().filter(|&r| p.node(arg(r)).level == level).collect();
@@ -259,7 +305,17 @@ pub(crate) fn plan(p: &Prog) -> Plan {
                 }
             }
         }
-        passes.push(Pass { level, rowreds: rr, colreds: cr, stores: st, splats, stash_writes: sw, offload: vec![], one_hot });
+        passes.push(Pass {
+            level,
+            rowreds: rr,
+            colreds: cr,
+            stores: st,
+            splats,
+            stash_writes: sw,
+            offload: vec![],
+            native_maxes: vec![],
+            one_hot,
+        });
     }
     Plan { passes, main_live, fin_live, row_stores, fin_stores, row_colreds, colreds, stashes, offloads }
 }

@@ -31,6 +31,10 @@
 //! and runs the column-space epilogue. The chunking depends only on `R` and `C`, never on the
 //! thread count, so results are bit-identical for any number of threads.
 //!
+//! The CPU code generator may further run element `exp` / `tanh` values and row maxima of
+//! operand rows in native routines over whole rows ([`Prog::offloads`],
+//! [`Prog::native_maxes`]); [`crate::lower::lower_kernel`] leaves those lists empty.
+//!
 //! The printed program (see [`Prog::text`]) refers to memory only through *slots* (operands,
 //! results, scratch) in first-use order, so identical segments of different kernels print the
 //! same and share one compiled function.
@@ -262,12 +266,16 @@ pub struct Prog {
     /// Transcendental element values (`exp`, `log`, `tanh`) that later passes read back from a
     /// per-chunk row buffer (in the given scratch slot) instead of recomputing them.
     pub stashes: Vec<(NodeId, u32)>,
-    /// Element `exp` / `tanh` values the CPU code generator computes with a native routine over
-    /// a per-chunk row buffer (in the given scratch slot): the argument is written to the
-    /// buffer, the routine replaces it in place, and every later read loads it back. Empty
-    /// as [`crate::lower::lower_kernel`] returns a program; the CPU compiler fills it in when its
+    /// Element `exp` / `tanh` values the CPU code generator computes with a native routine into
+    /// a per-chunk row buffer (in the given scratch slot), from an operand row or from the
+    /// arguments a column loop wrote there; every later read loads them back. Empty as
+    /// [`crate::lower::lower_kernel`] returns a program; the CPU compiler fills it in when its
     /// host has such routines (they give the same bits as the generated code).
     pub offloads: Vec<(NodeId, u32)>,
+    /// Row maxima of an f32 operand row (or of its first `k` columns, the others masked to
+    /// `-inf`) that the CPU code generator computes with a native routine (the column loop's
+    /// value). Empty from [`crate::lower::lower_kernel`]; filled in with [`Prog::offloads`].
+    pub native_maxes: Vec<NodeId>,
 }
 
 /// Rows `[begin, end)` of chunk `k` of `chunks` over `rows` rows.
@@ -335,6 +343,9 @@ impl Prog {
         }
         for (id, slot) in &self.offloads {
             let _ = writeln!(s, "  offload %{id} s{slot}");
+        }
+        for id in &self.native_maxes {
+            let _ = writeln!(s, "  native_max %{id}");
         }
         s
     }

@@ -110,7 +110,6 @@ impl CompiledKernel {
                 SlotRef::Result(j) => results[j],
                 SlotRef::Scratch(i) => scratch[i].as_mut_ptr() as *mut u8,
             }));
-            args.extend(std::iter::repeat_n(seg.code.consts.as_ptr() as *mut u8, crate::clif::CONST_ARGS));
             let ap = SendPtr(args.as_ptr());
             let (chunk_fn, rows, chunks) = (seg.code.chunk, seg.rows, seg.chunks);
             let body = move |k: u64| {

@@ -1,26 +1,76 @@
-//! Native `exp` and `tanh` over a row buffer, for hosts with AVX-512F.
+//! Native row routines for hosts with AVX-512F: `exp` and `tanh` of a row (with its sum), and
+//! the max of an operand row.
 //!
 //! Cranelift emits at most 128-bit vectors, so an `exp` costs about 45 instructions per four
-//! lanes in generated code; these routines run the same algorithms 16 lanes at a time. A kernel
-//! whose rows are long enough computes the argument of such a function into a per-chunk row
-//! buffer, calls the routine on it in place, and reads the results back (see
-//! [`crate::prog::Prog::offloads`]).
+//! lanes in generated code; these routines run the same algorithms 16 lanes at a time, once per
+//! row (a call from the generated code). A kernel whose rows have at least [`MIN_COLS`]
+//! columns computes an element `exp` / `tanh` into a per-chunk row buffer — reading its
+//! argument straight from an operand row (`x - max`, softmax and cross-entropy) or from the
+//! buffer, where a column loop wrote it — and later passes read the results back (see
+//! [`Prog::offloads`]); the routine also returns the row sum of the results, and prefetches the
+//! next row of the kernel's operands and results meanwhile (the first pass over a row is
+//! otherwise a wait on memory). A row max of an operand row is one call too
+//! ([`Prog::native_maxes`]).
 //!
-//! The routines are op-for-op ports of the generated code in [`crate::math`] (same constants,
-//! same order of IEEE operations, no FMA, compare-and-blend selects), so they produce exactly
-//! the same bits: a kernel gives the same results whether or not its host has AVX-512.
+//! `exp` and `tanh` are op-for-op ports of the generated code in [`crate::math`] (same
+//! constants, same order of IEEE operations, no FMA, compare-and-blend selects), and sums add
+//! in the column loop's order, so they produce exactly the same bits: a kernel gives the same
+//! results whether or not its host has AVX-512. The row max, the same value, may differ in the
+//! sign of a zero maximum (it runs four chains where the loop runs one per lane), which no
+//! use of it in softmax or cross-entropy can see (`x - m`, `m + log(s)` with `s ≥ 1`).
 
-use fusec_ir::UnaryOp;
+use fusec_ir::{CmpOp, ReduceOp, UnaryOp};
 
-use crate::prog::{Expr, NodeId, Prog, Slot, FINAL};
+use crate::prog::{Expr, Mem, NodeId, Prog, Slot, View, FINAL};
 
 /// `fn(dst, n, src, shift, a, a_bytes, b, b_bytes, c, c_bytes) -> sum`: `dst[i] = f(src[i] -
-/// shift)` for `i < n` (`src` may be `dst`, with `shift` 0: in place), returning the sum of
+/// shift)` for `i < n` (`src` may be `dst`, with `shift` 0: in place; `dst` null: the results
+/// are not stored), returning the sum of
 /// the results in the generated column loop's order (so a row sum of them has the same bits
 /// either way). Meanwhile it prefetches `a[..a_bytes]`, `b[..b_bytes]` and `c[..c_bytes]`
 /// into L2 (the next row of the kernel's operands and results: the routine computes while
 /// the memory system fetches; the ranges need not be valid memory).
 pub(crate) type RowFn = unsafe extern "C" fn(*mut f32, u64, *const f32, f32, *const u8, u64, *const u8, u64, *const u8, u64) -> f32;
+
+/// `fn(src, n, n4) -> max`: the NaN-propagating maximum of `src[..n]` as the column loop would
+/// compute it with its vector part ending at column `n4` (the same value; a NaN anywhere gives
+/// the loop's NaN; see the module docs for the sign of a zero maximum).
+pub(crate) type MaxFn = unsafe extern "C" fn(*const f32, u64, u64) -> f32;
+
+/// The native row maximum on this host, if there is one.
+pub(crate) fn native_max() -> Option<MaxFn> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            return Some(x86::max_row as MaxFn);
+        }
+    }
+    None
+}
+
+/// The operand row and the number of leading columns a native row maximum reads for the
+/// argument `a` of a row max: an f32 operand row, or one masked to its first `k` columns
+/// (`select(c < k, x, -inf)`, the padded vocabulary of cross-entropy).
+pub(crate) fn max_source(p: &Prog, a: NodeId) -> Option<(View, u64)> {
+    let f32_row = |x: NodeId| match &p.node(x).expr {
+        Expr::Load(v) if v.col && v.mem == Mem::F32 => Some(v.clone()),
+        _ => None,
+    };
+    if let Some(v) = f32_row(a) {
+        return Some((v, p.cols));
+    }
+    let Expr::Select(c, x, z) = p.node(a).expr else { return None };
+    if p.node(z).expr != Expr::ConstF(f32::NEG_INFINITY.to_bits()) {
+        return None;
+    }
+    let Expr::Cmp(CmpOp::Lt, i, k) = p.node(c).expr else { return None };
+    let (Expr::ColIota, Expr::ConstI(k)) = (&p.node(i).expr, &p.node(k).expr) else { return None };
+    let k = *k as i64;
+    if k <= 0 || k as u64 > p.cols {
+        return None;
+    }
+    f32_row(x).map(|v| (v, k as u64))
+}
 
 /// The native routine for `u` on this host, if there is one.
 pub(crate) fn native(u: UnaryOp) -> Option<RowFn> {
@@ -86,6 +136,15 @@ pub(crate) fn assign(p: &mut Prog) {
             }
         };
         p.offloads.push((id, slot));
+    }
+    if native_max().is_some() {
+        for id in 0..n as NodeId {
+            if let Expr::RowReduce(ReduceOp::Max, a) = p.node(id).expr {
+                if p.node(a).space.has_col() && max_source(p, a).is_some() {
+                    p.native_maxes.push(id);
+                }
+            }
+        }
     }
 }
 
@@ -189,7 +248,8 @@ mod x86 {
     /// the column loop's order (see [`tree_sum`]; the last `n % 4` columns added in order).
     macro_rules! map {
         ($dst:expr, $n:expr, $src:expr, $shift:expr, $pf:expr, $f:ident) => {{
-            let (dst, n, src) = ($dst, $n as usize, $src);
+            let (dst, n, src): (*mut f32, usize, *const f32) = ($dst, $n as usize, $src);
+            let store = !dst.is_null();
             let shift = _mm512_set1_ps($shift);
             let mut pf: [(*const u8, usize); 3] = $pf;
             // Cache lines to prefetch per iteration of 32 elements, over all streams.
@@ -210,8 +270,10 @@ mod x86 {
                 }
                 let a = $f(_mm512_sub_ps(_mm512_loadu_ps(src.add(i)), shift));
                 let b = $f(_mm512_sub_ps(_mm512_loadu_ps(src.add(i + 16)), shift));
-                _mm512_storeu_ps(dst.add(i), a);
-                _mm512_storeu_ps(dst.add(i + 16), b);
+                if store {
+                    _mm512_storeu_ps(dst.add(i), a);
+                    _mm512_storeu_ps(dst.add(i + 16), b);
+                }
                 acc = _mm512_add_ps(acc, a);
                 acc = _mm512_add_ps(acc, b);
                 i += 32;
@@ -221,7 +283,9 @@ mod x86 {
                 let rest = (n4 - i).min(16);
                 let m: __mmask16 = if rest == 16 { 0xffff } else { (1u16 << rest) - 1 };
                 let a = $f(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, src.add(i)), shift));
-                _mm512_mask_storeu_ps(dst.add(i), m, a);
+                if store {
+                    _mm512_mask_storeu_ps(dst.add(i), m, a);
+                }
                 acc = _mm512_mask_add_ps(acc, m, acc, a);
                 i += rest;
             }
@@ -230,7 +294,9 @@ mod x86 {
             if n4 < n {
                 let m: __mmask16 = (1u16 << (n - n4)) - 1;
                 let a = $f(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, src.add(n4)), shift));
-                _mm512_mask_storeu_ps(dst.add(n4), m, a);
+                if store {
+                    _mm512_mask_storeu_ps(dst.add(n4), m, a);
+                }
                 let mut l = [0f32; 16];
                 _mm512_storeu_ps(l.as_mut_ptr(), a);
                 for x in &l[..n - n4] {
@@ -268,6 +334,75 @@ mod x86 {
         cn: u64,
     ) -> f32 {
         exp_avx512(dst, n, src, shift, [(a, an as usize), (b, bn as usize), (c, cn as usize)])
+    }
+
+    /// `max_nan(a, b)` of the generated code: `b` if `b > a` or `b` is NaN, else `a`.
+    #[inline(always)]
+    fn max_nan(a: f32, b: f32) -> f32 {
+        if b > a || b.is_nan() {
+            b
+        } else {
+            a
+        }
+    }
+
+    #[target_feature(enable = "avx512f")]
+    unsafe fn max_avx512(src: *const f32, n: usize, n4: usize) -> f32 {
+        // Four independent chains over interleaved blocks of 16 (one chain would wait on the
+        // compare-and-blend latency), combined in block order.
+        let mut accs = [_mm512_set1_ps(f32::NEG_INFINITY); 4];
+        let mut nan: __mmask16 = 0;
+        let mut i = 0;
+        while i + 64 <= n4 {
+            for (k, acc) in accs.iter_mut().enumerate() {
+                let x = _mm512_loadu_ps(src.add(i + 16 * k));
+                let lt = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(*acc, x);
+                *acc = _mm512_mask_blend_ps(lt, *acc, x);
+                nan |= _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(x, x);
+            }
+            i += 64;
+        }
+        let mut acc = accs[0];
+        for a in &accs[1..] {
+            let lt = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(acc, *a);
+            acc = _mm512_mask_blend_ps(lt, acc, *a);
+        }
+        while i + 16 <= n4 {
+            let x = _mm512_loadu_ps(src.add(i));
+            let lt = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(acc, x);
+            acc = _mm512_mask_blend_ps(lt, acc, x);
+            nan |= _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(x, x);
+            i += 16;
+        }
+        if i < n4 {
+            let m: __mmask16 = (1u16 << (n4 - i)) - 1;
+            let x = _mm512_maskz_loadu_ps(m, src.add(i));
+            let lt = _mm512_mask_cmp_ps_mask::<_CMP_LT_OQ>(m, acc, x);
+            acc = _mm512_mask_blend_ps(lt, acc, x);
+            nan |= _mm512_mask_cmp_ps_mask::<_CMP_UNORD_Q>(m, x, x);
+        }
+        // The loop's combination: copies (0 ⊕ 1) ⊕ (2 ⊕ 3) with `a ⊕ b = a < b ? b : a`, NaN
+        // flags or-ed, NaN lanes set to NaN, then lanes (0 ⊕' 1) ⊕' (2 ⊕' 3) with `max_nan`.
+        let mut l = [0f32; 16];
+        _mm512_storeu_ps(l.as_mut_ptr(), acc);
+        let pick = |a: f32, b: f32| if a < b { b } else { a };
+        let mut v = [0f32; 4];
+        for (j, v) in v.iter_mut().enumerate() {
+            let c = pick(pick(l[j], l[4 + j]), pick(l[8 + j], l[12 + j]));
+            let flag = (nan >> j) & 1 | (nan >> (4 + j)) & 1 | (nan >> (8 + j)) & 1 | (nan >> (12 + j)) & 1;
+            *v = if flag != 0 { f32::NAN } else { c };
+        }
+        let mut m = max_nan(max_nan(v[0], v[1]), max_nan(v[2], v[3]));
+        for c in n4..n {
+            m = max_nan(m, *src.add(c));
+        }
+        m
+    }
+
+    /// # Safety
+    /// `src[..n]` must be valid for reads and the host must have AVX-512F.
+    pub(super) unsafe extern "C" fn max_row(src: *const f32, n: u64, n4: u64) -> f32 {
+        max_avx512(src, n as usize, n4 as usize)
     }
 
     /// # Safety

@@ -70,16 +70,29 @@ fn cpu_training_steps_allocate_nothing() {
             per_step.push((ALLOCS.load(Ordering::SeqCst) - before, crate_calls() - calls));
         }
         eprintln!("(allocations, gemm-crate calls) per step: {per_step:?}");
-        assert!(per_step.windows(2).all(|w| w[0] == w[1]), "allocations vary from step to step: {per_step:?}");
-        let mut last = (ALLOCS.load(Ordering::SeqCst), crate_calls());
-        let mut launches = 0;
-        ex.run_traced(Program::Step, |_| true, |name| {
-            let (allocs, calls) = (ALLOCS.load(Ordering::SeqCst) - last.0, (crate_calls() - last.1) as usize);
-            assert!(allocs <= 2 * calls, "launch {name} allocated {allocs} times with {calls} gemm-crate calls");
-            launches += 1;
-            last = (ALLOCS.load(Ordering::SeqCst), crate_calls());
-        })
-        .unwrap();
-        assert!(launches > 20);
+        // Per launch, allocations beyond the gemm crate's (at most 2 a call). rayon may grow a job
+        // queue now and then, so a launch fails only if it allocates beyond that in every one of
+        // several runs: an allocation made every step cannot hide.
+        let mut excess: Vec<(String, usize)> = vec![];
+        for run in 0..4 {
+            let mut last = (ALLOCS.load(Ordering::SeqCst), crate_calls());
+            let mut k = 0;
+            ex.run_traced(Program::Step, |_| true, |name| {
+                let (allocs, calls) = (ALLOCS.load(Ordering::SeqCst) - last.0, (crate_calls() - last.1) as usize);
+                let extra = allocs.saturating_sub(2 * calls);
+                if run == 0 {
+                    excess.push((name.to_string(), extra));
+                } else {
+                    excess[k].1 = excess[k].1.min(extra);
+                }
+                k += 1;
+                last = (ALLOCS.load(Ordering::SeqCst), crate_calls());
+            })
+            .unwrap();
+        }
+        assert!(excess.len() > 20);
+        for (name, extra) in &excess {
+            assert_eq!(*extra, 0, "launch {name} allocates on every run");
+        }
     });
 }

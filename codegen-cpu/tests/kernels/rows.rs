@@ -175,6 +175,11 @@ fn native_math_matches_generated_code() {
         let kernel = k.kernel("ce_rows", &[loss, lp, gr, sm]);
         let mut ins = random_inputs(&kernel, &b, 90 + cols, vocab, &[]);
         ins[0].data.iter_mut().for_each(|v| *v *= 5.0);
+        // A row whose max is zero, with zeros of both signs (the native max may pick the other
+        // sign; nothing downstream can see it).
+        for (i, v) in ins[0].data[..cols as usize].iter_mut().enumerate() {
+            *v = [0.0, -0.0, -1.5, -0.0][i % 4];
+        }
         native_matches_inline(&kernel, &b, &ins, &format!("cross-entropy C={cols}"));
     }
 }
