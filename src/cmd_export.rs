@@ -86,15 +86,7 @@ fn base_config(a: &ExportArgs) -> Result<Gpt2Config, String> {
         });
     }
     if let Some(path) = &a.like {
-        let c = fusec_runtime::checkpoint::Checkpoint::read_header(path).map_err(|e| e.to_string())?;
-        return Ok(Gpt2Config {
-            layers: c.layers,
-            heads: c.heads,
-            channels: c.channels,
-            vocab: c.vocab,
-            padded_vocab: c.padded_vocab,
-            max_seq: c.max_seq,
-        });
+        return Ok(fusec_runtime::checkpoint::Checkpoint::read_header(path).map_err(|e| e.to_string())?.model());
     }
     let required =
         [("--layers", a.layers), ("--heads", a.heads), ("--channels", a.channels), ("--vocab", a.vocab), ("--max-seq", a.max_seq)];

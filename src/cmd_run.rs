@@ -115,14 +115,7 @@ pub fn run(a: RunArgs) -> CliResult {
     let t_start = Instant::now();
     let g = load_graph(&a.file)?;
     let model = Gpt2Config::from_graph(&g).map_err(|e| format!("{}: {e}", a.file.display()))?;
-    let llmc = LlmcConfig {
-        max_seq: model.max_seq,
-        vocab: model.vocab,
-        padded_vocab: model.padded_vocab,
-        layers: model.layers,
-        heads: model.heads,
-        channels: model.channels,
-    };
+    let llmc = LlmcConfig::from(&model);
     if a.batch == 0 || a.seq == 0 || a.grad_accum == 0 {
         return Err("--batch, --seq and --grad-accum must be at least 1".into());
     }

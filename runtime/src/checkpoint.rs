@@ -37,6 +37,27 @@ fn is_per_layer(name: &str) -> bool {
     !matches!(name, "wte" | "wpe" | "lnfw" | "lnfb")
 }
 
+/// The same sizes as a GPT-2 graph builder config (`fusec_models::Gpt2Config`).
+impl From<&fusec_models::Gpt2Config> for LlmcConfig {
+    fn from(c: &fusec_models::Gpt2Config) -> Self {
+        LlmcConfig { max_seq: c.max_seq, vocab: c.vocab, padded_vocab: c.padded_vocab, layers: c.layers, heads: c.heads, channels: c.channels }
+    }
+}
+
+impl LlmcConfig {
+    /// The GPT-2 builder config of the same sizes.
+    pub fn model(&self) -> fusec_models::Gpt2Config {
+        fusec_models::Gpt2Config {
+            layers: self.layers,
+            heads: self.heads,
+            channels: self.channels,
+            vocab: self.vocab,
+            padded_vocab: self.padded_vocab,
+            max_seq: self.max_seq,
+        }
+    }
+}
+
 /// A GPT-2 model configuration as stored in an llm.c checkpoint header.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct LlmcConfig {

@@ -29,9 +29,6 @@ fn programs_with(fwd: &Graph, b: usize, t: usize, opts: &PipelineOptions) -> (Ha
     ([(Program::Eval, c(Mode::Forward)), (Program::Grad, c(Mode::Grad)), (Program::Step, c(Mode::Step))].into(), bind)
 }
 
-fn llmc_config(c: &Gpt2Config) -> LlmcConfig {
-    LlmcConfig { max_seq: c.max_seq, vocab: c.vocab, padded_vocab: c.padded_vocab, layers: c.layers, heads: c.heads, channels: c.channels }
-}
 
 fn train_config(b: usize, t: usize, steps: usize) -> TrainConfig {
     TrainConfig {
@@ -74,7 +71,7 @@ fn tiny_losses(ex: &mut dyn Executor, step: &Graph, cfg: &Gpt2Config, b: usize, 
 
 fn tiny_losses_with(ex: &mut dyn Executor, step: &Graph, cfg: &Gpt2Config, tc: &TrainConfig) -> Vec<f64> {
     let fwd = build_gpt2(cfg, "tiny");
-    let params = params_from_checkpoint(&fwd, &random_init(&llmc_config(cfg), 1337)).unwrap();
+    let params = params_from_checkpoint(&fwd, &random_init(&LlmcConfig::from(cfg), 1337)).unwrap();
     init_state(ex, step, &params).unwrap();
     let data = DataLoader::new(fusec_runtime::corpus::markov_tokens(cfg.vocab, 20_000, 42, 1), tc.batch, tc.seq).unwrap();
     let mut out = vec![eval_loss(ex, &data, 2, tc.batch, tc.seq).unwrap()];
@@ -175,15 +172,7 @@ fn llmc_odd_matches_llmc_without_tf32() {
     let Some(dir) = llmc_odd() else { return };
     let json = std::fs::read_to_string(dir.join("reference.json")).unwrap();
     let ckpt = Checkpoint::read(&dir.join("gpt2_odd_s4242.bin")).unwrap();
-    let c = &ckpt.config;
-    let cfg = Gpt2Config {
-        layers: c.layers,
-        heads: c.heads,
-        channels: c.channels,
-        vocab: c.vocab,
-        padded_vocab: c.padded_vocab,
-        max_seq: c.max_seq,
-    };
+    let cfg = ckpt.config.model();
     let (b, t) = (3, 48);
     let fwd = build_gpt2(&cfg, "gpt2_odd");
     let (graphs, bind) = programs(&fwd, b, t);
@@ -233,7 +222,7 @@ fn gpt2_124m_training_step_time() {
         build.device_bytes as f64 / (1u64 << 30) as f64,
         build.compile_time.as_secs_f64()
     );
-    let params = params_from_checkpoint(&fwd, &random_init(&llmc_config(&cfg), 1337)).unwrap();
+    let params = params_from_checkpoint(&fwd, &random_init(&LlmcConfig::from(&cfg), 1337)).unwrap();
     init_state(&mut ex, &graphs[&Program::Step], &params).unwrap();
     let data = DataLoader::new(fusec_runtime::corpus::markov_tokens(cfg.vocab, 400_000, 42, 1), b, t).unwrap();
     let logs = train(&mut ex, &train_config(b, t, steps), &data, None, |r| eprintln!("step {}: loss {:.4} {:.1} ms", r.step, r.loss, r.ms))

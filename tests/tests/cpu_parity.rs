@@ -3,7 +3,7 @@
 
 mod common;
 
-use fusec_models::{build_gpt2, Gpt2Config};
+use fusec_models::build_gpt2;
 use fusec_runtime::checkpoint::Checkpoint;
 use fusec_runtime::data::DataLoader;
 use fusec_runtime::executor::{Executor, Program};
@@ -19,15 +19,7 @@ fn cpu_matches_llmc_for_ten_steps() {
     let Some(dir) = common::llmc_odd() else { return };
     let json = common::reference_json(&dir);
     let ckpt = Checkpoint::read(&dir.join("gpt2_odd_s4242.bin")).unwrap();
-    let c = &ckpt.config;
-    let cfg = Gpt2Config {
-        layers: c.layers,
-        heads: c.heads,
-        channels: c.channels,
-        vocab: c.vocab,
-        padded_vocab: c.padded_vocab,
-        max_seq: c.max_seq,
-    };
+    let cfg = ckpt.config.model();
     let fwd = build_gpt2(&cfg, "gpt2_odd");
     for threads in [1, 2] {
         let (mut ex, _) = common::cpu_executor(&fwd, B, T, threads);

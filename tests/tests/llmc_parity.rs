@@ -6,7 +6,7 @@ mod common;
 
 use fusec_ir::interp::{Precision, Tensor};
 use fusec_ir::DType;
-use fusec_models::{build_gpt2, Gpt2Config};
+use fusec_models::build_gpt2;
 use fusec_passes::pipeline::PipelineOptions;
 use fusec_runtime::checkpoint::Checkpoint;
 use fusec_runtime::data::DataLoader;
@@ -34,15 +34,7 @@ fn setup(opts: &PipelineOptions) -> Option<Setup> {
     let dir = common::llmc_odd()?;
     let json = common::reference_json(&dir);
     let ckpt = Checkpoint::read(&dir.join("gpt2_odd_s4242.bin")).unwrap();
-    let c = &ckpt.config;
-    let cfg = Gpt2Config {
-        layers: c.layers,
-        heads: c.heads,
-        channels: c.channels,
-        vocab: c.vocab,
-        padded_vocab: c.padded_vocab,
-        max_seq: c.max_seq,
-    };
+    let cfg = ckpt.config.model();
     let fwd = build_gpt2(&cfg, "gpt2_odd");
     let mut ex = common::ref_executor(&fwd, opts, B, T, Precision::F32);
     let step = common::programs(&fwd, opts).remove(&Program::Step).unwrap();

@@ -14,7 +14,7 @@ use fusec_runtime::train::{init_state, train, StepLog, TrainConfig};
 
 fn model() -> (Gpt2Config, LlmcConfig) {
     let g = Gpt2Config { layers: 2, heads: 2, channels: 16, vocab: 37, padded_vocab: 40, max_seq: 16 };
-    let l = LlmcConfig { max_seq: 16, vocab: 37, padded_vocab: 40, layers: 2, heads: 2, channels: 16 };
+    let l = LlmcConfig::from(&g);
     (g, l)
 }
 

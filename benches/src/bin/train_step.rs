@@ -38,7 +38,7 @@ fn programs(fwd: &Graph, opts: &PipelineOptions, bind: &Bindings) -> HashMap<Pro
 /// Loads random parameters and a random batch, with the step's runtime scalars.
 fn prepare(ex: &mut dyn Executor, fwd: &Graph, step: &Graph, case: &Case) {
     let c = &case.cfg;
-    let l = LlmcConfig { max_seq: c.max_seq, vocab: c.vocab, padded_vocab: c.padded_vocab, layers: c.layers, heads: c.heads, channels: c.channels };
+    let l = LlmcConfig::from(c);
     init_state(ex, step, &params_from_checkpoint(fwd, &random_init(&l, 1)).unwrap()).unwrap();
     let mut rng = Rng::new(2);
     let toks: Vec<i32> = (0..case.b * case.t).map(|_| rng.below(c.vocab as u64) as i32).collect();
