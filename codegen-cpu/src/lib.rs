@@ -40,7 +40,7 @@ mod jit;
 pub mod lower;
 mod math;
 mod ops;
-mod plan;
+pub mod plan;
 pub mod prog;
 mod run;
 mod segment;

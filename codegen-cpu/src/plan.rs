@@ -130,13 +130,29 @@ pub(crate) struct Plan {
     pub(crate) offloads: Vec<Offload>,
 }
 
+/// What every backend derives first from a row program: which stores the row loop and which the
+/// finalize step writes, the values each of them needs, and the column reductions.
+pub struct Liveness {
+    /// Values the row loop computes.
+    pub main_live: Vec<bool>,
+    /// Values the finalize step computes.
+    pub fin_live: Vec<bool>,
+    /// Stores of per-row values.
+    pub row_stores: Vec<usize>,
+    /// Stores of per-element values.
+    pub elem_stores: Vec<usize>,
+    /// Stores of the finalize step (column-reduction results, results without a row axis).
+    pub fin_stores: Vec<usize>,
+    /// Every column reduction the finalize step combines.
+    pub colreds: Vec<NodeId>,
+}
+
 fn mark(p: &Prog, live: &mut [bool], root: NodeId, stop_at_colred: bool) {
     let mut stack = vec![root];
     while let Some(id) = stack.pop() {
-        if live[id as usize] {
+        if std::mem::replace(&mut live[id as usize], true) {
             continue;
         }
-        live[id as usize] = true;
         let e = &p.node(id).expr;
         if stop_at_colred && matches!(e, Expr::ColReduce(..)) {
             continue;
@@ -145,12 +161,13 @@ fn mark(p: &Prog, live: &mut [bool], root: NodeId, stop_at_colred: bool) {
     }
 }
 
-pub(crate) fn plan(p: &Prog) -> Plan {
+/// The stores and live values of `p`; see [`Liveness`].
+pub fn liveness(p: &Prog) -> Liveness {
     let n = p.nodes.len();
     let (mut main_live, mut fin_live) = (vec![false; n], vec![false; n]);
     let (mut row_stores, mut elem_stores, mut fin_stores) = (vec![], vec![], vec![]);
     for (i, s) in p.stores.iter().enumerate() {
-        // Column results and scalars are written once, by the finalize function; with a single
+        // Column results and scalars are written once, by the finalize step; with a single
         // row (all row axes of size 1) every non-final result is written by the row loop.
         let once = !s.view.space().has_row() && p.rows > 1;
         if p.node(s.value).level == FINAL || once {
@@ -172,6 +189,12 @@ pub(crate) fn plan(p: &Prog) -> Plan {
     for &c in &colreds {
         mark(p, &mut main_live, p.node(c).expr.args()[0], false);
     }
+    Liveness { main_live, fin_live, row_stores, elem_stores, fin_stores, colreds }
+}
+
+pub(crate) fn plan(p: &Prog) -> Plan {
+    let n = p.nodes.len();
+    let Liveness { main_live, fin_live, row_stores, elem_stores, fin_stores, colreds } = liveness(p);
     let arg = |id: NodeId| p.node(id).expr.args()[0];
     let all_rowreds: Vec<NodeId> =
         (0..n as NodeId).filter(|&i| main_live[i as usize] && matches!(p.node(i).expr, Expr::RowReduce(..))).collect();

@@ -26,6 +26,7 @@
 //! are recomputed from the inputs (GPU arithmetic is cheap next to the loads it saves).
 
 use fusec_codegen_cpu::prog::{Expr, NodeId, Prog, Space, FINAL};
+use fusec_codegen_cpu::plan::{liveness, Liveness};
 
 /// Where a node is computed (as in the CPU backend's plan).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -106,20 +107,6 @@ pub(crate) struct Plan {
     pub parts: u64,
 }
 
-fn mark(p: &Prog, live: &mut [bool], root: NodeId, stop_at_colred: bool) {
-    let mut stack = vec![root];
-    while let Some(id) = stack.pop() {
-        if std::mem::replace(&mut live[id as usize], true) {
-            continue;
-        }
-        let e = &p.node(id).expr;
-        if stop_at_colred && matches!(e, Expr::ColReduce(..)) {
-            continue;
-        }
-        stack.extend(e.args());
-    }
-}
-
 /// The argument of a reduction node.
 pub(crate) fn arg(p: &Prog, id: NodeId) -> NodeId {
     p.node(id).expr.args()[0]
@@ -127,29 +114,7 @@ pub(crate) fn arg(p: &Prog, id: NodeId) -> NodeId {
 
 pub(crate) fn plan(p: &Prog) -> Plan {
     let n = p.nodes.len();
-    let (mut main_live, mut fin_live) = (vec![false; n], vec![false; n]);
-    let (mut row_stores, mut elem_stores, mut fin_stores) = (vec![], vec![], vec![]);
-    for (i, s) in p.stores.iter().enumerate() {
-        let once = !s.view.space().has_row() && p.rows > 1;
-        if p.node(s.value).level == FINAL || once {
-            fin_stores.push(i);
-        } else if s.view.col {
-            elem_stores.push(i);
-        } else {
-            row_stores.push(i);
-        }
-    }
-    for &i in &fin_stores {
-        mark(p, &mut fin_live, p.stores[i].value, true);
-    }
-    let colreds: Vec<NodeId> =
-        (0..n as NodeId).filter(|&i| fin_live[i as usize] && matches!(p.node(i).expr, Expr::ColReduce(..))).collect();
-    for &i in row_stores.iter().chain(&elem_stores) {
-        mark(p, &mut main_live, p.stores[i].value, false);
-    }
-    for &c in &colreds {
-        mark(p, &mut main_live, arg(p, c), false);
-    }
+    let Liveness { main_live, fin_live, row_stores, elem_stores, fin_stores, colreds } = liveness(p);
     let rowreds: Vec<NodeId> =
         (0..n as NodeId).filter(|&i| main_live[i as usize] && matches!(p.node(i).expr, Expr::RowReduce(..))).collect();
     let col_colreds: Vec<NodeId> = colreds.iter().copied().filter(|&c| p.node(arg(p, c)).space.has_col()).collect();
