@@ -13,7 +13,7 @@ use fusec_passes::pipeline::{compile, Mode, PassRun, PipelineOptions};
 use fusec_runtime::checkpoint::{Checkpoint, LlmcConfig};
 use fusec_runtime::corpus::markov_tokens;
 use fusec_runtime::cpu::CpuExecutor;
-use fusec_runtime::cuda::CudaExecutor;
+use fusec_runtime::cuda::{CudaExecutor, CudaOptions};
 use fusec_runtime::data::DataLoader;
 use fusec_runtime::executor::{Executor, Program, RefExecutor};
 use fusec_runtime::params::{checkpoint_from_params, params_from_checkpoint};
@@ -84,6 +84,10 @@ pub struct RunArgs {
     /// Exact fp32 matmuls on CUDA (default: TF32 tensor cores, as PyTorch allows).
     #[arg(long)]
     no_tf32: bool,
+    /// Attention on CUDA through score matrices, cuBLAS and softmax kernels instead of the
+    /// flash kernels (which need TF32 and sm_80+).
+    #[arg(long)]
+    no_flash_attention: bool,
     /// Launch kernels one by one instead of replaying the step as a CUDA graph.
     #[arg(long)]
     no_cuda_graph: bool,
@@ -168,11 +172,15 @@ pub fn run(a: RunArgs) -> CliResult {
             if a.no_cuda_graph {
                 std::env::set_var("FUSEC_CUDA_GRAPHS", "0");
             }
-            let (ex, build) = CudaExecutor::new(&graphs, &bind, a.profile || a.profile_json.is_some(), !a.no_tf32)?;
+            let cuda_opts = CudaOptions { profile: a.profile || a.profile_json.is_some(), tf32: !a.no_tf32, flash: !a.no_flash_attention };
+            let (ex, build) = CudaExecutor::new(&graphs, &bind, &cuda_opts)?;
             profiling = ex.profile.is_some();
             let k = &build.kernels;
             summary.push(("device".into(), format!("{} (NVRTC {}.{}){}", build.device, build.nvrtc.0, build.nvrtc.1, if a.no_tf32 { ", exact fp32" } else { ", TF32" })));
             summary.push(("kernels".into(), format!("{} launches from {} modules: {} compiled, {} from the disk cache", k.kernels, k.modules, k.compiled, k.disk_hits)));
+            let phases: Vec<String> = build.phases.iter().map(|(n, d)| format!("{n} {:.0} ms", d.as_secs_f64() * 1e3)).collect();
+            summary.push(("gpu build".into(), format!("{:.0} ms: {}", build.compile_time.as_secs_f64() * 1e3, phases.join(" · "))));
+            summary.push(("attention".into(), build.attention.clone()));
             summary.push(("memory".into(), format!("one device allocation of {} (scratch {})", mib(build.device_bytes), mib(build.scratch_bytes))));
             cuda = Some(build.device_bytes);
             Box::new(ex)

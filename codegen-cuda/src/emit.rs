@@ -35,6 +35,9 @@ pub(crate) struct Seg<'p> {
     pub plan: Plan,
     /// Scratch offset (in floats) of each column reduction's partials.
     pub scratch: Vec<(NodeId, u64)>,
+    /// Printed as the body of a function shared by segments of the same shape of code: slots
+    /// are `a{slot}`, and the sizes are the variables `first`, `total` and `cols`.
+    pub generic: bool,
 }
 
 fn ty(t: Ty) -> &'static str {
@@ -77,6 +80,9 @@ fn op_of(e: &Expr) -> ReduceOp {
 
 impl Seg<'_> {
     fn slot_name(&self, slot: u32) -> R<String> {
+        if self.generic && !matches!(self.p.slots[slot as usize], Slot::Scratch(_)) {
+            return Ok(format!("a{slot}"));
+        }
         match self.p.slots[slot as usize] {
             Slot::Operand(k) => Ok(format!("in{k}")),
             Slot::Result(j) => Ok(format!("out{j}")),
@@ -84,8 +90,13 @@ impl Seg<'_> {
         }
     }
 
-    /// The element offset of `(r, c)` in a view.
-    fn offset(v: &View) -> String {
+    /// The element offset of `(r, c)` in a view (`i` for a whole row-major `[rows, cols]`
+    /// buffer in a generic body).
+    fn offset(&self, v: &View) -> String {
+        let whole = [RowTerm { div: 1, modulo: 0, stride: self.p.cols }];
+        if self.generic && v.col && v.row == whole {
+            return "i".into();
+        }
         let terms: Vec<String> = v.row.iter().map(term).collect();
         let mut s = terms.join(" + ");
         if v.col {
@@ -99,7 +110,7 @@ impl Seg<'_> {
     }
 
     fn load(&self, v: &View) -> R<String> {
-        let a = format!("{}[{}]", self.slot_name(v.slot)?, Self::offset(v));
+        let a = format!("{}[{}]", self.slot_name(v.slot)?, self.offset(v));
         Ok(match v.mem {
             Mem::Bf16 => format!("bf16_to_f32({a})"),
             Mem::F32 | Mem::I32 => a,
@@ -107,7 +118,7 @@ impl Seg<'_> {
     }
 
     fn store(&self, s: &Store) -> R<String> {
-        let a = format!("{}[{}]", self.slot_name(s.view.slot)?, Self::offset(&s.view));
+        let a = format!("{}[{}]", self.slot_name(s.view.slot)?, self.offset(&s.view));
         let v = format!("v{}", s.value);
         Ok(match s.view.mem {
             Mem::Bf16 => format!("{a} = f32_to_bf16({v});"),
@@ -237,10 +248,15 @@ impl Seg<'_> {
         let (p, plan) = (self.p, &self.plan);
         let total = p.rows * p.cols;
         let it = if total < (1 << 31) { "unsigned" } else { "unsigned long long" };
-        let b = if first_block == 0 { "blockIdx.x".to_string() } else { format!("(blockIdx.x - {first_block}u)") };
+        let b = match first_block {
+            _ if self.generic => "(blockIdx.x - first)".to_string(),
+            0 => "blockIdx.x".to_string(),
+            f => format!("(blockIdx.x - {f}u)"),
+        };
+        let (total, cols) = if self.generic { ("total".into(), "cols".into()) } else { (format!("{total}ull"), format!("{}u", p.cols)) };
         let _ = writeln!(out, "{ind}const {it} i = (({it}){b}) * {BLOCK}u + threadIdx.x;");
-        let _ = writeln!(out, "{ind}if (i >= {total}ull) return;");
-        let _ = writeln!(out, "{ind}const {it} r = i / {}u;\n{ind}const int c = (int)(i % {}u);", p.cols, p.cols);
+        let _ = writeln!(out, "{ind}if (i >= {total}) return;");
+        let _ = writeln!(out, "{ind}const {it} r = i / {cols};\n{ind}const int c = (int)(i % {cols});");
         let live = &plan.main_live;
         let ids: Vec<NodeId> = (0..p.nodes.len() as NodeId).filter(|&i| live[i as usize]).collect();
         self.lines(out, ind, &ids)?;

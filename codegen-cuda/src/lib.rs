@@ -28,12 +28,15 @@
 //!
 //! - [`native`]: gather, deterministic scatter-add, causal attention (softmax parts around
 //!   cuBLAS products), iota, the GEMM epilogue; one module.
+//! - [`flash`]: causal flash attention (forward and backward) on TF32 tensor cores, one module
+//!   per head size, used instead of the score-matrix path when TF32 products are allowed.
 //! - [`nvrtc`]: compiles sources to CUBIN for the device's architecture, in parallel, with an
 //!   on-disk cache keyed by SHA-256 of (source, options, architecture, NVRTC version, fusec
 //!   version).
 //! - [`gemm`]: `y = op(a) op(b)` on row-major buffers as a column-major cuBLAS call.
 
 mod emit;
+pub mod flash;
 pub mod gemm;
 pub mod native;
 pub mod nvrtc;
@@ -125,7 +128,20 @@ pub fn kernel_source(k: &Kernel, bind: &Bindings) -> Result<KernelSource, String
     }
     let name = ident(&k.name);
     let (ins, outs) = io_types(k).map_err(|e| format!("kernel `{}`: {e}", k.name))?;
-    let table = (ins.len() + outs.len() + 1) * 8 > MAX_PARAM_BYTES;
+    let mut scratch = 0u64;
+    let mut segs = vec![];
+    for p in &progs {
+        let plan = plan(p);
+        let mut offs = vec![];
+        for &c in &plan.colreds {
+            let arg = p.node(plan::arg(p, c));
+            offs.push((c, scratch));
+            scratch += plan.parts * if arg.space.has_col() { p.cols } else { 1 };
+        }
+        segs.push(Seg { p, plan, scratch: offs, generic: false });
+    }
+    let merge = segs.len() > 1 && segs.iter().all(|s| s.plan.mapping == Mapping::Flat && s.plan.fin_stores.is_empty());
+    let table = merge || (ins.len() + outs.len() + 1) * 8 > MAX_PARAM_BYTES;
     let params = if table {
         "const unsigned long long* args, float* scratch".to_string()
     } else {
@@ -152,39 +168,15 @@ pub fn kernel_source(k: &Kernel, bind: &Bindings) -> Result<KernelSource, String
         }
         d
     };
-    let mut scratch = 0u64;
-    let mut segs = vec![];
-    for p in &progs {
-        let plan = plan(p);
-        let mut offs = vec![];
-        for &c in &plan.colreds {
-            let arg = p.node(plan::arg(p, c));
-            offs.push((c, scratch));
-            scratch += plan.parts * if arg.space.has_col() { p.cols } else { 1 };
-        }
-        segs.push(Seg { p, plan, scratch: offs });
-    }
     let mut src = String::new();
     let _ = writeln!(src, "// {} (fusec: {CODEGEN_REVISION}); {} segment(s)", k.name, segs.len());
     src.push_str(prelude::PRELUDE);
     let mut launches = vec![];
     let sig = |entry: &str, threads: u32| format!("extern \"C\" __global__ void __launch_bounds__({threads}) {entry}({params}) {{\n");
-    let merge = segs.len() > 1 && segs.iter().all(|s| s.plan.mapping == Mapping::Flat && s.plan.fin_stores.is_empty());
     let err = |e: String| format!("kernel `{}`: {e}", k.name);
     if merge {
-        // Independent pointwise segments (the multi-tensor AdamW): one launch, a block range each.
-        src.push_str(&sig(&name, BLOCK));
-        let mut first = 0u64;
-        for (i, s) in segs.iter().enumerate() {
-            let blocks = (s.p.rows * s.p.cols).div_ceil(BLOCK as u64);
-            let kw = if i == 0 { "if" } else { "} else if" };
-            let _ = writeln!(src, "  {kw} (blockIdx.x < {}u) {{", first + blocks);
-            src.push_str(&decls(s, "    "));
-            s.flat(&mut src, "    ", first).map_err(err)?;
-            first += blocks;
-        }
-        src.push_str("  }\n}\n");
-        launches.push(LaunchRule { entry: name.clone(), grid: grid_1d(first)?, block: [BLOCK, 1, 1] });
+        let blocks = merged(&mut src, &name, &mut segs, &ins, &outs).map_err(err)?;
+        launches.push(LaunchRule { entry: name.clone(), grid: grid_1d(blocks)?, block: [BLOCK, 1, 1] });
     } else {
         for (i, s) in segs.iter().enumerate() {
             let entry = if segs.len() == 1 { name.clone() } else { format!("{name}_s{i}") };
@@ -222,6 +214,75 @@ pub fn kernel_source(k: &Kernel, bind: &Bindings) -> Result<KernelSource, String
         flops,
         param_table: table,
     })
+}
+
+/// Independent pointwise segments (the multi-tensor AdamW) as one launch, a block range each.
+/// Segments whose code differs only in operands and sizes share one device function (GPT-2
+/// 124M's 148 AdamW segments need two), so NVRTC compiles each shape of code once: the kernel
+/// finds its segment by binary search over block starts in constant memory, then calls the
+/// segment's function with its sizes and the indices of its pointers in `args`. Returns the
+/// total block count.
+fn merged(src: &mut String, name: &str, segs: &mut [Seg], ins: &[&str], outs: &[&str]) -> Result<u64, String> {
+    let mut bodies: Vec<String> = vec![];
+    let (mut group, mut first, mut total, mut cols, mut slot0, mut slots) = (vec![], vec![0u64], vec![], vec![], vec![], vec![]);
+    for s in segs.iter_mut() {
+        s.generic = true;
+        let p = s.p;
+        let mut body = String::new();
+        for (k, sl) in p.slots.iter().enumerate() {
+            let t = match *sl {
+                Slot::Operand(i) => format!("const {}*", ins[i]),
+                Slot::Result(j) => format!("{}*", outs[j]),
+                Slot::Scratch(_) => continue,
+            };
+            let _ = writeln!(body, "  {t} a{k} = ({t})args[sl[{k}]];");
+        }
+        s.flat(&mut body, "  ", 0)?;
+        let g = bodies.iter().position(|b| *b == body).unwrap_or_else(|| {
+            bodies.push(body);
+            bodies.len() - 1
+        });
+        group.push(g);
+        slot0.push(slots.len());
+        for sl in &p.slots {
+            slots.push(match *sl {
+                Slot::Operand(i) => i,
+                Slot::Result(j) => ins.len() + j,
+                Slot::Scratch(_) => 0,
+            });
+        }
+        let n = p.rows * p.cols;
+        first.push(first.last().expect("starts at 0") + n.div_ceil(BLOCK as u64));
+        total.push(n);
+        cols.push(p.cols);
+    }
+    let list = |v: &[u64]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>().join(", ");
+    let to64 = |v: &[usize]| v.iter().map(|&x| x as u64).collect::<Vec<_>>();
+    let nseg = segs.len();
+    let _ = writeln!(src, "__constant__ unsigned long long {name}_first[{}] = {{{}}};", nseg + 1, list(&first));
+    let _ = writeln!(src, "__constant__ unsigned long long {name}_total[{nseg}] = {{{}}};", list(&total));
+    let _ = writeln!(src, "__constant__ unsigned {name}_cols[{nseg}] = {{{}}};", list(&cols));
+    let _ = writeln!(src, "__constant__ unsigned {name}_slot0[{nseg}] = {{{}}};", list(&to64(&slot0)));
+    let _ = writeln!(src, "__constant__ unsigned char {name}_group[{nseg}] = {{{}}};", list(&to64(&group)));
+    let _ = writeln!(src, "__constant__ unsigned short {name}_slots[{}] = {{{}}};", slots.len().max(1), list(&to64(&slots)));
+    for (g, body) in bodies.iter().enumerate() {
+        let _ = writeln!(
+            src,
+            "__device__ __forceinline__ void {name}_g{g}(const unsigned long long* args, const unsigned short* sl, unsigned long long first, unsigned long long total, unsigned cols) {{"
+        );
+        src.push_str(body);
+        src.push_str("}\n");
+    }
+    let _ = writeln!(src, "extern \"C\" __global__ void __launch_bounds__({BLOCK}) {name}(const unsigned long long* args, float* scratch) {{");
+    let _ = writeln!(src, "  int lo = 0, hi = {nseg};");
+    let _ = writeln!(src, "  while (hi - lo > 1) {{ const int mid = (lo + hi) >> 1; if ({name}_first[mid] <= blockIdx.x) lo = mid; else hi = mid; }}");
+    let _ = writeln!(src, "  const unsigned short* sl = {name}_slots + {name}_slot0[lo];");
+    let _ = writeln!(src, "  switch ({name}_group[lo]) {{");
+    for g in 0..bodies.len() {
+        let _ = writeln!(src, "  case {g}: {name}_g{g}(args, sl, {name}_first[lo], {name}_total[lo], {name}_cols[lo]); break;");
+    }
+    src.push_str("  }\n}\n");
+    Ok(*first.last().expect("starts at 0"))
 }
 
 fn grid_1d(blocks: u64) -> Result<[u32; 3], String> {

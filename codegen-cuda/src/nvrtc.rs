@@ -151,13 +151,24 @@ pub struct Compiler {
     pub disk_hits: usize,
     /// Requests answered by a module already compiled or loaded in this process.
     pub memory_hits: usize,
+    /// NVRTC's time per module compiled in this process, slowest first.
+    pub times: Vec<(String, std::time::Duration)>,
 }
 
 impl Compiler {
     /// A compiler for `arch` (e.g. `sm_90`); `Err` when libnvrtc is missing.
     pub fn new(arch: &str) -> Result<Compiler, String> {
         let version = version()?;
-        Ok(Compiler { arch: arch.into(), version, dir: cache_dir(), images: Mutex::default(), compiled: 0, disk_hits: 0, memory_hits: 0 })
+        Ok(Compiler {
+            arch: arch.into(),
+            version,
+            dir: cache_dir(),
+            images: Mutex::default(),
+            compiled: 0,
+            disk_hits: 0,
+            memory_hits: 0,
+            times: vec![],
+        })
     }
 
     /// The same, with an explicit cache folder (`None`: no disk cache).
@@ -208,33 +219,39 @@ impl Compiler {
         }
         let dir = self.dir.clone();
         let arch = self.arch.clone();
-        // (item, its image and whether it came from the disk cache)
-        type Done = (usize, Result<(Image, bool), String>);
+        // Longest sources first, one module per task: the slowest compile starts at once.
+        todo.sort_by_key(|&i| std::cmp::Reverse(items[i].1.len()));
+        // (item, its image and whether it came from the disk cache, NVRTC's time)
+        type Done = (usize, Result<(Image, bool), String>, std::time::Duration);
         let done: Vec<Done> = todo
             .par_iter()
+            .with_max_len(1)
             .map(|&i| {
                 let hex: String = keys[i].iter().map(|b| format!("{b:02x}")).collect();
                 let path = dir.as_ref().map(|d| d.join(format!("{hex}.bin")));
                 if let Some(img) = path.as_ref().and_then(|p| read_cached(p)) {
-                    return (i, Ok((img, true)));
+                    return (i, Ok((img, true)), Default::default());
                 }
+                let t0 = std::time::Instant::now();
                 let r = compile(&items[i].1, &items[i].0, &arch);
+                let took = t0.elapsed();
                 if let (Ok(img), Some(p)) = (&r, &path) {
                     write_cached(p, img);
                 }
-                (i, r.map(|img| (img, false)))
+                (i, r.map(|img| (img, false)), took)
             })
             .collect();
         let mut errs: HashMap<usize, String> = HashMap::new();
         {
             let mut have = self.images.lock().unwrap_or_else(|e| e.into_inner());
-            for (i, r) in done {
+            for (i, r, took) in done {
                 match r {
                     Ok((img, from_disk)) => {
                         if from_disk {
                             self.disk_hits += 1;
                         } else {
                             self.compiled += 1;
+                            self.times.push((items[i].0.clone(), took));
                         }
                         have.insert(keys[i], Arc::new(img));
                     }
@@ -244,6 +261,7 @@ impl Compiler {
                 }
             }
         }
+        self.times.sort_by_key(|t| std::cmp::Reverse(t.1));
         let have = self.images.lock().unwrap_or_else(|e| e.into_inner());
         (0..items.len())
             .map(|i| match errs.get(&i) {

@@ -6,12 +6,13 @@
 use std::collections::HashMap;
 use std::path::PathBuf;
 
-use fusec_ir::{Bindings, Graph};
+use fusec_ir::interp::Tensor;
+use fusec_ir::{Bindings, DType, Graph};
 use fusec_models::{build_gpt2, Gpt2Config};
 use fusec_passes::pipeline::{compile, Mode, PipelineOptions};
 use fusec_runtime::checkpoint::{random_init, Checkpoint, LlmcConfig};
 use fusec_runtime::cpu::CpuExecutor;
-use fusec_runtime::cuda::{check_libraries, CudaExecutor};
+use fusec_runtime::cuda::{check_libraries, CudaExecutor, CudaOptions};
 use fusec_runtime::data::DataLoader;
 use fusec_runtime::executor::{Executor, Program};
 use fusec_runtime::params::params_from_checkpoint;
@@ -29,6 +30,9 @@ fn programs_with(fwd: &Graph, b: usize, t: usize, opts: &PipelineOptions) -> (Ha
     ([(Program::Eval, c(Mode::Forward)), (Program::Grad, c(Mode::Grad)), (Program::Step, c(Mode::Step))].into(), bind)
 }
 
+fn cuda(profile: bool, tf32: bool) -> CudaOptions {
+    CudaOptions { profile, tf32, ..CudaOptions::default() }
+}
 
 fn train_config(b: usize, t: usize, steps: usize) -> TrainConfig {
     TrainConfig {
@@ -52,7 +56,7 @@ fn without_a_gpu_new_is_an_error_naming_what_is_missing() {
     match check_libraries() {
         Ok(()) => eprintln!("SKIPPED: the CUDA libraries are present here (this test is for machines without a GPU)"),
         Err(e) => {
-            let err = CudaExecutor::new(&graphs, &bind, false, true).err().expect("no GPU: an error");
+            let err = CudaExecutor::new(&graphs, &bind, &cuda(false, true)).err().expect("no GPU: an error");
             assert_eq!(err, e);
             if !e.starts_with("no CUDA driver found") {
                 eprintln!("the driver is present but: {e}");
@@ -94,7 +98,7 @@ fn tiny_gpt2_with_clipping_decay_and_accumulation_trains_like_the_cpu_target() {
     let tc = TrainConfig { grad_accum: 2, grad_clip: Some(0.5), ..train_config(2, 32, 3) };
     let (mut cpu, _) = CpuExecutor::new(&graphs, &bind, 2, false).unwrap();
     let want = tiny_losses_with(&mut cpu, step, &cfg, &tc);
-    let (mut gpu, _) = CudaExecutor::new(&graphs, &bind, false, false).unwrap_or_else(|e| panic!("{e}"));
+    let (mut gpu, _) = CudaExecutor::new(&graphs, &bind, &cuda(false, false)).unwrap_or_else(|e| panic!("{e}"));
     let got = tiny_losses_with(&mut gpu, step, &cfg, &tc);
     eprintln!("losses and gradient norms: cpu {want:?}\n                           gpu {got:?}");
     assert_eq!(got.len(), want.len());
@@ -113,7 +117,7 @@ fn tiny_gpt2_trains_like_the_cpu_target() {
     let (mut cpu, _) = CpuExecutor::new(&graphs, &bind, 2, false).unwrap();
     let want = tiny_losses(&mut cpu, step, &cfg, b, t, steps);
     for (tf32, tol) in [(true, 1e-3), (false, 1e-5)] {
-        let (mut gpu, build) = CudaExecutor::new(&graphs, &bind, true, tf32).unwrap_or_else(|e| panic!("{e}"));
+        let (mut gpu, build) = CudaExecutor::new(&graphs, &bind, &cuda(true, tf32)).unwrap_or_else(|e| panic!("{e}"));
         eprintln!(
             "{}: {} kernels, {} modules ({} compiled, {} from the cache), {:.1} MiB, built in {:.0} ms",
             build.device,
@@ -139,6 +143,60 @@ fn tiny_gpt2_trains_like_the_cpu_target() {
         let worst = w.data.iter().zip(&g.data).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
         eprintln!("tf32 {tf32}: wte max abs difference {worst:e}");
         let _ = tiny_losses(&mut cpu, step, &cfg, b, t, steps);
+    }
+}
+
+/// The loss and every parameter gradient of one Grad run on the first batch of a corpus.
+fn loss_and_grads(ex: &mut dyn Executor, fwd: &Graph, step: &Graph, cfg: &Gpt2Config, b: usize, t: usize) -> (f64, Vec<(String, Vec<f32>)>) {
+    init_state(ex, step, &params_from_checkpoint(fwd, &random_init(&LlmcConfig::from(cfg), 7)).unwrap()).unwrap();
+    let data = DataLoader::new(fusec_runtime::corpus::markov_tokens(cfg.vocab, 20_000, 42, 1), b, t).unwrap();
+    let (x, y) = data.batch(0);
+    ex.set("tokens", Tensor::from_i32(vec![b, t], &x)).unwrap();
+    ex.set("targets", Tensor::from_i32(vec![b, t], &y)).unwrap();
+    ex.set("dloss", Tensor::scalar(DType::F32, 1.0)).unwrap();
+    let loss = ex.run(Program::Grad).unwrap().loss.unwrap();
+    let grads = fwd.params().into_iter().map(|(n, _)| (n.to_string(), ex.get(&format!("grad.{n}")).unwrap().to_f32())).collect();
+    (loss, grads)
+}
+
+/// Worst relative L2 difference over the gradient tensors.
+fn worst_grad_error(got: &[(String, Vec<f32>)], want: &[(String, Vec<f32>)]) -> (f64, String) {
+    let mut worst = (0.0, String::new());
+    for ((name, g), (_, w)) in got.iter().zip(want) {
+        let diff: f64 = g.iter().zip(w).map(|(a, b)| (*a as f64 - *b as f64).powi(2)).sum::<f64>().sqrt();
+        let norm: f64 = w.iter().map(|b| (*b as f64).powi(2)).sum::<f64>().sqrt().max(1e-30);
+        if diff / norm > worst.0 || diff.is_nan() {
+            worst = (if diff.is_nan() { f64::NAN } else { diff / norm }, name.clone());
+        }
+    }
+    worst
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --ignored on the device"]
+fn flash_attention_gradients_match_the_cpu_for_several_head_sizes() {
+    // Head sizes 64, 32, 16; T = 100 is not a multiple of the 64-row tiles.
+    for (heads, channels) in [(2, 128), (3, 96), (4, 64)] {
+        let cfg = Gpt2Config { layers: 2, heads, channels, vocab: 256, padded_vocab: 256, max_seq: 128 };
+        let (b, t) = (2, 100);
+        let fwd = build_gpt2(&cfg, "flash_test");
+        let (graphs, bind) = programs(&fwd, b, t);
+        let step = &graphs[&Program::Step];
+        let (mut cpu, _) = CpuExecutor::new(&graphs, &bind, 2, false).unwrap();
+        let (want_loss, want) = loss_and_grads(&mut cpu, &fwd, step, &cfg, b, t);
+        let mut errs = vec![];
+        for flash in [true, false] {
+            let (mut gpu, build) = CudaExecutor::new(&graphs, &bind, &CudaOptions { flash, ..cuda(false, true) }).unwrap_or_else(|e| panic!("{e}"));
+            assert_eq!(build.attention.starts_with("flash"), flash, "{}", build.attention);
+            let (loss, got) = loss_and_grads(&mut gpu, &fwd, step, &cfg, b, t);
+            let (err, name) = worst_grad_error(&got, &want);
+            eprintln!("head size {}: {}: loss {loss} vs cpu {want_loss}, worst gradient relative L2 {err:e} ({name})", channels / heads, build.attention);
+            assert!((loss - want_loss).abs() <= 1e-3, "flash {flash}: loss {loss} vs {want_loss}");
+            assert!(err <= 1e-2, "flash {flash}: gradient of {name}: relative L2 error {err:e}");
+            errs.push(err);
+        }
+        // Flash attention is not less accurate than the score-matrix path (both TF32).
+        assert!(errs[0] <= 2.0 * errs[1] + 1e-4, "flash {:e} vs score matrices {:e}", errs[0], errs[1]);
     }
 }
 
@@ -176,7 +234,7 @@ fn llmc_odd_matches_llmc_without_tf32() {
     let (b, t) = (3, 48);
     let fwd = build_gpt2(&cfg, "gpt2_odd");
     let (graphs, bind) = programs(&fwd, b, t);
-    let (mut ex, _) = CudaExecutor::new(&graphs, &bind, false, false).unwrap_or_else(|e| panic!("{e}"));
+    let (mut ex, _) = CudaExecutor::new(&graphs, &bind, &cuda(false, false)).unwrap_or_else(|e| panic!("{e}"));
     init_state(&mut ex, &graphs[&Program::Step], &params_from_checkpoint(&fwd, &ckpt).unwrap()).unwrap();
     let data = DataLoader::new(read_tokens(&dir.join("tokens_train_s11.bin")).unwrap(), b, t).unwrap();
     let logs = train(&mut ex, &train_config(b, t, 10), &data, None, |_| {}).unwrap();
@@ -211,7 +269,7 @@ fn gpt2_124m_training_step_time() {
     let (b, t, steps) = (env("FUSEC_B", 16), env("FUSEC_T", 1024), env("FUSEC_STEPS", 10));
     let fwd = build_gpt2(&cfg, "gpt2_124m");
     let (graphs, bind) = programs(&fwd, b, t);
-    let (mut ex, build) = CudaExecutor::new(&graphs, &bind, true, true).unwrap_or_else(|e| panic!("{e}"));
+    let (mut ex, build) = CudaExecutor::new(&graphs, &bind, &cuda(true, true)).unwrap_or_else(|e| panic!("{e}"));
     eprintln!(
         "{}: {} kernels, {} modules ({} compiled, {} cached), {:.1} GiB allocated, built in {:.2} s",
         build.device,
@@ -253,7 +311,7 @@ fn gpt2_124m_training_step_time() {
     assert!(logs.iter().all(|l| l.loss.is_finite()));
     // Without profiling: the programs replay as CUDA graphs.
     drop(ex);
-    let (mut ex, _) = CudaExecutor::new(&graphs, &bind, false, true).unwrap_or_else(|e| panic!("{e}"));
+    let (mut ex, _) = CudaExecutor::new(&graphs, &bind, &cuda(false, true)).unwrap_or_else(|e| panic!("{e}"));
     init_state(&mut ex, &graphs[&Program::Step], &params).unwrap();
     let again = train(&mut ex, &train_config(b, t, steps), &data, None, |_| {}).unwrap();
     let mut ms: Vec<f64> = again.iter().skip(1).map(|l| l.ms).collect();

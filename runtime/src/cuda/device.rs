@@ -59,6 +59,8 @@ pub(crate) struct Device {
     pub arch: (i32, i32),
     /// The GPU's name.
     pub name: String,
+    /// How long opening took: the driver and context, then cuBLAS.
+    pub open_times: [(&'static str, std::time::Duration); 2],
     modules: HashMap<[u8; 32], sys::CUmodule>,
 }
 
@@ -66,12 +68,14 @@ impl Device {
     /// Opens GPU 0: context, stream, cuBLAS (TF32 tensor-core math when `tf32`, else plain
     /// fp32).
     pub fn open(tf32: bool) -> Result<Device, String> {
+        let t0 = std::time::Instant::now();
         check_libraries()?;
         guard("CUDA", || {
             let ctx = CudaContext::new(0).map_err(|e| format!("CUDA driver present but no usable GPU: {e:?}"))?;
             let arch = ctx.compute_capability().map_err(|e| format!("compute capability: {e:?}"))?;
             let name = ctx.name().unwrap_or_else(|_| "GPU".into());
             let stream = ctx.new_stream().map_err(|e| format!("stream: {e:?}"))?;
+            let t1 = std::time::Instant::now();
             let handle = cudarc::cublas::result::create_handle().map_err(|e| format!("cuBLAS handle: {e:?}"))?;
             // SAFETY: a fresh handle and a live stream.
             unsafe {
@@ -80,7 +84,8 @@ impl Device {
                 ckb(blas::cublasSetMathMode(handle, mode), "cublasSetMathMode")?;
             }
             let s = stream.cu_stream();
-            Ok(Device { ctx, _stream: stream, stream: s, blas: handle, base: 0, size: 0, arch, name, modules: HashMap::new() })
+            let open_times = [("driver", t1 - t0), ("cuBLAS", t1.elapsed())];
+            Ok(Device { ctx, _stream: stream, stream: s, blas: handle, base: 0, size: 0, arch, name, open_times, modules: HashMap::new() })
         })
     }
 

@@ -9,12 +9,13 @@
 //! kernels with too many operands for kernel parameters, the error word) — so the list can be
 //! built before the allocation exists.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use cudarc::driver::sys::CUfunction;
 use crate::cpu::launch::gemm_spec;
 use fusec_codegen_cuda::gemm::{batched, row_major, Batched, ColMajor};
-use fusec_codegen_cuda::KernelSource;
+use fusec_codegen_cuda::{flash, KernelSource};
 use fusec_ir::{Bindings, DType, Graph, Op, ValueId};
 use fusec_passes::memplan::MemPlan;
 
@@ -72,6 +73,8 @@ pub(crate) struct Native {
     pub iota_f32: CUfunction,
     pub iota_i32: CUfunction,
     pub gemm_epilogue: CUfunction,
+    /// The flash-attention entries ([`fusec_codegen_cuda::flash::ENTRIES`]) per head size.
+    pub flash: HashMap<usize, [CUfunction; 3]>,
 }
 
 /// Entry names of [`Native`], in field order.
@@ -103,6 +106,25 @@ pub(crate) struct Builder<'a> {
 
 /// The static word holding the error flag of gather and scatter-add (three i32s, zeroed).
 pub(crate) const ERR_WORDS: usize = 2;
+
+/// The head sizes of the attention nodes of `graphs`.
+pub(crate) fn attention_head_sizes<'a>(graphs: impl IntoIterator<Item = &'a Graph>, bind: &Bindings) -> Vec<usize> {
+    let mut out = vec![];
+    for g in graphs {
+        for n in &g.nodes {
+            if let Op::Attention { heads, .. } | Op::AttentionGrad { heads, .. } = n.op {
+                if let Ok(q) = g.ty(n.inputs[0]).shape.eval(bind) {
+                    let d = q[q.len() - 1] / 3 / (heads as usize).max(1);
+                    if !out.contains(&d) {
+                        out.push(d);
+                    }
+                }
+            }
+        }
+    }
+    out.sort_unstable();
+    out
+}
 
 fn blocks(n: u64, per: u64) -> [u32; 3] {
     [n.div_ceil(per).max(1) as u32, 1, 1]
@@ -276,6 +298,27 @@ impl Builder<'_> {
                         Addr::Plan(o) => o,
                         _ => unreachable!("planned"),
                     };
+                    if let Some(f) = self.native.flash.get(&d) {
+                        let (scale, tiles) = (*scale as f32, (t as u32).div_ceil(flash::TILE));
+                        let (grid, block) = ([tiles, h as u32, s as u32], [flash::THREADS, 1, 1]);
+                        // Products done, the causal half: 2 forward, 3 for dq and 4 for dk, dv.
+                        let half = (s * h * t * t * d) as u64;
+                        let (ti, hi) = (Arg::I32(t as i32), Arg::I32(h as i32));
+                        if forward {
+                            let args = vec![Arg::Ptr(qkv), Arg::Ptr(out_v), Arg::Ptr(lse), ti, hi, Arg::F32(scale)];
+                            push(vec![Step::Kernel { f: f[0], grid, block, args }], "flash_attention", 2 * half);
+                        } else {
+                            let (dout, dqkv) = (off(n.inputs[3])?, off(n.results[0])?);
+                            self.need_scratch((s * h * t * 4) as u64);
+                            let dsum = Arg::Ptr(Addr::Scratch(0));
+                            let args =
+                                vec![Arg::Ptr(qkv), Arg::Ptr(out_v), Arg::Ptr(lse), Arg::Ptr(dout), Arg::Ptr(dqkv), dsum, ti, hi, Arg::F32(scale)];
+                            push(vec![Step::Kernel { f: f[1], grid, block, args }], "flash_attention_grad_q", 3 * half);
+                            let args = vec![Arg::Ptr(qkv), Arg::Ptr(lse), Arg::Ptr(dout), dsum, Arg::Ptr(dqkv), ti, hi, Arg::F32(scale)];
+                            push(vec![Step::Kernel { f: f[2], grid, block, args }], "flash_attention_grad_kv", 4 * half);
+                        }
+                        continue;
+                    }
                     let (bh, tt) = (s * h, (t * t) as u64);
                     let p_bytes = bh as u64 * tt * 4;
                     self.need_scratch(if forward { p_bytes } else { 2 * p_bytes });

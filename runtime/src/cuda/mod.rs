@@ -30,7 +30,7 @@ use std::time::{Duration, Instant};
 use cudarc::cublas::sys as blas;
 use cudarc::driver::sys;
 use fusec_codegen_cuda::nvrtc::Compiler;
-use fusec_codegen_cuda::{kernel_source, native, KernelSource};
+use fusec_codegen_cuda::{flash, kernel_source, native, KernelSource};
 use fusec_ir::interp::Tensor;
 use fusec_ir::{Bindings, DType, Graph, Op};
 use fusec_passes::memplan::{memplan, MemPlan, MemplanOptions, ALIGN};
@@ -40,7 +40,7 @@ use crate::cpu::profile::Profile;
 use crate::executor::{Executor, Program, StepOutputs};
 pub use device::check_libraries;
 use device::{ck, ckb, Device};
-use launch::{Addr, Arg, Builder, Launch, Loaded, Native, Step, ERR_WORDS, NATIVE_ENTRIES};
+use launch::{attention_head_sizes, Addr, Arg, Builder, Launch, Loaded, Native, Step, ERR_WORDS, NATIVE_ENTRIES};
 
 /// Bytes given to cuBLAS as its workspace (NVIDIA's recommendation for Hopper).
 const CUBLAS_WORKSPACE: u64 = 32 << 20;
@@ -58,10 +58,30 @@ pub struct KernelStats {
     pub disk_hits: usize,
 }
 
+/// How to build the programs for the GPU.
+#[derive(Clone, Copy, Debug)]
+pub struct CudaOptions {
+    /// Time every launch with CUDA events (`--profile`).
+    pub profile: bool,
+    /// Products on TF32 tensor cores (about 1e-3 relative); otherwise plain fp32 (`--no-tf32`).
+    pub tf32: bool,
+    /// Attention with the flash kernels where they apply (TF32 allowed, sm_80 or newer, head
+    /// size a multiple of 8 up to 64); otherwise score matrices, cuBLAS and softmax kernels.
+    pub flash: bool,
+}
+
+impl Default for CudaOptions {
+    fn default() -> Self {
+        CudaOptions { profile: false, tf32: true, flash: true }
+    }
+}
+
 /// What building the programs for the GPU produced, for the run summary.
 pub struct CudaBuild {
     /// Memory planning, code generation, NVRTC (or the cache) and module loading.
     pub compile_time: Duration,
+    /// Where `compile_time` went, in order.
+    pub phases: Vec<(&'static str, Duration)>,
     /// Kernel compilation counts.
     pub kernels: KernelStats,
     /// The GPU, e.g. `NVIDIA H100 80GB HBM3 (sm_90)`.
@@ -76,6 +96,8 @@ pub struct CudaBuild {
     pub device_used: u64,
     /// The Step program's plan (for the summary).
     pub step_plan: MemPlan,
+    /// How attention runs, e.g. `flash (TF32 tensor cores, head size 64)`.
+    pub attention: String,
 }
 
 /// One compiled program.
@@ -105,12 +127,17 @@ pub struct CudaExecutor {
 impl CudaExecutor {
     /// Plans memory for the scheduled programs (which must include `Step`), opens GPU 0,
     /// compiles every kernel (NVRTC, in parallel, through the disk cache), and allocates the
-    /// one device buffer. `tf32`: cuBLAS products on TF32 tensor cores (about 1e-3 relative);
-    /// otherwise plain fp32. `profile`: time every launch with CUDA events.
-    pub fn new(graphs: &HashMap<Program, Graph>, bind: &Bindings, profile: bool, tf32: bool) -> Result<(CudaExecutor, CudaBuild), String> {
+    /// one device buffer, as `opts` says.
+    pub fn new(graphs: &HashMap<Program, Graph>, bind: &Bindings, opts: &CudaOptions) -> Result<(CudaExecutor, CudaBuild), String> {
         let t0 = Instant::now();
         let step = graphs.get(&Program::Step).ok_or("the CUDA target needs the Step program")?;
-        let mut dev = Device::open(tf32)?;
+        let mut dev = Device::open(opts.tf32)?;
+        let mut phases = dev.open_times.to_vec();
+        let mut lap = Instant::now();
+        let mut phase = |name: &'static str| {
+            phases.push((name, lap.elapsed()));
+            lap = Instant::now();
+        };
         let mut order: Vec<Program> = graphs.keys().copied().collect();
         order.sort_by_key(|p| *p as u8);
         let mut plans = HashMap::new();
@@ -119,6 +146,7 @@ impl CudaExecutor {
         }
         let layout = SharedLayout::new(step, &plans[&Program::Step]);
         let arena_max = plans.values().map(|p| p.arena_bytes).max().unwrap_or(0);
+        phase("memplan");
 
         // Generate every kernel's source, then compile the distinct ones at once.
         let mut sources: Vec<Arc<KernelSource>> = vec![];
@@ -139,16 +167,29 @@ impl CudaExecutor {
         let mut compiler = Compiler::new(&dev.sm())?;
         let mut items: Vec<(String, String)> = sources.iter().map(|s| (s.ident.clone(), s.source.clone())).collect();
         items.push((native::NAME.to_string(), native::source()));
+        let flash_dims = if opts.flash && opts.tf32 && dev.arch >= flash::MIN_ARCH { attention_head_sizes(graphs.values(), bind) } else { vec![] };
+        let flash_dims: Vec<usize> = flash_dims.into_iter().filter(|d| flash::supported(*d)).collect();
+        for d in &flash_dims {
+            items.push((flash::name(*d), flash::source(*d)));
+        }
+        phase("codegen");
         let images = compiler.compile_all(&items);
+        phase("nvrtc");
         let mut funcs: Vec<Vec<sys::CUfunction>> = vec![];
         for (i, img) in images.iter().enumerate() {
             let img = img.as_ref().map_err(|e| e.clone())?;
-            let names: Vec<&str> =
-                if i < sources.len() { sources[i].launches.iter().map(|l| l.entry.as_str()).collect() } else { NATIVE_ENTRIES.to_vec() };
+            let names: Vec<&str> = match i.cmp(&sources.len()) {
+                std::cmp::Ordering::Less => sources[i].launches.iter().map(|l| l.entry.as_str()).collect(),
+                std::cmp::Ordering::Equal => NATIVE_ENTRIES.to_vec(),
+                std::cmp::Ordering::Greater => flash::ENTRIES.to_vec(),
+            };
             let f = dev.functions(compiler.key(&items[i].1), &img.bytes, &names).map_err(|e| format!("kernel `{}`: {e}", items[i].0))?;
             funcs.push(f);
         }
+        let flash_funcs: HashMap<usize, [sys::CUfunction; 3]> =
+            flash_dims.iter().zip(funcs.drain(sources.len() + 1..)).map(|(d, f)| (*d, [f[0], f[1], f[2]])).collect();
         let nf = funcs.pop().expect("the native module");
+        phase("module load");
         let native = Native {
             gather: nf[0],
             scatter_add: nf[1],
@@ -158,6 +199,7 @@ impl CudaExecutor {
             iota_f32: nf[5],
             iota_i32: nf[6],
             gemm_epilogue: nf[7],
+            flash: flash_funcs,
         };
 
         let mut b = Builder { native: &native, words: vec![None; ERR_WORDS], scratch: 0 };
@@ -189,11 +231,12 @@ impl CudaExecutor {
         dev.allocate(total, CUBLAS_WORKSPACE)?;
         let words: Vec<u64> = b.words.iter().map(|w| w.map_or(0, |a| resolve(dev.base, scratch_base, static_base, a))).collect();
         dev.upload(dev.base + static_base, &words)?;
+        phase("launch lists+alloc");
 
         let used = dev.used_bytes();
         let max_launches = programs.values().map(|c| c.launches.len()).max().unwrap_or(0);
         let mut events = vec![];
-        if profile {
+        if opts.profile {
             for _ in 0..max_launches {
                 let ev =
                     || cudarc::driver::result::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT).map_err(|e| format!("event: {e:?}"));
@@ -202,6 +245,7 @@ impl CudaExecutor {
         }
         let build = CudaBuild {
             compile_time: t0.elapsed(),
+            phases,
             kernels: KernelStats {
                 kernels: node_src.len(),
                 modules: items.len(),
@@ -214,6 +258,10 @@ impl CudaExecutor {
             scratch_bytes: b.scratch,
             device_used: used,
             step_plan: plans.remove(&Program::Step).expect("checked above"),
+            attention: match flash_dims.as_slice() {
+                [] => "score matrices: cuBLAS products and softmax kernels".into(),
+                d => format!("flash (TF32 tensor cores, head size {})", d.iter().map(|d| d.to_string()).collect::<Vec<_>>().join(", ")),
+            },
         };
         let sync_each = std::env::var_os("FUSEC_CUDA_SYNC").is_some_and(|v| v != "0");
         let use_graphs = std::env::var_os("FUSEC_CUDA_GRAPHS").is_none_or(|v| v != "0");
@@ -228,7 +276,7 @@ impl CudaExecutor {
             graphs: HashMap::new(),
             events,
             peak: used,
-            profile: profile.then(Profile::default),
+            profile: opts.profile.then(Profile::default),
             dev,
         };
         Ok((ex, build))

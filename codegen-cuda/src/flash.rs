@@ -1,0 +1,328 @@
+//! Causal flash attention on TF32 tensor cores: the `attention` composite and its gradient
+//! without the `T × T` score matrix (FlashAttention-2's tiling), for sm_80 and newer.
+//!
+//! Layout as the composite: `qkv` is `[S, T, 3C]` (q, k, v of head `h` at columns `h D`,
+//! `C + h D`, `2C + h D`), `out` and `dout` are `[S, T, C]`, `lse` is `[S, H, T]` (the
+//! log-sum-exp of the scaled scores of a row, saved by the forward for the backward).
+//!
+//! - `fusec_flash_fwd`: a block (4 warps) owns 64 query rows, a warp 16; it walks the key tiles
+//!   up to the diagonal with an online softmax (running max and sum per row) and writes `out`
+//!   and `lse`. Grid `(T/64, H, S)`, heaviest tiles first.
+//! - `fusec_flash_bwd_dq`: per 64 query rows: `rowsum(dout * out)` (also written to `dsum` for
+//!   the next kernel), then over key tiles `p = exp(scale s - lse)`, `dp = dout v^T`,
+//!   `ds = scale p (dp - rowsum)`, `dq += ds k`.
+//! - `fusec_flash_bwd_dkv`: per 64 keys, over the query tiles from the diagonal on: the same
+//!   `p` and `ds` transposed, `dv += p^T dout`, `dk += ds^T q`.
+//!
+//! Deterministic: no atomics (dq has its own kernel instead of FlashAttention-2's atomic adds,
+//! at the price of recomputing `q k^T` and `dout v^T` once more), every sum in a fixed order.
+//!
+//! Products are `mma.sync.m16n8k8` with TF32 operands rounded to nearest (`cvt.rna.tf32`) and
+//! fp32 accumulation — the numerics of cuBLAS's TF32 mode, so the runtime uses these kernels
+//! only when TF32 products are allowed (`--no-tf32` keeps the exact cuBLAS + softmax path).
+//! Operand tiles are staged in shared memory with rows padded to `D + 4` floats, which makes
+//! every fragment load free of bank conflicts. The probabilities go from the accumulator layout
+//! to the next product's `A` operand without shuffles: an `A` fragment's column `t` (`t + 4`) is
+//! read as key `2t` (`2t + 1`), and the `B` operand's rows are read with the same permutation.
+
+/// Query (and key) rows per block.
+pub const TILE: u32 = 64;
+/// Threads per block (4 warps of 16 rows each).
+pub const THREADS: u32 = 128;
+/// The oldest architecture with TF32 `mma.sync` (compute capability 8.0).
+pub const MIN_ARCH: (i32, i32) = (8, 0);
+
+/// Entry names, in launch order: forward, then the two backward kernels.
+pub const ENTRIES: [&str; 3] = ["fusec_flash_fwd", "fusec_flash_bwd_dq", "fusec_flash_bwd_dkv"];
+
+/// Whether the kernels handle heads of `d` columns (whole 8-column MMA steps; 64 at most so the
+/// backward's fragments stay in registers).
+pub fn supported(d: usize) -> bool {
+    d % 8 == 0 && (8..=64).contains(&d)
+}
+
+/// The module's name for head size `d`.
+pub fn name(d: usize) -> String {
+    format!("fusec_flash_d{d}")
+}
+
+/// The CUDA C of the three kernels for head size `d` (see [`supported`]).
+pub fn source(d: usize) -> String {
+    assert!(supported(d), "flash attention for head size {d}");
+    let mut s = format!("// {} (fusec: {})\n#define HD {d}\n", name(d), crate::CODEGEN_REVISION);
+    s.push_str(BODY);
+    s
+}
+
+const BODY: &str = r#"#define LD (HD + 4)
+#define TILE 64
+#define KC (HD / 8)
+#define NEG_INF __int_as_float(0xff800000)
+#define FULL 0xffffffffu
+
+__device__ __forceinline__ float tf32(float x) {
+  unsigned r;
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+  return __uint_as_float(r);
+}
+// c += a b for one 16x8 tile, k = 8 (a: 16x8 row-major fragment, b: 8x8 column fragment).
+__device__ __forceinline__ void mma8(float* c, const float* a, float b0, float b1) {
+  asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+               : "r"(__float_as_uint(a[0])), "r"(__float_as_uint(a[1])), "r"(__float_as_uint(a[2])), "r"(__float_as_uint(a[3])),
+                 "r"(__float_as_uint(b0)), "r"(__float_as_uint(b1)));
+}
+// Rows [r0, r0 + 64) of a row-major matrix (row stride `stride` floats) into sm[64][LD], rounded
+// to TF32; rows at or past T are zeros.
+__device__ __forceinline__ void load_tile(float* sm, const float* base, long long stride, int r0, int T) {
+  for (int i = threadIdx.x; i < TILE * (HD / 4); i += 128) {
+    const int r = i / (HD / 4), c = (i % (HD / 4)) * 4;
+    float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    if (r0 + r < T) v = *(const float4*)(base + (long long)(r0 + r) * stride + c);
+    v.x = tf32(v.x); v.y = tf32(v.y); v.z = tf32(v.z); v.w = tf32(v.w);
+    *(float4*)(sm + r * LD + c) = v;
+  }
+}
+// The A fragments (16 rows from `row`, all HD columns) of a staged tile.
+__device__ __forceinline__ void load_a(float (*a)[4], const float* sm, int row, int g, int t) {
+#pragma unroll
+  for (int kc = 0; kc < KC; ++kc) {
+    a[kc][0] = sm[(row + g) * LD + kc * 8 + t];
+    a[kc][1] = sm[(row + g + 8) * LD + kc * 8 + t];
+    a[kc][2] = sm[(row + g) * LD + kc * 8 + t + 4];
+    a[kc][3] = sm[(row + g + 8) * LD + kc * 8 + t + 4];
+  }
+}
+// c[j] (16 x 8, j < NJ) = a (16 x HD) times rows n0 + 8j .. n0 + 8j + 8 of the staged tile,
+// transposed; the NJ accumulators are independent, so their MMAs overlap.
+template <int NJ> __device__ __forceinline__ void mma_nt(float (*c)[4], const float (*a)[4], const float* sm, int n0, int g, int t) {
+#pragma unroll
+  for (int j = 0; j < NJ; ++j) c[j][0] = c[j][1] = c[j][2] = c[j][3] = 0.0f;
+#pragma unroll
+  for (int kc = 0; kc < KC; ++kc)
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) {
+      const float* b = sm + (n0 + 8 * j + g) * LD + kc * 8 + t;
+      mma8(c[j], a[kc], b[0], b[4]);
+    }
+}
+// acc (16 x HD) += p (16 x 8, accumulator layout) times rows k0 .. k0 + 8 of the staged tile.
+__device__ __forceinline__ void mma_pv(float (*acc)[4], const float* p, const float* sm, int k0, int g, int t) {
+  const float a[4] = {tf32(p[0]), tf32(p[2]), tf32(p[1]), tf32(p[3])};
+#pragma unroll
+  for (int dn = 0; dn < KC; ++dn) mma8(acc[dn], a, sm[(k0 + 2 * t) * LD + dn * 8 + g], sm[(k0 + 2 * t + 1) * LD + dn * 8 + g]);
+}
+__device__ __forceinline__ float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(FULL, x, 1));
+  return fmaxf(x, __shfl_xor_sync(FULL, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+  x = x + __shfl_xor_sync(FULL, x, 1);
+  return x + __shfl_xor_sync(FULL, x, 2);
+}
+// Rows `row0` and `row0 + 8` of a 16 x HD accumulator into a row-major matrix.
+__device__ __forceinline__ void store_rows(float* base, long long stride, const float (*acc)[4], int row0, int T, int t, const float* mul) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = row0 + 8 * r;
+    if (row >= T) continue;
+#pragma unroll
+    for (int dn = 0; dn < KC; ++dn)
+      *(float2*)(base + (long long)row * stride + dn * 8 + 2 * t) = make_float2(acc[dn][2 * r] * mul[r], acc[dn][2 * r + 1] * mul[r]);
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(128) fusec_flash_fwd(const float* qkv, float* out, float* lse, int T, int H, float scale) {
+  __shared__ __align__(16) float ks[TILE * LD];
+  __shared__ __align__(16) float vs[TILE * LD];
+  const int nt = (T + TILE - 1) / TILE, qt = nt - 1 - blockIdx.x, h = blockIdx.y;
+  const long long s = blockIdx.z, C = (long long)H * HD, rs = 3 * C;
+  const float* q = qkv + s * T * rs + h * HD;
+  const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int q0 = qt * TILE, row0 = q0 + w * 16 + g;
+  float qa[KC][4];
+  load_tile(ks, q, rs, q0, T);
+  __syncthreads();
+  load_a(qa, ks, w * 16, g, t);
+  float o[KC][4], m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f}, mu[2] = {0.0f, 0.0f};
+#pragma unroll
+  for (int dn = 0; dn < KC; ++dn) o[dn][0] = o[dn][1] = o[dn][2] = o[dn][3] = 0.0f;
+  for (int kt = 0; kt <= qt; ++kt) {
+    const int k0 = kt * TILE;
+    __syncthreads();
+    load_tile(ks, q + C, rs, k0, T);
+    load_tile(vs, q + 2 * C, rs, k0, T);
+    __syncthreads();
+    float sc[8][4];
+    mma_nt<8>(sc, qa, ks, 0, g, t);
+    float mx[2] = {m[0], m[1]};
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = e >> 1, key = k0 + j * 8 + 2 * t + (e & 1);
+        const float x = key <= row0 + 8 * r && key < T ? sc[j][e] * scale : NEG_INF;
+        sc[j][e] = x;
+        mx[r] = fmaxf(mx[r], x);
+      }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      mx[r] = quad_max(mx[r]);
+      mu[r] = mx[r] == NEG_INF ? 0.0f : mx[r];
+      const float alpha = expf(m[r] - mu[r]);
+      m[r] = mx[r];
+      l[r] = l[r] * alpha;
+#pragma unroll
+      for (int dn = 0; dn < KC; ++dn) { o[dn][2 * r] = o[dn][2 * r] * alpha; o[dn][2 * r + 1] = o[dn][2 * r + 1] * alpha; }
+    }
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float p = expf(sc[j][e] - mu[e >> 1]);
+        l[e >> 1] = l[e >> 1] + p;
+        sc[j][e] = p;
+      }
+#pragma unroll
+    for (int j = 0; j < 8; ++j) mma_pv(o, sc[j], vs, j * 8, g, t);
+  }
+  float inv[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    l[r] = quad_sum(l[r]);
+    inv[r] = 1.0f / l[r];
+    const int row = row0 + 8 * r;
+    if (t == 0 && row < T) lse[(s * H + h) * T + row] = mu[r] + logf(l[r]);
+  }
+  store_rows(out + s * T * C + h * HD, C, o, row0, T, t, inv);
+}
+
+extern "C" __global__ void __launch_bounds__(128) fusec_flash_bwd_dq(const float* qkv, const float* out, const float* lse, const float* dout, float* dqkv, float* dsum, int T, int H, float scale) {
+  __shared__ __align__(16) float ks[TILE * LD];
+  __shared__ __align__(16) float vs[TILE * LD];
+  __shared__ float dsm[TILE];
+  const int nt = (T + TILE - 1) / TILE, qt = nt - 1 - blockIdx.x, h = blockIdx.y;
+  const long long s = blockIdx.z, C = (long long)H * HD, rs = 3 * C, bh = s * H + h;
+  const float* q = qkv + s * T * rs + h * HD;
+  const float* o = out + s * T * C + h * HD;
+  const float* dO = dout + s * T * C + h * HD;
+  const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int q0 = qt * TILE, row0 = q0 + w * 16 + g;
+  // rowsum(dout * out) of this warp's 16 rows, lanes over columns, a fixed butterfly.
+  for (int i = 0; i < 16; ++i) {
+    const int row = q0 + w * 16 + i;
+    float acc = 0.0f;
+    if (row < T)
+      for (int d = lane; d < HD; d += 32) acc = acc + dO[(long long)row * C + d] * o[(long long)row * C + d];
+#pragma unroll
+    for (int k = 16; k >= 1; k >>= 1) acc = acc + __shfl_xor_sync(FULL, acc, k);
+    if (lane == 0) {
+      dsm[w * 16 + i] = acc;
+      if (row < T) dsum[bh * T + row] = acc;
+    }
+  }
+  float qa[KC][4], da[KC][4];
+  load_tile(ks, q, rs, q0, T);
+  load_tile(vs, dO, C, q0, T);
+  __syncthreads();
+  load_a(qa, ks, w * 16, g, t);
+  load_a(da, vs, w * 16, g, t);
+  float lr[2], dr[2], dq[KC][4];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = row0 + 8 * r;
+    lr[r] = row < T ? lse[bh * T + row] : 0.0f;
+    dr[r] = dsm[w * 16 + g + 8 * r];
+  }
+#pragma unroll
+  for (int dn = 0; dn < KC; ++dn) dq[dn][0] = dq[dn][1] = dq[dn][2] = dq[dn][3] = 0.0f;
+  for (int kt = 0; kt <= qt; ++kt) {
+    const int k0 = kt * TILE;
+    __syncthreads();
+    load_tile(ks, q + C, rs, k0, T);
+    load_tile(vs, q + 2 * C, rs, k0, T);
+    __syncthreads();
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      float sc[4][4], dp[4][4];
+      mma_nt<4>(sc, qa, ks, half * 32, g, t);
+      mma_nt<4>(dp, da, vs, half * 32, g, t);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int n0 = (half * 4 + j) * 8;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int r = e >> 1, key = k0 + n0 + 2 * t + (e & 1), row = row0 + 8 * r;
+          const float p = key <= row && key < T && row < T ? expf(sc[j][e] * scale - lr[r]) : 0.0f;
+          sc[j][e] = scale * p * (dp[j][e] - dr[r]);
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < 4; ++j) mma_pv(dq, sc[j], ks, (half * 4 + j) * 8, g, t);
+    }
+  }
+  const float one[2] = {1.0f, 1.0f};
+  store_rows(dqkv + s * T * rs + h * HD, rs, dq, row0, T, t, one);
+}
+
+extern "C" __global__ void __launch_bounds__(128) fusec_flash_bwd_dkv(const float* qkv, const float* lse, const float* dout, const float* dsum, float* dqkv, int T, int H, float scale) {
+  __shared__ __align__(16) float qs[TILE * LD];
+  __shared__ __align__(16) float ds[TILE * LD];
+  __shared__ float lse_s[TILE], dsum_s[TILE];
+  const int nt = (T + TILE - 1) / TILE, kt = blockIdx.x, h = blockIdx.y;
+  const long long s = blockIdx.z, C = (long long)H * HD, rs = 3 * C, bh = s * H + h;
+  const float* q = qkv + s * T * rs + h * HD;
+  const float* dO = dout + s * T * C + h * HD;
+  const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int k0 = kt * TILE, key0 = k0 + w * 16 + g;
+  float ka[KC][4], va[KC][4], dk[KC][4], dv[KC][4];
+  load_tile(qs, q + C, rs, k0, T);
+  load_tile(ds, q + 2 * C, rs, k0, T);
+  __syncthreads();
+  load_a(ka, qs, w * 16, g, t);
+  load_a(va, ds, w * 16, g, t);
+#pragma unroll
+  for (int dn = 0; dn < KC; ++dn) {
+    dk[dn][0] = dk[dn][1] = dk[dn][2] = dk[dn][3] = 0.0f;
+    dv[dn][0] = dv[dn][1] = dv[dn][2] = dv[dn][3] = 0.0f;
+  }
+  for (int qt = kt; qt < nt; ++qt) {
+    const int q0 = qt * TILE;
+    __syncthreads();
+    load_tile(qs, q, rs, q0, T);
+    load_tile(ds, dO, C, q0, T);
+    if (threadIdx.x < TILE) {
+      const int row = q0 + threadIdx.x;
+      lse_s[threadIdx.x] = row < T ? lse[bh * T + row] : 0.0f;
+      dsum_s[threadIdx.x] = row < T ? dsum[bh * T + row] : 0.0f;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      float pt[4][4], dst[4][4];
+      mma_nt<4>(pt, ka, qs, half * 32, g, t);
+      mma_nt<4>(dst, va, ds, half * 32, g, t);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int n0 = (half * 4 + j) * 8;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int c = n0 + 2 * t + (e & 1), key = key0 + 8 * (e >> 1), row = q0 + c;
+          const float p = key <= row && row < T && key < T ? expf(pt[j][e] * scale - lse_s[c]) : 0.0f;
+          pt[j][e] = p;
+          dst[j][e] = scale * p * (dst[j][e] - dsum_s[c]);
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int n0 = (half * 4 + j) * 8;
+        mma_pv(dv, pt[j], ds, n0, g, t);
+        mma_pv(dk, dst[j], qs, n0, g, t);
+      }
+    }
+  }
+  const float one[2] = {1.0f, 1.0f};
+  store_rows(dqkv + s * T * rs + C + h * HD, rs, dk, key0, T, t, one);
+  store_rows(dqkv + s * T * rs + 2 * C + h * HD, rs, dv, key0, T, t, one);
+}
+"#;
