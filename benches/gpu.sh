@@ -55,7 +55,7 @@ echo "== 1b. first step, cold vs warm kernel cache (GPT-2 124M, B=16 T=1024)"
 rm -rf "$OUTDIR/cold"
 for cache in cold warm; do
   FUSEC_CACHE_DIR="$OUTDIR/cold" "$BIN" run models/gpt2-124m.graph --target cuda --batch 16 --seq 1024 --steps 2 \
-    --val-every 1000000 | grep -E "compile|gpu build|step time|kernels" | sed "s/^/$cache: /"
+    --val-every 1000000 | grep -E "compile|gpu build|step time|first step|kernels" | sed "s/^/$cache: /"
 done
 
 echo "== 2. fusec: GPT-2 124M fp32 (TF32 products) B=16 T=1024, $STEPS steps"

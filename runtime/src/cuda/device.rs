@@ -4,7 +4,9 @@
 
 use std::collections::HashMap;
 use std::ffi::{c_void, CString};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 use cudarc::cublas::sys as blas;
 use cudarc::driver::{sys, CudaContext, CudaStream};
@@ -25,6 +27,31 @@ pub(crate) fn guard<T>(what: &str, f: impl FnOnce() -> Result<T, String>) -> Res
     std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or_else(|p| {
         let msg = p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string())).unwrap_or_default();
         Err(format!("{what}: {msg}"))
+    })
+}
+
+/// GPU 0's context and a cuBLAS handle (as an address), with how long each took to make.
+type Opened = (Arc<CudaContext>, usize, [(&'static str, Duration); 2]);
+
+/// The driver being opened in the background ([`start_driver`]), for [`Device::open`] to take.
+static OPENING: Mutex<Option<JoinHandle<Result<Opened, String>>>> = Mutex::new(None);
+
+/// Starts opening the driver, GPU 0's context and cuBLAS on a background thread, so that the
+/// driver's own start-up (about 0.4 s on an H200) overlaps parsing, initialization and
+/// compilation; [`Device::open`] waits for it. Without a call, `open` does it in place.
+pub fn start_driver() {
+    let h = std::thread::spawn(open_driver);
+    *OPENING.lock().unwrap_or_else(|e| e.into_inner()) = Some(h);
+}
+
+fn open_driver() -> Result<Opened, String> {
+    let t0 = Instant::now();
+    check_libraries()?;
+    guard("CUDA", || {
+        let ctx = CudaContext::new(0).map_err(|e| format!("CUDA driver present but no usable GPU: {e:?}"))?;
+        let t1 = Instant::now();
+        let handle = cudarc::cublas::result::create_handle().map_err(|e| format!("cuBLAS handle: {e:?}"))?;
+        Ok((ctx, handle as usize, [("driver", t1 - t0), ("cuBLAS", t1.elapsed())]))
     })
 }
 
@@ -59,8 +86,9 @@ pub(crate) struct Device {
     pub arch: (i32, i32),
     /// The GPU's name.
     pub name: String,
-    /// How long opening took: the driver and context, then cuBLAS.
-    pub open_times: [(&'static str, std::time::Duration); 2],
+    /// How long opening took: the driver and context, cuBLAS, and the wait for them here
+    /// (shorter when [`start_driver`] opened them in the background).
+    pub open_times: [(&'static str, Duration); 3],
     modules: HashMap<[u8; 32], sys::CUmodule>,
 }
 
@@ -68,15 +96,19 @@ impl Device {
     /// Opens GPU 0: context, stream, cuBLAS (TF32 tensor-core math when `tf32`, else plain
     /// fp32).
     pub fn open(tf32: bool) -> Result<Device, String> {
-        let t0 = std::time::Instant::now();
-        check_libraries()?;
+        let t0 = Instant::now();
+        let pending = OPENING.lock().unwrap_or_else(|e| e.into_inner()).take();
+        let (ctx, handle, [driver, blas_time]) = match pending {
+            Some(h) => h.join().unwrap_or_else(|_| Err("opening the CUDA driver failed".into()))?,
+            None => open_driver()?,
+        };
+        let open_times = [driver, blas_time, ("waited for both", t0.elapsed())];
+        let handle = handle as blas::cublasHandle_t;
         guard("CUDA", || {
-            let ctx = CudaContext::new(0).map_err(|e| format!("CUDA driver present but no usable GPU: {e:?}"))?;
+            ctx.bind_to_thread().map_err(|e| format!("CUDA context: {e:?}"))?;
             let arch = ctx.compute_capability().map_err(|e| format!("compute capability: {e:?}"))?;
             let name = ctx.name().unwrap_or_else(|_| "GPU".into());
             let stream = ctx.new_stream().map_err(|e| format!("stream: {e:?}"))?;
-            let t1 = std::time::Instant::now();
-            let handle = cudarc::cublas::result::create_handle().map_err(|e| format!("cuBLAS handle: {e:?}"))?;
             // SAFETY: a fresh handle and a live stream.
             unsafe {
                 ckb(blas::cublasSetStream_v2(handle, stream.cu_stream() as blas::cudaStream_t), "cublasSetStream")?;
@@ -84,7 +116,6 @@ impl Device {
                 ckb(blas::cublasSetMathMode(handle, mode), "cublasSetMathMode")?;
             }
             let s = stream.cu_stream();
-            let open_times = [("driver", t1 - t0), ("cuBLAS", t1.elapsed())];
             Ok(Device { ctx, _stream: stream, stream: s, blas: handle, base: 0, size: 0, arch, name, open_times, modules: HashMap::new() })
         })
     }

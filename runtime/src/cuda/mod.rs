@@ -38,7 +38,7 @@ use fusec_passes::memplan::{memplan, MemPlan, MemplanOptions, ALIGN};
 use crate::cpu::layout::SharedLayout;
 use crate::cpu::profile::Profile;
 use crate::executor::{Executor, Program, StepOutputs};
-pub use device::check_libraries;
+pub use device::{check_libraries, start_driver};
 use device::{ck, ckb, Device};
 use launch::{attention_head_sizes, Addr, Arg, Builder, Launch, Loaded, Native, Step, ERR_WORDS, NATIVE_ENTRIES};
 
