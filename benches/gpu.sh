@@ -62,6 +62,10 @@ echo "== 2. fusec: GPT-2 124M fp32 (TF32 products) B=16 T=1024, $STEPS steps"
 "$BIN" run models/gpt2-124m.graph --target cuda --batch 16 --seq 1024 --steps "$STEPS" --val-every 1000000 \
   --profile --profile-json "$OUTDIR/profile.json" --log-json "$OUTDIR/fusec.jsonl" | tee "$OUTDIR/fusec.txt"
 
+echo "== 2b. fusec without flash attention and cuBLASLt epilogues (score matrices, epilogue kernels), 10 steps"
+"$BIN" run models/gpt2-124m.graph --target cuda --batch 16 --seq 1024 --steps 10 --val-every 1000000 \
+  --no-flash-attention --no-cublaslt | grep -E "step time|throughput|peak memory"
+
 echo "== 3. PyTorch: eager-fp32, compile-bf16"
 python3 "$TORCH" --layers 12 --heads 12 --channels 768 --batch 16 --seq 1024 \
   --modes eager-fp32,compile-bf16 | tee "$OUTDIR/torch.jsonl"

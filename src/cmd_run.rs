@@ -88,6 +88,10 @@ pub struct RunArgs {
     /// flash kernels (which need TF32 and sm_80+).
     #[arg(long)]
     no_flash_attention: bool,
+    /// On CUDA, run bias and GELU epilogues as a kernel after each cuBLAS product instead of
+    /// inside cuBLASLt calls.
+    #[arg(long)]
+    no_cublaslt: bool,
     /// Launch kernels one by one instead of replaying the step as a CUDA graph.
     #[arg(long)]
     no_cuda_graph: bool,
@@ -176,7 +180,7 @@ pub fn run(a: RunArgs) -> CliResult {
             if a.no_cuda_graph {
                 std::env::set_var("FUSEC_CUDA_GRAPHS", "0");
             }
-            let cuda_opts = CudaOptions { profile: a.profile || a.profile_json.is_some(), tf32: !a.no_tf32, flash: !a.no_flash_attention };
+            let cuda_opts = CudaOptions { profile: a.profile || a.profile_json.is_some(), tf32: !a.no_tf32, flash: !a.no_flash_attention, lt_epilogues: !a.no_cublaslt };
             let (ex, build) = CudaExecutor::new(&graphs, &bind, &cuda_opts)?;
             profiling = ex.profile.is_some();
             let k = &build.kernels;
@@ -185,6 +189,7 @@ pub fn run(a: RunArgs) -> CliResult {
             let phases: Vec<String> = build.phases.iter().map(|(n, d)| format!("{n} {:.0} ms", d.as_secs_f64() * 1e3)).collect();
             summary.push(("gpu build".into(), format!("{:.0} ms: {}", build.compile_time.as_secs_f64() * 1e3, phases.join(" · "))));
             summary.push(("attention".into(), build.attention.clone()));
+            summary.push(("epilogues".into(), format!("{} products with bias/GELU inside cuBLASLt", build.lt_epilogues)));
             summary.push(("memory".into(), format!("one device allocation of {} (scratch {})", mib(build.device_bytes), mib(build.scratch_bytes))));
             cuda = Some(build.device_bytes);
             Box::new(ex)

@@ -17,6 +17,10 @@
 //! Deterministic: no atomics (dq has its own kernel instead of FlashAttention-2's atomic adds,
 //! at the price of recomputing `q k^T` and `dout v^T` once more), every sum in a fixed order.
 //!
+//! Exponentials are base 2 (`exp2f`) on scores pre-multiplied by `scale · log2(e)`: a few
+//! instructions instead of `expf`'s dozen, far below TF32's error; only the diagonal tile (and
+//! the last one, past `T`) is masked.
+//!
 //! Products are `mma.sync.m16n8k8` with TF32 operands rounded to nearest (`cvt.rna.tf32`) and
 //! fp32 accumulation — the numerics of cuBLAS's TF32 mode, so the runtime uses these kernels
 //! only when TF32 products are allowed (`--no-tf32` keeps the exact cuBLAS + softmax path).
@@ -56,10 +60,11 @@ pub fn source(d: usize) -> String {
 
 const BODY: &str = r#"#define LD (HD + 4)
 #define TILE 64
-#define KT 32
 #define KC (HD / 8)
 #define NEG_INF __int_as_float(0xff800000)
 #define FULL 0xffffffffu
+#define LOG2E 1.44269504088896340736f
+#define LN2 0.693147180559945309417f
 
 __device__ __forceinline__ float tf32(float x) {
   unsigned r;
@@ -68,7 +73,7 @@ __device__ __forceinline__ float tf32(float x) {
 }
 // c += a b for one 16x8 tile, k = 8 (a: 16x8 row-major fragment, b: 8x8 column fragment).
 __device__ __forceinline__ void mma8(float* c, const float* a, float b0, float b1) {
-  asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+  asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
                : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
                : "r"(__float_as_uint(a[0])), "r"(__float_as_uint(a[1])), "r"(__float_as_uint(a[2])), "r"(__float_as_uint(a[3])),
                  "r"(__float_as_uint(b0)), "r"(__float_as_uint(b1)));
@@ -95,23 +100,23 @@ __device__ __forceinline__ void load_a(float (*a)[4], const float* sm, int row, 
   }
 }
 // c[j] (16 x 8, j < NJ) = a (16 x HD) times rows n0 + 8j .. n0 + 8j + 8 of the staged tile,
-// transposed; the NJ accumulators are independent, so their MMAs overlap.
+// transposed.
 template <int NJ> __device__ __forceinline__ void mma_nt(float (*c)[4], const float (*a)[4], const float* sm, int n0, int g, int t) {
 #pragma unroll
-  for (int j = 0; j < NJ; ++j) c[j][0] = c[j][1] = c[j][2] = c[j][3] = 0.0f;
+  for (int j = 0; j < NJ; ++j) {
+    c[j][0] = c[j][1] = c[j][2] = c[j][3] = 0.0f;
 #pragma unroll
-  for (int kc = 0; kc < KC; ++kc)
-#pragma unroll
-    for (int j = 0; j < NJ; ++j) {
+    for (int kc = 0; kc < KC; ++kc) {
       const float* b = sm + (n0 + 8 * j + g) * LD + kc * 8 + t;
-      mma8(c[j], a[kc], tf32(b[0]), tf32(b[4]));
+      mma8(c[j], a[kc], b[0], b[4]);
     }
+  }
 }
 // acc (16 x HD) += p (16 x 8, accumulator layout) times rows k0 .. k0 + 8 of the staged tile.
 __device__ __forceinline__ void mma_pv(float (*acc)[4], const float* p, const float* sm, int k0, int g, int t) {
   const float a[4] = {tf32(p[0]), tf32(p[2]), tf32(p[1]), tf32(p[3])};
 #pragma unroll
-  for (int dn = 0; dn < KC; ++dn) mma8(acc[dn], a, tf32(sm[(k0 + 2 * t) * LD + dn * 8 + g]), tf32(sm[(k0 + 2 * t + 1) * LD + dn * 8 + g]));
+  for (int dn = 0; dn < KC; ++dn) mma8(acc[dn], a, sm[(k0 + 2 * t) * LD + dn * 8 + g], sm[(k0 + 2 * t + 1) * LD + dn * 8 + g]);
 }
 __device__ __forceinline__ float quad_max(float x) {
   x = fmaxf(x, __shfl_xor_sync(FULL, x, 1));
@@ -133,64 +138,39 @@ __device__ __forceinline__ void store_rows(float* base, long long stride, const 
   }
 }
 
-// Rows [r0, r0 + KT) of a row-major matrix into sm[KT][LD] with asynchronous 16-byte copies
-// (rows at or past T are zero-filled); the caller commits the group.
-__device__ __forceinline__ void stage(float* sm, const float* base, long long stride, int r0, int T) {
-  for (int i = threadIdx.x; i < KT * (HD / 4); i += 128) {
-    const int r = i / (HD / 4), c = (i % (HD / 4)) * 4;
-    const bool ok = r0 + r < T;
-    unsigned dst;
-    asm("{ .reg .u64 p; cvta.to.shared.u64 p, %1; cvt.u32.u64 %0, p; }" : "=r"(dst) : "l"(sm + r * LD + c));
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(base + (long long)(ok ? r0 + r : 0) * stride + c), "r"(ok ? 16 : 0));
-  }
-}
-__device__ __forceinline__ void commit() { asm volatile("cp.async.commit_group;"); }
-// Waits for all but the newest committed group, then for every thread's copies.
-__device__ __forceinline__ void wait_prev() {
-  asm volatile("cp.async.wait_group 1;");
-  __syncthreads();
-}
-
 extern "C" __global__ void __launch_bounds__(128) fusec_flash_fwd(const float* qkv, float* out, float* lse, int T, int H, float scale) {
-  // Two stages of (k, v) tiles of KT rows; the first 64 rows hold q at the start.
-  __shared__ __align__(16) float buf[4 * KT * LD];
+  __shared__ __align__(16) float ks[TILE * LD];
+  __shared__ __align__(16) float vs[TILE * LD];
   const int nt = (T + TILE - 1) / TILE, qt = nt - 1 - blockIdx.x, h = blockIdx.y;
   const long long s = blockIdx.z, C = (long long)H * HD, rs = 3 * C;
   const float* q = qkv + s * T * rs + h * HD;
   const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int q0 = qt * TILE, row0 = q0 + w * 16 + g;
+  const float scale2 = scale * LOG2E;
   float qa[KC][4];
-  load_tile(buf, q, rs, q0, T);
+  load_tile(ks, q, rs, q0, T);
   __syncthreads();
-  load_a(qa, buf, w * 16, g, t);
-  __syncthreads();
+  load_a(qa, ks, w * 16, g, t);
   float o[KC][4], m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f}, mu[2] = {0.0f, 0.0f};
 #pragma unroll
   for (int dn = 0; dn < KC; ++dn) o[dn][0] = o[dn][1] = o[dn][2] = o[dn][3] = 0.0f;
-  const int nk = min(2 * qt + 2, (T + KT - 1) / KT);
-  stage(buf, q + C, rs, 0, T);
-  stage(buf + KT * LD, q + 2 * C, rs, 0, T);
-  commit();
-  for (int it = 0; it < nk; ++it) {
-    if (it + 1 < nk) {
-      float* nb = buf + ((it + 1) & 1) * 2 * KT * LD;
-      stage(nb, q + C, rs, (it + 1) * KT, T);
-      stage(nb + KT * LD, q + 2 * C, rs, (it + 1) * KT, T);
-    }
-    commit();
-    wait_prev();
-    const float* ks = buf + (it & 1) * 2 * KT * LD;
-    const float* vs = ks + KT * LD;
-    const int k0 = it * KT;
-    float sc[4][4];
-    mma_nt<4>(sc, qa, ks, 0, g, t);
+  for (int kt = 0; kt <= qt; ++kt) {
+    const int k0 = kt * TILE;
+    __syncthreads();
+    load_tile(ks, q + C, rs, k0, T);
+    load_tile(vs, q + 2 * C, rs, k0, T);
+    __syncthreads();
+    float sc[8][4];
+    mma_nt<8>(sc, qa, ks, 0, g, t);
     float mx[2] = {m[0], m[1]};
+    const bool diagonal = kt == qt;
 #pragma unroll
-    for (int j = 0; j < 4; ++j)
+    for (int j = 0; j < 8; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int r = e >> 1, key = k0 + j * 8 + 2 * t + (e & 1);
-        const float x = key <= row0 + 8 * r && key < T ? sc[j][e] * scale : NEG_INF;
+        float x = sc[j][e] * scale2;
+        if (diagonal && (key > row0 + 8 * r || key >= T)) x = NEG_INF;
         sc[j][e] = x;
         mx[r] = fmaxf(mx[r], x);
       }
@@ -198,23 +178,22 @@ extern "C" __global__ void __launch_bounds__(128) fusec_flash_fwd(const float* q
     for (int r = 0; r < 2; ++r) {
       mx[r] = quad_max(mx[r]);
       mu[r] = mx[r] == NEG_INF ? 0.0f : mx[r];
-      const float alpha = expf(m[r] - mu[r]);
+      const float alpha = exp2f(m[r] - mu[r]);
       m[r] = mx[r];
       l[r] = l[r] * alpha;
 #pragma unroll
       for (int dn = 0; dn < KC; ++dn) { o[dn][2 * r] = o[dn][2 * r] * alpha; o[dn][2 * r + 1] = o[dn][2 * r + 1] * alpha; }
     }
 #pragma unroll
-    for (int j = 0; j < 4; ++j)
+    for (int j = 0; j < 8; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const float p = expf(sc[j][e] - mu[e >> 1]);
+        const float p = exp2f(sc[j][e] - mu[e >> 1]);
         l[e >> 1] = l[e >> 1] + p;
         sc[j][e] = p;
       }
 #pragma unroll
-    for (int j = 0; j < 4; ++j) mma_pv(o, sc[j], vs, j * 8, g, t);
-    __syncthreads();
+    for (int j = 0; j < 8; ++j) mma_pv(o, sc[j], vs, j * 8, g, t);
   }
   float inv[2];
 #pragma unroll
@@ -222,13 +201,14 @@ extern "C" __global__ void __launch_bounds__(128) fusec_flash_fwd(const float* q
     l[r] = quad_sum(l[r]);
     inv[r] = 1.0f / l[r];
     const int row = row0 + 8 * r;
-    if (t == 0 && row < T) lse[(s * H + h) * T + row] = mu[r] + logf(l[r]);
+    if (t == 0 && row < T) lse[(s * H + h) * T + row] = (mu[r] + log2f(l[r])) * LN2;
   }
   store_rows(out + s * T * C + h * HD, C, o, row0, T, t, inv);
 }
 
 extern "C" __global__ void __launch_bounds__(128) fusec_flash_bwd_dq(const float* qkv, const float* out, const float* lse, const float* dout, float* dqkv, float* dsum, int T, int H, float scale) {
-  __shared__ __align__(16) float buf[4 * KT * LD];
+  __shared__ __align__(16) float ks[TILE * LD];
+  __shared__ __align__(16) float vs[TILE * LD];
   __shared__ float dsm[TILE];
   const int nt = (T + TILE - 1) / TILE, qt = nt - 1 - blockIdx.x, h = blockIdx.y;
   const long long s = blockIdx.z, C = (long long)H * HD, rs = 3 * C, bh = s * H + h;
@@ -237,6 +217,7 @@ extern "C" __global__ void __launch_bounds__(128) fusec_flash_bwd_dq(const float
   const float* dO = dout + s * T * C + h * HD;
   const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int q0 = qt * TILE, row0 = q0 + w * 16 + g;
+  const float scale2 = scale * LOG2E;
   // rowsum(dout * out) of this warp's 16 rows, lanes over columns, a fixed butterfly.
   for (int i = 0; i < 16; ++i) {
     const int row = q0 + w * 16 + i;
@@ -251,109 +232,110 @@ extern "C" __global__ void __launch_bounds__(128) fusec_flash_bwd_dq(const float
     }
   }
   float qa[KC][4], da[KC][4];
-  load_tile(buf, q, rs, q0, T);
-  load_tile(buf + TILE * LD, dO, C, q0, T);
+  load_tile(ks, q, rs, q0, T);
+  load_tile(vs, dO, C, q0, T);
   __syncthreads();
-  load_a(qa, buf, w * 16, g, t);
-  load_a(da, buf + TILE * LD, w * 16, g, t);
+  load_a(qa, ks, w * 16, g, t);
+  load_a(da, vs, w * 16, g, t);
   float lr[2], dr[2], dq[KC][4];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int row = row0 + 8 * r;
-    lr[r] = row < T ? lse[bh * T + row] : 0.0f;
+    lr[r] = row < T ? lse[bh * T + row] * LOG2E : 0.0f;
     dr[r] = dsm[w * 16 + g + 8 * r];
   }
 #pragma unroll
   for (int dn = 0; dn < KC; ++dn) dq[dn][0] = dq[dn][1] = dq[dn][2] = dq[dn][3] = 0.0f;
-  __syncthreads();
-  const int nk = min(2 * qt + 2, (T + KT - 1) / KT);
-  stage(buf, q + C, rs, 0, T);
-  stage(buf + KT * LD, q + 2 * C, rs, 0, T);
-  commit();
-  for (int it = 0; it < nk; ++it) {
-    if (it + 1 < nk) {
-      float* nb = buf + ((it + 1) & 1) * 2 * KT * LD;
-      stage(nb, q + C, rs, (it + 1) * KT, T);
-      stage(nb + KT * LD, q + 2 * C, rs, (it + 1) * KT, T);
-    }
-    commit();
-    wait_prev();
-    const float* ks = buf + (it & 1) * 2 * KT * LD;
-    const float* vs = ks + KT * LD;
-    const int k0 = it * KT;
-    float sc[4][4], dp[4][4];
-    mma_nt<4>(sc, qa, ks, 0, g, t);
-    mma_nt<4>(dp, da, vs, 0, g, t);
+  for (int kt = 0; kt <= qt; ++kt) {
+    const bool diagonal = kt == qt;
+    const int k0 = kt * TILE;
+    __syncthreads();
+    load_tile(ks, q + C, rs, k0, T);
+    load_tile(vs, q + 2 * C, rs, k0, T);
+    __syncthreads();
 #pragma unroll
-    for (int j = 0; j < 4; ++j)
+    for (int half = 0; half < 2; ++half) {
+      float sc[4][4], dp[4][4];
+      mma_nt<4>(sc, qa, ks, half * 32, g, t);
+      mma_nt<4>(dp, da, vs, half * 32, g, t);
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int r = e >> 1, key = k0 + j * 8 + 2 * t + (e & 1), row = row0 + 8 * r;
-        const float p = key <= row && key < T && row < T ? expf(sc[j][e] * scale - lr[r]) : 0.0f;
-        sc[j][e] = scale * p * (dp[j][e] - dr[r]);
+      for (int j = 0; j < 4; ++j) {
+        const int n0 = (half * 4 + j) * 8;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int r = e >> 1, key = k0 + n0 + 2 * t + (e & 1), row = row0 + 8 * r;
+          float p = exp2f(sc[j][e] * scale2 - lr[r]);
+          if (diagonal && (key > row || key >= T)) p = 0.0f;
+          sc[j][e] = scale * p * (dp[j][e] - dr[r]);
+        }
       }
 #pragma unroll
-    for (int j = 0; j < 4; ++j) mma_pv(dq, sc[j], ks, j * 8, g, t);
-    __syncthreads();
+      for (int j = 0; j < 4; ++j) mma_pv(dq, sc[j], ks, (half * 4 + j) * 8, g, t);
+    }
   }
   const float one[2] = {1.0f, 1.0f};
   store_rows(dqkv + s * T * rs + h * HD, rs, dq, row0, T, t, one);
 }
 
 extern "C" __global__ void __launch_bounds__(128) fusec_flash_bwd_dkv(const float* qkv, const float* lse, const float* dout, const float* dsum, float* dqkv, int T, int H, float scale) {
-  __shared__ __align__(16) float buf[4 * KT * LD];
-  const int kt = blockIdx.x, h = blockIdx.y;
+  __shared__ __align__(16) float qs[TILE * LD];
+  __shared__ __align__(16) float ds[TILE * LD];
+  __shared__ float lse_s[TILE], dsum_s[TILE];
+  const int nt = (T + TILE - 1) / TILE, kt = blockIdx.x, h = blockIdx.y;
   const long long s = blockIdx.z, C = (long long)H * HD, rs = 3 * C, bh = s * H + h;
   const float* q = qkv + s * T * rs + h * HD;
   const float* dO = dout + s * T * C + h * HD;
   const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int k0 = kt * TILE, key0 = k0 + w * 16 + g;
+  const float scale2 = scale * LOG2E;
   float ka[KC][4], va[KC][4], dk[KC][4], dv[KC][4];
-  load_tile(buf, q + C, rs, k0, T);
-  load_tile(buf + TILE * LD, q + 2 * C, rs, k0, T);
+  load_tile(qs, q + C, rs, k0, T);
+  load_tile(ds, q + 2 * C, rs, k0, T);
   __syncthreads();
-  load_a(ka, buf, w * 16, g, t);
-  load_a(va, buf + TILE * LD, w * 16, g, t);
+  load_a(ka, qs, w * 16, g, t);
+  load_a(va, ds, w * 16, g, t);
 #pragma unroll
   for (int dn = 0; dn < KC; ++dn) {
     dk[dn][0] = dk[dn][1] = dk[dn][2] = dk[dn][3] = 0.0f;
     dv[dn][0] = dv[dn][1] = dv[dn][2] = dv[dn][3] = 0.0f;
   }
-  __syncthreads();
-  const int first = 2 * kt, nq = (T + KT - 1) / KT;
-  stage(buf, q, rs, first * KT, T);
-  stage(buf + KT * LD, dO, C, first * KT, T);
-  commit();
-  for (int it = first; it < nq; ++it) {
-    if (it + 1 < nq) {
-      float* nb = buf + ((it + 1) & 1) * 2 * KT * LD;
-      stage(nb, q, rs, (it + 1) * KT, T);
-      stage(nb + KT * LD, dO, C, (it + 1) * KT, T);
-    }
-    commit();
-    wait_prev();
-    const float* qs = buf + (it & 1) * 2 * KT * LD;
-    const float* ds = qs + KT * LD;
-    const int q0 = it * KT;
-    float pt[4][4], dst[4][4];
-    mma_nt<4>(pt, ka, qs, 0, g, t);
-    mma_nt<4>(dst, va, ds, 0, g, t);
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int row = q0 + j * 8 + 2 * t + (e & 1), key = key0 + 8 * (e >> 1);
-        const bool ok = key <= row && row < T && key < T;
-        const float p = ok ? expf(pt[j][e] * scale - lse[bh * T + row]) : 0.0f;
-        pt[j][e] = p;
-        dst[j][e] = ok ? scale * p * (dst[j][e] - dsum[bh * T + row]) : 0.0f;
-      }
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      mma_pv(dv, pt[j], ds, j * 8, g, t);
-      mma_pv(dk, dst[j], qs, j * 8, g, t);
+  for (int qt = kt; qt < nt; ++qt) {
+    // Masks: the diagonal tile, and the last one (queries past T).
+    const bool diagonal = qt == kt || (qt + 1) * TILE > T;
+    const int q0 = qt * TILE;
+    __syncthreads();
+    load_tile(qs, q, rs, q0, T);
+    load_tile(ds, dO, C, q0, T);
+    if (threadIdx.x < TILE) {
+      const int row = q0 + threadIdx.x;
+      lse_s[threadIdx.x] = row < T ? lse[bh * T + row] * LOG2E : 0.0f;
+      dsum_s[threadIdx.x] = row < T ? dsum[bh * T + row] : 0.0f;
     }
     __syncthreads();
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      float pt[4][4], dst[4][4];
+      mma_nt<4>(pt, ka, qs, half * 32, g, t);
+      mma_nt<4>(dst, va, ds, half * 32, g, t);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int n0 = (half * 4 + j) * 8;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int c = n0 + 2 * t + (e & 1), key = key0 + 8 * (e >> 1), row = q0 + c;
+          float p = exp2f(pt[j][e] * scale2 - lse_s[c]);
+          if (diagonal && (key > row || row >= T || key >= T)) p = 0.0f;
+          pt[j][e] = p;
+          dst[j][e] = scale * p * (dst[j][e] - dsum_s[c]);
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int n0 = (half * 4 + j) * 8;
+        mma_pv(dv, pt[j], ds, n0, g, t);
+        mma_pv(dk, dst[j], qs, n0, g, t);
+      }
+    }
   }
   const float one[2] = {1.0f, 1.0f};
   store_rows(dqkv + s * T * rs + C + h * HD, rs, dk, key0, T, t, one);

@@ -174,7 +174,7 @@ fn worst_grad_error(got: &[(String, Vec<f32>)], want: &[(String, Vec<f32>)]) -> 
 
 #[test]
 #[ignore = "needs an NVIDIA GPU: run with --ignored on the device"]
-fn flash_attention_gradients_match_the_cpu_for_several_head_sizes() {
+fn flash_attention_and_cublaslt_epilogues_match_the_cpu_for_several_head_sizes() {
     // Head sizes 64, 32, 16; T = 100 is not a multiple of the 64-row tiles.
     for (heads, channels) in [(2, 128), (3, 96), (4, 64)] {
         let cfg = Gpt2Config { layers: 2, heads, channels, vocab: 256, padded_vocab: 256, max_seq: 128 };
@@ -186,16 +186,25 @@ fn flash_attention_gradients_match_the_cpu_for_several_head_sizes() {
         let (want_loss, want) = loss_and_grads(&mut cpu, &fwd, step, &cfg, b, t);
         let mut errs = vec![];
         for flash in [true, false] {
-            let (mut gpu, build) = CudaExecutor::new(&graphs, &bind, &CudaOptions { flash, ..cuda(false, true) }).unwrap_or_else(|e| panic!("{e}"));
+            // Flash attention and cuBLASLt epilogues, or neither (score matrices, epilogue kernels).
+            let opts = CudaOptions { flash, lt_epilogues: flash, ..cuda(false, true) };
+            let (mut gpu, build) = CudaExecutor::new(&graphs, &bind, &opts).unwrap_or_else(|e| panic!("{e}"));
             assert_eq!(build.attention.starts_with("flash"), flash, "{}", build.attention);
+            assert_eq!(build.lt_epilogues > 0, flash, "cuBLASLt epilogues: {}", build.lt_epilogues);
             let (loss, got) = loss_and_grads(&mut gpu, &fwd, step, &cfg, b, t);
             let (err, name) = worst_grad_error(&got, &want);
-            eprintln!("head size {}: {}: loss {loss} vs cpu {want_loss}, worst gradient relative L2 {err:e} ({name})", channels / heads, build.attention);
+            eprintln!(
+                "head size {}: {}, {} cuBLASLt epilogues: loss {loss} vs cpu {want_loss}, worst gradient relative L2 {err:e} ({name})",
+                channels / heads,
+                build.attention,
+                build.lt_epilogues
+            );
             assert!((loss - want_loss).abs() <= 1e-3, "flash {flash}: loss {loss} vs {want_loss}");
             assert!(err <= 1e-2, "flash {flash}: gradient of {name}: relative L2 error {err:e}");
             errs.push(err);
         }
-        // Flash attention is not less accurate than the score-matrix path (both TF32).
+        // Flash attention and cuBLASLt epilogues are not less accurate than the score-matrix
+        // path with epilogue kernels (both TF32).
         assert!(errs[0] <= 2.0 * errs[1] + 1e-4, "flash {:e} vs score matrices {:e}", errs[0], errs[1]);
     }
 }

@@ -78,6 +78,8 @@ pub(crate) struct Device {
     pub stream: sys::CUstream,
     /// The process's cuBLAS handle, bound to `stream`.
     pub blas: blas::cublasHandle_t,
+    /// The cuBLASLt handle, when TF32 products are allowed and libcublasLt is present.
+    pub lt: Option<cudarc::cublaslt::sys::cublasLtHandle_t>,
     /// Base address of the one allocation (0 until [`Device::allocate`]).
     pub base: u64,
     /// Its size in bytes.
@@ -116,7 +118,13 @@ impl Device {
                 ckb(blas::cublasSetMathMode(handle, mode), "cublasSetMathMode")?;
             }
             let s = stream.cu_stream();
-            Ok(Device { ctx, _stream: stream, stream: s, blas: handle, base: 0, size: 0, arch, name, open_times, modules: HashMap::new() })
+            // SAFETY: only tries to open the library.
+            let lt = if tf32 && unsafe { cudarc::cublaslt::sys::is_culib_present() } {
+                Some(cudarc::cublaslt::result::create_handle().map_err(|e| format!("cuBLASLt handle: {e:?}"))?)
+            } else {
+                None
+            };
+            Ok(Device { ctx, _stream: stream, stream: s, blas: handle, lt, base: 0, size: 0, arch, name, open_times, modules: HashMap::new() })
         })
     }
 
@@ -245,6 +253,9 @@ impl Drop for Device {
         unsafe {
             let _ = sys::cuStreamSynchronize(self.stream);
             let _ = blas::cublasDestroy_v2(self.blas);
+            if let Some(lt) = self.lt {
+                let _ = cudarc::cublaslt::sys::cublasLtDestroy(lt);
+            }
             for m in self.modules.values() {
                 let _ = sys::cuModuleUnload(*m);
             }

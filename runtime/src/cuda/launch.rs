@@ -20,6 +20,7 @@ use fusec_ir::{Bindings, DType, Graph, Op, ValueId};
 use fusec_passes::memplan::MemPlan;
 
 use crate::cpu::layout::SharedLayout;
+use crate::cuda::lt::{Epilogue, LtGemm};
 
 /// A place in the one allocation.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -45,6 +46,9 @@ pub(crate) enum Arg {
 pub(crate) enum Step {
     /// A strided-batched cuBLAS product (`c = b_op a_op`, column-major view), `beta` 0 or 1.
     Gemm { g: Batched, a: Addr, b: Addr, c: Addr, beta: f32 },
+    /// A cuBLASLt product with its epilogue: plan `plan` of the builder's list (operands as in
+    /// `Gemm`; `aux` is GELU's pre-activation, unused for a bias alone).
+    GemmLt { plan: usize, a: Addr, b: Addr, c: Addr, bias: Addr, aux: Addr },
     /// A pointer-array batched product; the `A`, `B`, `C` arrays follow each other at `arrays`.
     GemmArrays { call: ColMajor, arrays: Addr, batch: i32 },
     /// A kernel launch.
@@ -102,6 +106,10 @@ pub(crate) struct Builder<'a> {
     pub words: Vec<Option<Addr>>,
     /// Bytes of scratch the largest launch needs.
     pub scratch: u64,
+    /// cuBLASLt (handle, workspace bytes) for fused bias / GELU epilogues, when available.
+    pub lt: Option<(cudarc::cublaslt::sys::cublasLtHandle_t, usize)>,
+    /// The cuBLASLt plans the launches refer to.
+    pub lt_plans: Vec<LtGemm>,
 }
 
 /// The static word holding the error flag of gather and scatter-add (three i32s, zeroed).
@@ -197,7 +205,18 @@ impl Builder<'_> {
                     .concat();
                     let mut steps = vec![];
                     let total = spec.y_len() as u64;
-                    if !gm.bias && !gm.gelu {
+                    let lt = match self.lt {
+                        Some((h, ws)) if gm.bias && !gm.accumulate && bg.batch == 1 => {
+                            let epi = if gm.gelu { Epilogue::GeluAuxBias } else { Epilogue::Bias };
+                            LtGemm::new(h, &bg.call, epi, ws).map_err(err)?
+                        }
+                        _ => None,
+                    };
+                    if let Some(plan) = lt {
+                        self.lt_plans.push(plan);
+                        let (bias, aux) = (bias.expect("a bias"), pre.unwrap_or(y));
+                        steps.push(Step::GemmLt { plan: self.lt_plans.len() - 1, a, b, c: y, bias, aux });
+                    } else if !gm.bias && !gm.gelu {
                         if let Some(acc) = acc.filter(|&acc| acc != y) {
                             steps.push(Step::Copy { dst: y, src: acc, bytes: total * 4 });
                         }

@@ -21,6 +21,7 @@
 
 mod device;
 mod launch;
+mod lt;
 
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -68,11 +69,14 @@ pub struct CudaOptions {
     /// Attention with the flash kernels where they apply (TF32 allowed, sm_80 or newer, head
     /// size a multiple of 8 up to 64); otherwise score matrices, cuBLAS and softmax kernels.
     pub flash: bool,
+    /// Bias and bias + GELU epilogues inside cuBLASLt products (TF32 only); otherwise a cuBLAS
+    /// product and an epilogue kernel.
+    pub lt_epilogues: bool,
 }
 
 impl Default for CudaOptions {
     fn default() -> Self {
-        CudaOptions { profile: false, tf32: true, flash: true }
+        CudaOptions { profile: false, tf32: true, flash: true, lt_epilogues: true }
     }
 }
 
@@ -98,6 +102,8 @@ pub struct CudaBuild {
     pub step_plan: MemPlan,
     /// How attention runs, e.g. `flash (TF32 tensor cores, head size 64)`.
     pub attention: String,
+    /// Products whose bias (and GELU) runs inside a cuBLASLt call.
+    pub lt_epilogues: usize,
 }
 
 /// One compiled program.
@@ -121,6 +127,8 @@ pub struct CudaExecutor {
     peak: u64,
     /// Per-launch timings (CUDA events), when profiling.
     pub profile: Option<Profile>,
+    /// cuBLASLt plans of the launches (dropped before the device).
+    lt_plans: Vec<lt::LtGemm>,
     dev: Device,
 }
 
@@ -202,7 +210,8 @@ impl CudaExecutor {
             flash: flash_funcs,
         };
 
-        let mut b = Builder { native: &native, words: vec![None; ERR_WORDS], scratch: 0 };
+        let lt = dev.lt.filter(|_| opts.lt_epilogues).map(|h| (h, CUBLAS_WORKSPACE as usize));
+        let mut b = Builder { native: &native, words: vec![None; ERR_WORDS], scratch: 0, lt, lt_plans: vec![] };
         let mut programs = HashMap::new();
         let mut types = HashMap::new();
         for p in &order {
@@ -224,6 +233,7 @@ impl CudaExecutor {
             programs.insert(*p, Compiled { launches, scalars, outputs });
         }
 
+        let lt_plans = std::mem::take(&mut b.lt_plans);
         let align = |x: u64| x.div_ceil(ALIGN) * ALIGN;
         let scratch_base = align(layout.persistent_bytes + arena_max);
         let static_base = scratch_base + align(b.scratch);
@@ -258,6 +268,7 @@ impl CudaExecutor {
             scratch_bytes: b.scratch,
             device_used: used,
             step_plan: plans.remove(&Program::Step).expect("checked above"),
+            lt_epilogues: lt_plans.len(),
             attention: match flash_dims.as_slice() {
                 [] => "score matrices: cuBLAS products and softmax kernels".into(),
                 d => format!("flash (TF32 tensor cores, head size {})", d.iter().map(|d| d.to_string()).collect::<Vec<_>>().join(", ")),
@@ -277,6 +288,7 @@ impl CudaExecutor {
             events,
             peak: used,
             profile: opts.profile.then(Profile::default),
+            lt_plans,
             dev,
         };
         Ok((ex, build))
@@ -292,7 +304,7 @@ impl CudaExecutor {
     pub fn flops(&self, program: Program) -> (u64, u64) {
         let mut f = (0, 0);
         for l in self.programs.get(&program).map(|p| p.launches.as_slice()).unwrap_or(&[]) {
-            if l.steps.iter().any(|s| matches!(s, Step::Gemm { .. } | Step::GemmArrays { .. })) {
+            if l.steps.iter().any(|s| matches!(s, Step::Gemm { .. } | Step::GemmLt { .. } | Step::GemmArrays { .. })) {
                 f.0 += l.flops;
             } else {
                 f.1 += l.flops;
@@ -367,6 +379,13 @@ impl CudaExecutor {
                     )
                 };
                 ckb(r, "cuBLAS sgemm")
+            }
+            Step::GemmLt { plan, a, b, c, bias, aux } => {
+                let handle = d.lt.ok_or("internal: a cuBLASLt launch without a cuBLASLt handle")?;
+                let workspace = d.base + d.size - CUBLAS_WORKSPACE;
+                // cuBLAS's A is the row-major product's `b`, its B is `a`.
+                let (pa, pb) = (self.addr(*b), self.addr(*a));
+                self.lt_plans[*plan].run(handle, pa, pb, self.addr(*c), self.addr(*bias), self.addr(*aux), workspace, d.stream as *mut c_void)
             }
             Step::GemmArrays { call: k, arrays, batch } => {
                 let base = self.addr(*arrays);

@@ -1,0 +1,166 @@
+//! cuBLASLt products with the bias and bias + GELU epilogues fused into the GEMM (TF32 mode).
+//!
+//! `Op::Gemm` nodes with a bias (and GELU) and no accumulation run as one cuBLASLt call instead
+//! of a cuBLAS product plus an epilogue kernel: `y = a b + bias` (`CUBLASLT_EPILOGUE_BIAS`) or
+//! `pre = a b + bias, y = gelu(pre)` (`CUBLASLT_EPILOGUE_GELU_AUX_BIAS`, the tanh form GPT-2
+//! uses). A plan (descriptor, layouts, the heuristic's first algorithm) is made once per launch
+//! when the launch list is built; the bias and auxiliary pointers are set at each call. When
+//! cuBLASLt offers no algorithm, or without TF32 (`--no-tf32` keeps the epilogue kernel, whose
+//! rounding order is the interpreter's), the launch falls back to cuBLAS + epilogue kernel.
+
+use std::ffi::c_void;
+
+use cudarc::cublaslt::sys as lt;
+use fusec_codegen_cuda::gemm::ColMajor;
+
+/// What the epilogue adds to the product.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Epilogue {
+    /// `+ bias[row]` (column-major rows: the row-major product's columns).
+    Bias,
+    /// `+ bias`, then GELU, with the pre-activation stored to the auxiliary buffer.
+    GeluAuxBias,
+}
+
+/// One product's cuBLASLt plan.
+pub(crate) struct LtGemm {
+    desc: lt::cublasLtMatmulDesc_t,
+    a: lt::cublasLtMatrixLayout_t,
+    b: lt::cublasLtMatrixLayout_t,
+    c: lt::cublasLtMatrixLayout_t,
+    algo: lt::cublasLtMatmulAlgo_t,
+    workspace: usize,
+    epilogue: Epilogue,
+}
+
+fn ck(r: lt::cublasStatus_t, what: &str) -> Result<(), String> {
+    if r == lt::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+        Ok(())
+    } else {
+        Err(format!("cuBLASLt {what}: {r:?}"))
+    }
+}
+
+/// Sets a descriptor attribute to `v`.
+unsafe fn set<T>(desc: lt::cublasLtMatmulDesc_t, attr: lt::cublasLtMatmulDescAttributes_t, v: &T) -> Result<(), String> {
+    ck(lt::cublasLtMatmulDescSetAttribute(desc, attr, v as *const T as *const c_void, std::mem::size_of::<T>()), "set attribute")
+}
+
+impl LtGemm {
+    /// The plan of `call` (cuBLAS's column-major terms) with `epilogue` on TF32 tensor cores,
+    /// using at most `max_workspace` bytes; `Ok(None)` when cuBLASLt has no algorithm for it.
+    pub fn new(handle: lt::cublasLtHandle_t, call: &ColMajor, epilogue: Epilogue, max_workspace: usize) -> Result<Option<LtGemm>, String> {
+        use lt::cublasLtMatmulDescAttributes_t as A;
+        let f32 = lt::cudaDataType::CUDA_R_32F;
+        // SAFETY: descriptors are created here, checked, and owned by the plan (freed on drop).
+        unsafe {
+            let mut desc = std::ptr::null_mut();
+            ck(lt::cublasLtMatmulDescCreate(&mut desc, lt::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32, f32), "descriptor")?;
+            let mut plan = LtGemm {
+                desc,
+                a: std::ptr::null_mut(),
+                b: std::ptr::null_mut(),
+                c: std::ptr::null_mut(),
+                algo: std::mem::zeroed(),
+                workspace: 0,
+                epilogue,
+            };
+            set(desc, A::CUBLASLT_MATMUL_DESC_TRANSA, &(call.trans_a as i32))?;
+            set(desc, A::CUBLASLT_MATMUL_DESC_TRANSB, &(call.trans_b as i32))?;
+            let e = match epilogue {
+                Epilogue::Bias => lt::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS,
+                Epilogue::GeluAuxBias => lt::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_GELU_AUX_BIAS,
+            };
+            set(desc, A::CUBLASLT_MATMUL_DESC_EPILOGUE, &e)?;
+            if epilogue == Epilogue::GeluAuxBias {
+                set(desc, A::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &(call.ldc as i64))?;
+            }
+            let (m, n, k) = (call.m as u64, call.n as u64, call.k as u64);
+            let (ar, ac) = if call.trans_a { (k, m) } else { (m, k) };
+            let (br, bc) = if call.trans_b { (n, k) } else { (k, n) };
+            ck(lt::cublasLtMatrixLayoutCreate(&mut plan.a, f32, ar, ac, call.lda as i64), "layout")?;
+            ck(lt::cublasLtMatrixLayoutCreate(&mut plan.b, f32, br, bc, call.ldb as i64), "layout")?;
+            ck(lt::cublasLtMatrixLayoutCreate(&mut plan.c, f32, m, n, call.ldc as i64), "layout")?;
+            let mut pref = std::ptr::null_mut();
+            ck(lt::cublasLtMatmulPreferenceCreate(&mut pref), "preference")?;
+            let ws = max_workspace as u64;
+            let r = lt::cublasLtMatmulPreferenceSetAttribute(
+                pref,
+                lt::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                &ws as *const u64 as *const c_void,
+                8,
+            );
+            let mut found: lt::cublasLtMatmulHeuristicResult_t = std::mem::zeroed();
+            let mut count = 0;
+            let h = lt::cublasLtMatmulAlgoGetHeuristic(handle, desc, plan.a, plan.b, plan.c, plan.c, pref, 1, &mut found, &mut count);
+            lt::cublasLtMatmulPreferenceDestroy(pref);
+            ck(r, "workspace preference")?;
+            if h != lt::cublasStatus_t::CUBLAS_STATUS_SUCCESS || count == 0 || found.state != lt::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+                return Ok(None);
+            }
+            plan.algo = found.algo;
+            plan.workspace = found.workspaceSize;
+            Ok(Some(plan))
+        }
+    }
+
+    /// `c = b_op a_op` (cuBLAS's A is `a` here) plus the epilogue, on `stream`.
+    ///
+    /// # Safety
+    /// Device addresses of buffers of the planned shapes; `aux` for GELU; `workspace` holds at
+    /// least the plan's bytes.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn run(
+        &self,
+        handle: lt::cublasLtHandle_t,
+        a: u64,
+        b: u64,
+        c: u64,
+        bias: u64,
+        aux: u64,
+        workspace: u64,
+        stream: *mut c_void,
+    ) -> Result<(), String> {
+        use lt::cublasLtMatmulDescAttributes_t as A;
+        set(self.desc, A::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &(bias as *const c_void))?;
+        if self.epilogue == Epilogue::GeluAuxBias {
+            set(self.desc, A::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &(aux as *const c_void))?;
+        }
+        let (one, zero) = (1.0f32, 0.0f32);
+        ck(
+            lt::cublasLtMatmul(
+                handle,
+                self.desc,
+                &one as *const f32 as *const c_void,
+                a as *const c_void,
+                self.a,
+                b as *const c_void,
+                self.b,
+                &zero as *const f32 as *const c_void,
+                c as *const c_void,
+                self.c,
+                c as *mut c_void,
+                self.c,
+                &self.algo,
+                workspace as *mut c_void,
+                self.workspace,
+                stream as lt::cudaStream_t,
+            ),
+            "matmul",
+        )
+    }
+}
+
+impl Drop for LtGemm {
+    fn drop(&mut self) {
+        // SAFETY: created in `new`, destroyed once (null ones are skipped).
+        unsafe {
+            for l in [self.a, self.b, self.c] {
+                if !l.is_null() {
+                    lt::cublasLtMatrixLayoutDestroy(l);
+                }
+            }
+            lt::cublasLtMatmulDescDestroy(self.desc);
+        }
+    }
+}
