@@ -8,7 +8,7 @@
 use fusec_codegen_cpu::gemm::GemmSpec;
 
 /// The arguments of `cublasSgemm`-style calls (column-major, `transa`/`transb` as booleans).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct ColMajor {
     /// Transpose cuBLAS's `A` (which is the row-major product's `b`).
     pub trans_a: bool,

@@ -38,6 +38,20 @@ fn by_name(sources: &[KernelSource]) -> BTreeMap<String, &KernelSource> {
     sources.iter().map(|s| (s.name.clone(), s)).collect()
 }
 
+/// Every generated kernel of the tiny GPT-2's training step (B=2, T=8) as CUDA C, without the
+/// shared prelude: any change to the generated code shows up in review.
+#[test]
+fn tiny_step_cuda_sources_snapshot() {
+    let (sources, _) = step_sources("tiny", 2, 8);
+    let mut text = String::new();
+    for s in &sources {
+        let launches: Vec<String> = s.launches.iter().map(|l| format!("{} grid {:?} block {:?}", l.entry, l.grid, l.block)).collect();
+        text.push_str(&format!("// ===== {} ({}; scratch {} B)\n", s.name, launches.join(", "), s.scratch_bytes));
+        text.push_str(&s.source.replacen(fusec_codegen_cuda::prelude::PRELUDE, "", 1));
+    }
+    insta::assert_snapshot!("tiny_step_cuda", text);
+}
+
 #[test]
 fn sources_are_deterministic_and_shared_across_layers() {
     let (a, kernels) = step_sources("tiny", 2, 8);

@@ -108,8 +108,13 @@ pub(crate) struct Builder<'a> {
     pub scratch: u64,
     /// cuBLASLt (handle, workspace bytes) for fused bias / GELU epilogues, when available.
     pub lt: Option<(cudarc::cublaslt::sys::cublasLtHandle_t, usize)>,
-    /// The cuBLASLt plans the launches refer to.
+    /// The cuBLASLt plans the launches refer to (one per shape and epilogue: the bias and
+    /// auxiliary pointers are set at each call).
     pub lt_plans: Vec<LtGemm>,
+    /// Plan index by (shape, epilogue).
+    pub lt_index: HashMap<(ColMajor, Epilogue), usize>,
+    /// Launches that use a cuBLASLt plan.
+    pub lt_launches: usize,
 }
 
 /// The static word holding the error flag of gather and scatter-add (three i32s, zeroed).
@@ -208,14 +213,21 @@ impl Builder<'_> {
                     let lt = match self.lt {
                         Some((h, ws)) if gm.bias && !gm.accumulate && bg.batch == 1 => {
                             let epi = if gm.gelu { Epilogue::GeluAuxBias } else { Epilogue::Bias };
-                            LtGemm::new(h, &bg.call, epi, ws).map_err(err)?
+                            match self.lt_index.get(&(bg.call, epi)) {
+                                Some(&i) => Some(i),
+                                None => LtGemm::new(h, &bg.call, epi, ws).map_err(err)?.map(|p| {
+                                    self.lt_plans.push(p);
+                                    self.lt_index.insert((bg.call, epi), self.lt_plans.len() - 1);
+                                    self.lt_plans.len() - 1
+                                }),
+                            }
                         }
                         _ => None,
                     };
                     if let Some(plan) = lt {
-                        self.lt_plans.push(plan);
+                        self.lt_launches += 1;
                         let (bias, aux) = (bias.expect("a bias"), pre.unwrap_or(y));
-                        steps.push(Step::GemmLt { plan: self.lt_plans.len() - 1, a, b, c: y, bias, aux });
+                        steps.push(Step::GemmLt { plan, a, b, c: y, bias, aux });
                     } else if !gm.bias && !gm.gelu {
                         if let Some(acc) = acc.filter(|&acc| acc != y) {
                             steps.push(Step::Copy { dst: y, src: acc, bytes: total * 4 });

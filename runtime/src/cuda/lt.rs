@@ -14,7 +14,7 @@ use cudarc::cublaslt::sys as lt;
 use fusec_codegen_cuda::gemm::ColMajor;
 
 /// What the epilogue adds to the product.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub(crate) enum Epilogue {
     /// `+ bias[row]` (column-major rows: the row-major product's columns).
     Bias,

@@ -211,7 +211,7 @@ impl CudaExecutor {
         };
 
         let lt = dev.lt.filter(|_| opts.lt_epilogues).map(|h| (h, CUBLAS_WORKSPACE as usize));
-        let mut b = Builder { native: &native, words: vec![None; ERR_WORDS], scratch: 0, lt, lt_plans: vec![] };
+        let mut b = Builder { native: &native, words: vec![None; ERR_WORDS], scratch: 0, lt, lt_plans: vec![], lt_index: HashMap::new(), lt_launches: 0 };
         let mut programs = HashMap::new();
         let mut types = HashMap::new();
         for p in &order {
@@ -268,7 +268,7 @@ impl CudaExecutor {
             scratch_bytes: b.scratch,
             device_used: used,
             step_plan: plans.remove(&Program::Step).expect("checked above"),
-            lt_epilogues: lt_plans.len(),
+            lt_epilogues: b.lt_launches,
             attention: match flash_dims.as_slice() {
                 [] => "score matrices: cuBLAS products and softmax kernels".into(),
                 d => format!("flash (TF32 tensor cores, head size {})", d.iter().map(|d| d.to_string()).collect::<Vec<_>>().join(", ")),
