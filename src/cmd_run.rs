@@ -189,11 +189,7 @@ pub fn run(a: RunArgs) -> CliResult {
             let phases: Vec<String> = build.phases.iter().map(|(n, d)| format!("{n} {:.0} ms", d.as_secs_f64() * 1e3)).collect();
             summary.push(("gpu build".into(), format!("{:.0} ms: {}", build.compile_time.as_secs_f64() * 1e3, phases.join(" · "))));
             summary.push(("attention".into(), build.attention.clone()));
-            let lt = build.cublaslt;
-            summary.push((
-                "cuBLASLt".into(),
-                format!("{} products (bias/GELU epilogues fused), {} plans, {} tuned now, the rest cached", lt.launches, lt.plans, lt.tuned),
-            ));
+            summary.push(("epilogues".into(), format!("{} products with bias/GELU inside cuBLASLt", build.lt_epilogues)));
             summary.push(("memory".into(), format!("one device allocation of {} (scratch {})", mib(build.device_bytes), mib(build.scratch_bytes))));
             cuda = Some(build.device_bytes);
             Box::new(ex)

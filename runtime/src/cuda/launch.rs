@@ -48,7 +48,7 @@ pub(crate) enum Step {
     Gemm { g: Batched, a: Addr, b: Addr, c: Addr, beta: f32 },
     /// A cuBLASLt product with its epilogue: plan `plan` of the builder's list (operands as in
     /// `Gemm`; `aux` is GELU's pre-activation, unused for a bias alone).
-    GemmLt { plan: usize, x: LtAddrs },
+    GemmLt { plan: usize, a: Addr, b: Addr, c: Addr, bias: Addr, aux: Addr },
     /// A pointer-array batched product; the `A`, `B`, `C` arrays follow each other at `arrays`.
     GemmArrays { call: ColMajor, arrays: Addr, batch: i32 },
     /// A kernel launch.
@@ -106,59 +106,15 @@ pub(crate) struct Builder<'a> {
     pub words: Vec<Option<Addr>>,
     /// Bytes of scratch the largest launch needs.
     pub scratch: u64,
-    /// cuBLASLt plans, when products go through cuBLASLt.
-    pub lt: Option<LtPlans>,
-}
-
-/// A cuBLASLt call's operands as places (roles as in [`crate::cuda::lt::LtArgs`]; `a` and `b`
-/// are the row-major product's).
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct LtAddrs {
-    pub a: Addr,
-    pub b: Addr,
-    pub c: Addr,
-    pub d: Addr,
-    pub beta: f32,
-    pub bias: Addr,
-    pub aux: Addr,
-}
-
-/// The cuBLASLt plans of a build: one per (shape, epilogue, accumulation), each with its first
-/// launch's operands (where it is tuned).
-pub(crate) struct LtPlans {
-    pub handle: cudarc::cublaslt::sys::cublasLtHandle_t,
-    /// Bytes of workspace a plan may use.
-    pub workspace: usize,
-    pub plans: Vec<(LtGemm, LtAddrs)>,
-    index: HashMap<(ColMajor, Epilogue, bool), usize>,
-    /// Launches that use a plan.
-    pub launches: usize,
-}
-
-impl LtPlans {
-    /// No plans yet.
-    pub fn new(handle: cudarc::cublaslt::sys::cublasLtHandle_t, workspace: usize) -> LtPlans {
-        LtPlans { handle, workspace, plans: vec![], index: HashMap::new(), launches: 0 }
-    }
-
-    /// The step computing `x` through the plan of `(call, epilogue)`; `None` when cuBLASLt has
-    /// no algorithm for it.
-    fn step(&mut self, call: &ColMajor, epilogue: Epilogue, x: LtAddrs) -> Result<Option<Step>, String> {
-        let key = (*call, epilogue, x.beta != 0.0);
-        let plan = match self.index.get(&key) {
-            Some(&i) => i,
-            None => match LtGemm::new(self.handle, call, epilogue, key.2, self.workspace)? {
-                Some(p) => {
-                    self.plans.push((p, x));
-                    self.index.insert(key, self.plans.len() - 1);
-                    self.plans.len() - 1
-                }
-                None => return Ok(None),
-            },
-        };
-        self.launches += 1;
-        Ok(Some(Step::GemmLt { plan, x }))
-    }
+    /// cuBLASLt (handle, workspace bytes) for fused bias / GELU epilogues, when available.
+    pub lt: Option<(cudarc::cublaslt::sys::cublasLtHandle_t, usize)>,
+    /// The cuBLASLt plans the launches refer to (one per shape and epilogue: the bias and
+    /// auxiliary pointers are set at each call).
+    pub lt_plans: Vec<LtGemm>,
+    /// Plan index by (shape, epilogue).
+    pub lt_index: HashMap<(ColMajor, Epilogue), usize>,
+    /// Launches that use a cuBLASLt plan.
+    pub lt_launches: usize,
 }
 
 /// The static word holding the error flag of gather and scatter-add (three i32s, zeroed).
@@ -232,13 +188,7 @@ impl Builder<'_> {
                 Op::MatMul { trans_a, trans_b } => {
                     let spec = gemm_spec(g, bind, n.inputs[0], n.inputs[1], n.results[0], *trans_a, *trans_b).map_err(err)?;
                     let b = batched(&spec).map_err(err)?;
-                    let (a, bb, y) = (off(n.inputs[0])?, off(n.inputs[1])?, off(n.results[0])?);
-                    let x = LtAddrs { a, b: bb, c: y, d: y, beta: 0.0, bias: y, aux: y };
-                    let step = match self.lt.as_mut().filter(|_| b.batch == 1) {
-                        Some(lt) => lt.step(&b.call, Epilogue::None, x).map_err(err)?,
-                        None => None,
-                    };
-                    let step = step.unwrap_or(Step::Gemm { g: b, a, b: bb, c: y, beta: 0.0 });
+                    let step = Step::Gemm { g: b, a: off(n.inputs[0])?, b: off(n.inputs[1])?, c: off(n.results[0])?, beta: 0.0 };
                     push(vec![step], "matmul", spec.flops());
                 }
                 Op::Gemm(gm) => {
@@ -260,23 +210,24 @@ impl Builder<'_> {
                     .concat();
                     let mut steps = vec![];
                     let total = spec.y_len() as u64;
-                    // cuBLASLt: a plain or accumulating product, or a bias (+ GELU) epilogue
-                    // without accumulation.
-                    let lt = match self.lt.as_mut() {
-                        Some(lt) if bg.batch == 1 && !(gm.bias && gm.accumulate) && (gm.bias || !gm.gelu) => {
-                            let epi = match (gm.bias, gm.gelu) {
-                                (true, true) => Epilogue::GeluAuxBias,
-                                (true, false) => Epilogue::Bias,
-                                _ => Epilogue::None,
-                            };
-                            let beta = if gm.accumulate { 1.0 } else { 0.0 };
-                            let x = LtAddrs { a, b, c: acc.unwrap_or(y), d: y, beta, bias: bias.unwrap_or(y), aux: pre.unwrap_or(y) };
-                            lt.step(&bg.call, epi, x).map_err(err)?
+                    let lt = match self.lt {
+                        Some((h, ws)) if gm.bias && !gm.accumulate && bg.batch == 1 => {
+                            let epi = if gm.gelu { Epilogue::GeluAuxBias } else { Epilogue::Bias };
+                            match self.lt_index.get(&(bg.call, epi)) {
+                                Some(&i) => Some(i),
+                                None => LtGemm::new(h, &bg.call, epi, ws).map_err(err)?.map(|p| {
+                                    self.lt_plans.push(p);
+                                    self.lt_index.insert((bg.call, epi), self.lt_plans.len() - 1);
+                                    self.lt_plans.len() - 1
+                                }),
+                            }
                         }
                         _ => None,
                     };
-                    if let Some(step) = lt {
-                        steps.push(step);
+                    if let Some(plan) = lt {
+                        self.lt_launches += 1;
+                        let (bias, aux) = (bias.expect("a bias"), pre.unwrap_or(y));
+                        steps.push(Step::GemmLt { plan, a, b, c: y, bias, aux });
                     } else if !gm.bias && !gm.gelu {
                         if let Some(acc) = acc.filter(|&acc| acc != y) {
                             steps.push(Step::Copy { dst: y, src: acc, bytes: total * 4 });

@@ -41,7 +41,7 @@ use crate::cpu::profile::Profile;
 use crate::executor::{Executor, Program, StepOutputs};
 pub use device::{check_libraries, start_driver};
 use device::{ck, ckb, Device};
-use launch::{attention_head_sizes, Addr, Arg, Builder, Launch, Loaded, LtAddrs, LtPlans, Native, Step, ERR_WORDS, NATIVE_ENTRIES};
+use launch::{attention_head_sizes, Addr, Arg, Builder, Launch, Loaded, Native, Step, ERR_WORDS, NATIVE_ENTRIES};
 
 /// Bytes given to cuBLAS as its workspace (NVIDIA's recommendation for Hopper).
 const CUBLAS_WORKSPACE: u64 = 32 << 20;
@@ -80,15 +80,6 @@ impl Default for CudaOptions {
     }
 }
 
-/// Products through cuBLASLt: launches, distinct plans, plans timed in this build (the others
-/// came from the tuning cache or had one candidate).
-#[derive(Clone, Copy, Debug, Default)]
-pub struct LtStats {
-    pub launches: usize,
-    pub plans: usize,
-    pub tuned: usize,
-}
-
 /// What building the programs for the GPU produced, for the run summary.
 pub struct CudaBuild {
     /// Memory planning, code generation, NVRTC (or the cache) and module loading.
@@ -111,8 +102,8 @@ pub struct CudaBuild {
     pub step_plan: MemPlan,
     /// How attention runs, e.g. `flash (TF32 tensor cores, head size 64)`.
     pub attention: String,
-    /// Products through cuBLASLt.
-    pub cublaslt: LtStats,
+    /// Products whose bias (and GELU) runs inside a cuBLASLt call.
+    pub lt_epilogues: usize,
 }
 
 /// One compiled program.
@@ -219,8 +210,8 @@ impl CudaExecutor {
             flash: flash_funcs,
         };
 
-        let lt = dev.lt.filter(|_| opts.lt_epilogues).map(|h| LtPlans::new(h, CUBLAS_WORKSPACE as usize));
-        let mut b = Builder { native: &native, words: vec![None; ERR_WORDS], scratch: 0, lt };
+        let lt = dev.lt.filter(|_| opts.lt_epilogues).map(|h| (h, CUBLAS_WORKSPACE as usize));
+        let mut b = Builder { native: &native, words: vec![None; ERR_WORDS], scratch: 0, lt, lt_plans: vec![], lt_index: HashMap::new(), lt_launches: 0 };
         let mut programs = HashMap::new();
         let mut types = HashMap::new();
         for p in &order {
@@ -242,6 +233,7 @@ impl CudaExecutor {
             programs.insert(*p, Compiled { launches, scalars, outputs });
         }
 
+        let lt_plans = std::mem::take(&mut b.lt_plans);
         let align = |x: u64| x.div_ceil(ALIGN) * ALIGN;
         let scratch_base = align(layout.persistent_bytes + arena_max);
         let static_base = scratch_base + align(b.scratch);
@@ -250,23 +242,6 @@ impl CudaExecutor {
         let words: Vec<u64> = b.words.iter().map(|w| w.map_or(0, |a| resolve(dev.base, scratch_base, static_base, a))).collect();
         dev.upload(dev.base + static_base, &words)?;
         phase("launch lists+alloc");
-        // Tune the cuBLASLt plans on their first launches' buffers (nothing is loaded yet).
-        let (mut lt_plans, mut lt_stats) = (vec![], LtStats::default());
-        if let Some(lt) = b.lt.take() {
-            lt_stats.launches = lt.launches;
-            let workspace = dev.base + dev.size - CUBLAS_WORKSPACE;
-            let at = |a: Addr| resolve(dev.base, scratch_base, static_base, a);
-            for (mut plan, x) in lt.plans {
-                let args = lt_args(&x, at);
-                // SAFETY: addresses of this allocation, built for the plan's shapes.
-                if unsafe { plan.tune(lt.handle, &args, workspace, dev.stream as *mut c_void, &dev.name) }? {
-                    lt_stats.tuned += 1;
-                }
-                lt_plans.push(plan);
-            }
-            lt_stats.plans = lt_plans.len();
-            phase("gemm tuning");
-        }
 
         let used = dev.used_bytes();
         let max_launches = programs.values().map(|c| c.launches.len()).max().unwrap_or(0);
@@ -293,7 +268,7 @@ impl CudaExecutor {
             scratch_bytes: b.scratch,
             device_used: used,
             step_plan: plans.remove(&Program::Step).expect("checked above"),
-            cublaslt: lt_stats,
+            lt_epilogues: b.lt_launches,
             attention: match flash_dims.as_slice() {
                 [] => "score matrices: cuBLAS products and softmax kernels".into(),
                 d => format!("flash (TF32 tensor cores, head size {})", d.iter().map(|d| d.to_string()).collect::<Vec<_>>().join(", ")),
@@ -405,10 +380,12 @@ impl CudaExecutor {
                 };
                 ckb(r, "cuBLAS sgemm")
             }
-            Step::GemmLt { plan, x } => {
+            Step::GemmLt { plan, a, b, c, bias, aux } => {
                 let handle = d.lt.ok_or("internal: a cuBLASLt launch without a cuBLASLt handle")?;
                 let workspace = d.base + d.size - CUBLAS_WORKSPACE;
-                self.lt_plans[*plan].run(handle, &lt_args(x, |a| self.addr(a)), workspace, d.stream as *mut c_void)
+                // cuBLAS's A is the row-major product's `b`, its B is `a`.
+                let (pa, pb) = (self.addr(*b), self.addr(*a));
+                self.lt_plans[*plan].run(handle, pa, pb, self.addr(*c), self.addr(*bias), self.addr(*aux), workspace, d.stream as *mut c_void)
             }
             Step::GemmArrays { call: k, arrays, batch } => {
                 let base = self.addr(*arrays);
@@ -493,11 +470,6 @@ impl CudaExecutor {
         }
         Ok(())
     }
-}
-
-/// A cuBLASLt call's device addresses (cuBLAS's `A` is the row-major product's `b`).
-fn lt_args(x: &LtAddrs, at: impl Fn(Addr) -> u64) -> lt::LtArgs {
-    lt::LtArgs { a: at(x.b), b: at(x.a), c: at(x.c), d: at(x.d), beta: x.beta, bias: at(x.bias), aux: at(x.aux) }
 }
 
 fn resolve(base: u64, scratch: u64, stat: u64, a: Addr) -> u64 {
