@@ -38,6 +38,9 @@ pub(crate) struct Seg<'p> {
     /// Printed as the body of a function shared by segments of the same shape of code: slots
     /// are `a{slot}`, and the sizes are the variables `first`, `total` and `cols`.
     pub generic: bool,
+    /// Inside a 4-wide column loop: views read from (or written to) a `float4` register named
+    /// here, element `j`, instead of memory.
+    pub vec: std::cell::RefCell<Vec<(View, String)>>,
 }
 
 fn ty(t: Ty) -> &'static str {
@@ -109,7 +112,15 @@ impl Seg<'_> {
         }
     }
 
+    /// The register element standing for `v` in a 4-wide loop, if any.
+    fn vec_name(&self, v: &View) -> Option<String> {
+        self.vec.borrow().iter().find(|(w, _)| w == v).map(|(_, n)| format!("((float*)&{n})[j]"))
+    }
+
     fn load(&self, v: &View) -> R<String> {
+        if let Some(n) = self.vec_name(v) {
+            return Ok(n);
+        }
         let a = format!("{}[{}]", self.slot_name(v.slot)?, self.offset(v));
         Ok(match v.mem {
             Mem::Bf16 => format!("bf16_to_f32({a})"),
@@ -118,6 +129,9 @@ impl Seg<'_> {
     }
 
     fn store(&self, s: &Store) -> R<String> {
+        if let Some(n) = self.vec_name(&s.view) {
+            return Ok(format!("{n} = v{};", s.value));
+        }
         let a = format!("{}[{}]", self.slot_name(s.view.slot)?, self.offset(&s.view));
         let v = format!("v{}", s.value);
         Ok(match s.view.mem {
@@ -197,9 +211,12 @@ impl Seg<'_> {
             let _ = writeln!(out, "{ind}float v{id} = 0.0f;");
             let _ = writeln!(out, "{ind}if (v{t} >= 0 && v{t} < {}) {{\n{ind}  const int c = v{t};", self.p.cols);
             let inner = format!("{ind}  ");
+            // Another column than the loop's: loads from memory.
+            let vec = self.vec.take();
             for n in self.needed([x], |i| region(self.p, i) == Region::Col) {
                 self.node_line(out, &inner, n)?;
             }
+            *self.vec.borrow_mut() = vec;
             let _ = writeln!(out, "{ind}  v{id} = v{x} + 0.0f;\n{ind}}}");
             return Ok(());
         }
@@ -223,6 +240,41 @@ impl Seg<'_> {
 
     fn lines(&self, out: &mut String, ind: &str, ids: &[NodeId]) -> R<()> {
         ids.iter().try_for_each(|&id| self.node_line(out, ind, id))
+    }
+
+    /// Around a 4-wide column loop (`c0`: its first column): before it (`open`), one `float4`
+    /// load per distinct contiguous fp32 view the body reads and a register per such store;
+    /// after it, the stores. Other views stay scalar accesses inside the loop.
+    fn vector_io<'s>(&self, out: &mut String, body: &[NodeId], stores: impl Iterator<Item = &'s Store>, open: bool) -> R<()> {
+        let wide = |v: &View| v.col && v.mem == Mem::F32 && v.row.iter().all(|t| t.stride % 4 == 0);
+        if open {
+            let mut vec = vec![];
+            for &id in body {
+                if let Expr::Load(v) = &self.p.node(id).expr {
+                    if wide(v) && !vec.iter().any(|(w, _)| w == v) {
+                        let n = format!("q{}", vec.len());
+                        let _ = writeln!(out, "      float4 {n};\n      {{ const int c = c0; {n} = *(const float4*)&{}[{}]; }}", self.slot_name(v.slot)?, self.offset(v));
+                        vec.push((v.clone(), n));
+                    }
+                }
+            }
+            for s in stores {
+                if wide(&s.view) && !vec.iter().any(|(w, _)| *w == s.view) {
+                    let n = format!("w{}", vec.len());
+                    let _ = writeln!(out, "      float4 {n};");
+                    vec.push((s.view.clone(), n));
+                }
+            }
+            *self.vec.borrow_mut() = vec;
+        } else {
+            let vec = self.vec.take();
+            for s in stores {
+                if let Some((_, n)) = vec.iter().find(|(w, _)| *w == s.view) {
+                    let _ = writeln!(out, "      {{ const int c = c0; *(float4*)&{}[{}] = {n}; }}", self.slot_name(s.view.slot)?, self.offset(&s.view));
+                }
+            }
+        }
+        Ok(())
     }
 
     fn scratch_of(&self, id: NodeId) -> u64 {
@@ -312,6 +364,9 @@ impl Seg<'_> {
         let cols = p.cols;
         let k_count = cols.div_ceil(team as u64);
         let reg = k_count <= MAX_REG_PARTIALS;
+        // Register partials of column reductions, four adjacent columns a thread at a time:
+        // partial `k` is column `(lane + (k / 4) team) 4 + k % 4`.
+        let wide_reg = reg && cols % (4 * team as u64) == 0;
         if team > 32 {
             let _ = writeln!(out, "  __shared__ float sh[{}];", team / 32);
         } else {
@@ -359,15 +414,6 @@ impl Seg<'_> {
                     let _ = writeln!(out, "    float a{rr} = {};", red_init(op_of(&p.node(rr).expr)));
                 }
                 let unrolled = reg && !pass.colreds.is_empty();
-                if unrolled {
-                    let _ = writeln!(out, "#pragma unroll\n    for (int k = 0; k < {k_count}; ++k) {{");
-                    let _ = writeln!(out, "      const int c = lane + k * {team};");
-                    if cols % team as u64 != 0 {
-                        let _ = writeln!(out, "      if (c >= {cols}) break;");
-                    }
-                } else {
-                    let _ = writeln!(out, "    for (int c = lane; c < {cols}; c += {team}) {{");
-                }
                 let roots: Vec<NodeId> = pass
                     .rowreds
                     .iter()
@@ -376,6 +422,26 @@ impl Seg<'_> {
                     .chain(pass.stores.iter().map(|&s| p.stores[s].value))
                     .collect();
                 let body = self.needed(roots, |id| live[id as usize] && region(p, id) == Region::Col);
+                let wide = if unrolled { wide_reg } else { cols % 4 == 0 };
+                if wide && unrolled {
+                    let _ = writeln!(out, "#pragma unroll\n    for (int k4 = 0; k4 < {}; ++k4) {{", k_count / 4);
+                    let _ = writeln!(out, "      const int c0 = (lane + k4 * {team}) * 4;");
+                    self.vector_io(out, &body, pass.stores.iter().map(|&s| &p.stores[s]), true)?;
+                    let _ = writeln!(out, "#pragma unroll\n      for (int j = 0; j < 4; ++j) {{\n      const int c = c0 + j, k = k4 * 4 + j;");
+                } else if wide {
+                    // 16-byte loads and stores: four columns a thread, in order.
+                    let _ = writeln!(out, "    for (int c0 = lane * 4; c0 < {cols}; c0 += {}) {{", team * 4);
+                    self.vector_io(out, &body, pass.stores.iter().map(|&s| &p.stores[s]), true)?;
+                    let _ = writeln!(out, "#pragma unroll\n      for (int j = 0; j < 4; ++j) {{\n      const int c = c0 + j;");
+                } else if unrolled {
+                    let _ = writeln!(out, "#pragma unroll\n    for (int k = 0; k < {k_count}; ++k) {{");
+                    let _ = writeln!(out, "      const int c = lane + k * {team};");
+                    if cols % team as u64 != 0 {
+                        let _ = writeln!(out, "      if (c >= {cols}) break;");
+                    }
+                } else {
+                    let _ = writeln!(out, "    for (int c = lane; c < {cols}; c += {team}) {{");
+                }
                 self.lines(out, "      ", &body)?;
                 for &rr in &pass.rowreds {
                     let _ = writeln!(out, "      a{rr} = {}(a{rr}, v{});", red_fn(op_of(&p.node(rr).expr)), arg(p, rr));
@@ -387,6 +453,10 @@ impl Seg<'_> {
                 }
                 for &s in &pass.stores {
                     let _ = writeln!(out, "      {}", self.store(&p.stores[s])?);
+                }
+                if wide {
+                    let _ = writeln!(out, "      }}");
+                    self.vector_io(out, &body, pass.stores.iter().map(|&s| &p.stores[s]), false)?;
                 }
                 let _ = writeln!(out, "    }}");
                 for &rr in &pass.rowreds {
@@ -415,7 +485,11 @@ impl Seg<'_> {
                 let _ = writeln!(out, "  if (lane == 0) scratch[{off} + team] = p{c};");
             } else if reg {
                 let _ = writeln!(out, "#pragma unroll\n  for (int k = 0; k < {k_count}; ++k) {{");
-                let _ = writeln!(out, "    const int c = lane + k * {team};");
+                if wide_reg {
+                    let _ = writeln!(out, "    const int c = (lane + (k / 4) * {team}) * 4 + k % 4;");
+                } else {
+                    let _ = writeln!(out, "    const int c = lane + k * {team};");
+                }
                 let _ = writeln!(out, "    if (c < {cols}) scratch[{off} + team * {cols} + c] = p{c}[k];\n  }}");
             }
         }

@@ -138,7 +138,7 @@ pub fn kernel_source(k: &Kernel, bind: &Bindings) -> Result<KernelSource, String
             offs.push((c, scratch));
             scratch += plan.parts * if arg.space.has_col() { p.cols } else { 1 };
         }
-        segs.push(Seg { p, plan, scratch: offs, generic: false });
+        segs.push(Seg { p, plan, scratch: offs, generic: false, vec: Default::default() });
     }
     let merge = segs.len() > 1 && segs.iter().all(|s| s.plan.mapping == Mapping::Flat && s.plan.fin_stores.is_empty());
     let table = merge || (ins.len() + outs.len() + 1) * 8 > MAX_PARAM_BYTES;

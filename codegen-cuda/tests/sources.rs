@@ -82,7 +82,10 @@ fn layernorm_kernel_is_a_warp_per_row_with_three_passes() {
     assert_eq!(ln.launches[0].block, [256, 1, 1]);
     assert_eq!(ln.launches[0].grid, [2, 1, 1], "16 rows, 8 warps a block");
     let src = &ln.source;
-    assert_eq!(src.matches("for (int c = lane; c < 64; c += 32)").count(), 3, "mean, variance, output:\n{src}");
+    assert_eq!(src.matches("for (int c0 = lane * 4; c0 < 64; c0 += 128)").count(), 3, "mean, variance, output:\n{src}");
+    // 16-byte accesses: the row operands, gamma/beta (broadcast over rows) and both outputs.
+    assert!(src.contains("q0 = *(const float4*)&in0[r * 64 + c];") && src.contains("q2 = *(const float4*)&in2[c];"), "{src}");
+    assert!(src.contains("*(float4*)&out1[r * 64 + c] = w5;"), "{src}");
     assert_eq!(src.matches("team_sum<32>(a").count(), 2);
     assert!(src.contains("const float v14 = 1.0f / sqrtf(v13);"), "exact rsqrt:\n{src}");
     assert!(src.contains("if (lane == 0) {\n      out2[r] = v7;\n      out3[r] = v14;"), "mean and rstd once per row:\n{src}");
