@@ -119,7 +119,8 @@ pub fn dump(a: DumpArgs) -> CliResult {
     }
     let fused_at = PASSES.iter().position(|p| *p == "fuse-elementwise");
     if lower || PASSES.iter().position(|p| *p == a.pass) >= fused_at {
-        let unfused = compile(&g, if lower { "memplan" } else { &a.pass }, mode, &PipelineOptions { no_fusion: true, ..opts.clone() }, &bind)?;
+        let unfused =
+            compile(&g, if lower { "memplan" } else { &a.pass }, mode, &PipelineOptions { no_fusion: true, ..opts.clone() }, &bind)?;
         let (before, after) = (launches(&unfused.graph), launches(&out.graph));
         eprintln!(
             "kernels per step: {} non-matmul + {} matmul before fusion, {} + {} after",

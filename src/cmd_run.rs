@@ -162,7 +162,10 @@ pub fn run(a: RunArgs) -> CliResult {
             let (ex, build) = CpuExecutor::new(&graphs, &bind, threads, a.profile || a.profile_json.is_some())?;
             profiling = ex.profile.is_some();
             let plan = &build.step_plan;
-            summary.push(("kernels".into(), format!("{} compiled, {} cache hits (identical kernels compile once)", build.kernels.0, build.kernels.1)));
+            summary.push((
+                "kernels".into(),
+                format!("{} compiled, {} cache hits (identical kernels compile once)", build.kernels.0, build.kernels.1),
+            ));
             summary.push((
                 "memory".into(),
                 format!(
@@ -180,17 +183,37 @@ pub fn run(a: RunArgs) -> CliResult {
             if a.no_cuda_graph {
                 std::env::set_var("FUSEC_CUDA_GRAPHS", "0");
             }
-            let cuda_opts = CudaOptions { profile: a.profile || a.profile_json.is_some(), tf32: !a.no_tf32, flash: !a.no_flash_attention, lt_epilogues: !a.no_cublaslt };
+            let cuda_opts = CudaOptions {
+                profile: a.profile || a.profile_json.is_some(),
+                tf32: !a.no_tf32,
+                flash: !a.no_flash_attention,
+                lt_epilogues: !a.no_cublaslt,
+            };
             let (ex, build) = CudaExecutor::new(&graphs, &bind, &cuda_opts)?;
             profiling = ex.profile.is_some();
             let k = &build.kernels;
-            summary.push(("device".into(), format!("{} (NVRTC {}.{}){}", build.device, build.nvrtc.0, build.nvrtc.1, if a.no_tf32 { ", exact fp32" } else { ", TF32" })));
-            summary.push(("kernels".into(), format!("{} launches from {} modules: {} compiled, {} from the disk cache", k.kernels, k.modules, k.compiled, k.disk_hits)));
+            summary.push((
+                "device".into(),
+                format!(
+                    "{} (NVRTC {}.{}){}",
+                    build.device,
+                    build.nvrtc.0,
+                    build.nvrtc.1,
+                    if a.no_tf32 { ", exact fp32" } else { ", TF32" }
+                ),
+            ));
+            summary.push((
+                "kernels".into(),
+                format!("{} launches from {} modules: {} compiled, {} from the disk cache", k.kernels, k.modules, k.compiled, k.disk_hits),
+            ));
             let phases: Vec<String> = build.phases.iter().map(|(n, d)| format!("{n} {:.0} ms", d.as_secs_f64() * 1e3)).collect();
             summary.push(("gpu build".into(), format!("{:.0} ms: {}", build.compile_time.as_secs_f64() * 1e3, phases.join(" · "))));
             summary.push(("attention".into(), build.attention.clone()));
             summary.push(("epilogues".into(), format!("{} products with bias/GELU inside cuBLASLt", build.lt_epilogues)));
-            summary.push(("memory".into(), format!("one device allocation of {} (scratch {})", mib(build.device_bytes), mib(build.scratch_bytes))));
+            summary.push((
+                "memory".into(),
+                format!("one device allocation of {} (scratch {})", mib(build.device_bytes), mib(build.scratch_bytes)),
+            ));
             cuda = Some(build.device_bytes);
             Box::new(ex)
         }

@@ -87,7 +87,11 @@ pub fn profile_table(p: &Profile, steps: usize) -> String {
             st.flops as f64 / t.max(1e-12) / 1e9,
         );
     }
-    s += &format!("{} launches timed over {steps} step(s): {:.1} ms per step\n", p.rows().iter().map(|r| r.1.calls).sum::<u64>(), total * 1e3 / steps.max(1) as f64);
+    s += &format!(
+        "{} launches timed over {steps} step(s): {:.1} ms per step\n",
+        p.rows().iter().map(|r| r.1.calls).sum::<u64>(),
+        total * 1e3 / steps.max(1) as f64
+    );
     s
 }
 

@@ -9,7 +9,15 @@ use fusec_runtime::tokenizer::{describe_tokens, Gpt2Tokenizer, GPT2_VOCAB};
 /// Generates `n` tokens from an end-of-text prompt (GPT-2 vocabularies) or token 0, and prints
 /// them as text or ids. The context window is the run's `T`: row 0 of a `[B, T]` batch holds the
 /// last `T` tokens, and the logits at its last filled position give the next token.
-pub fn print_sample(ex: &mut dyn Executor, model: &Gpt2Config, b: usize, t: usize, n: usize, temperature: f32, seed: u64) -> Result<(), String> {
+pub fn print_sample(
+    ex: &mut dyn Executor,
+    model: &Gpt2Config,
+    b: usize,
+    t: usize,
+    n: usize,
+    temperature: f32,
+    seed: u64,
+) -> Result<(), String> {
     let vp = model.padded_vocab;
     let prompt = if model.vocab == GPT2_VOCAB { vec![Gpt2Tokenizer::EOT] } else { vec![0] };
     let tokens = generate(

@@ -159,8 +159,19 @@ fn checkpoint_that_does_not_fit_the_graph_is_refused() {
 fn cpu_target_trains_profiles_and_samples() {
     let json = tmp("profile.json");
     let o = fusec(&[
-        "run", "models/gpt2-tiny.graph", "--target", "cpu", "--steps", "12", "--profile", "--profile-json", json.to_str().unwrap(), "--sample", "5",
-        "--threads", "2",
+        "run",
+        "models/gpt2-tiny.graph",
+        "--target",
+        "cpu",
+        "--steps",
+        "12",
+        "--profile",
+        "--profile-json",
+        json.to_str().unwrap(),
+        "--sample",
+        "5",
+        "--threads",
+        "2",
     ]);
     let out = text(&o.stdout);
     assert!(o.status.success(), "{}", text(&o.stderr));

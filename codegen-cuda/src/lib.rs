@@ -273,9 +273,13 @@ fn merged(src: &mut String, name: &str, segs: &mut [Seg], ins: &[&str], outs: &[
         src.push_str(body);
         src.push_str("}\n");
     }
-    let _ = writeln!(src, "extern \"C\" __global__ void __launch_bounds__({BLOCK}) {name}(const unsigned long long* args, float* scratch) {{");
+    let _ =
+        writeln!(src, "extern \"C\" __global__ void __launch_bounds__({BLOCK}) {name}(const unsigned long long* args, float* scratch) {{");
     let _ = writeln!(src, "  int lo = 0, hi = {nseg};");
-    let _ = writeln!(src, "  while (hi - lo > 1) {{ const int mid = (lo + hi) >> 1; if ({name}_first[mid] <= blockIdx.x) lo = mid; else hi = mid; }}");
+    let _ = writeln!(
+        src,
+        "  while (hi - lo > 1) {{ const int mid = (lo + hi) >> 1; if ({name}_first[mid] <= blockIdx.x) lo = mid; else hi = mid; }}"
+    );
     let _ = writeln!(src, "  const unsigned short* sl = {name}_slots + {name}_slot0[lo];");
     let _ = writeln!(src, "  switch ({name}_group[lo]) {{");
     for g in 0..bodies.len() {

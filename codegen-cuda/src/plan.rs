@@ -25,8 +25,8 @@
 //! Unlike the CPU backend nothing is stashed between passes: element values a later pass needs
 //! are recomputed from the inputs (GPU arithmetic is cheap next to the loads it saves).
 
-use fusec_codegen_cpu::prog::{Expr, NodeId, Prog, Space, FINAL};
 use fusec_codegen_cpu::plan::{liveness, Liveness};
+use fusec_codegen_cpu::prog::{Expr, NodeId, Prog, Space, FINAL};
 
 /// Where a node is computed (as in the CPU backend's plan).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -40,7 +40,14 @@ fn is_per_layer(name: &str) -> bool {
 /// The same sizes as a GPT-2 graph builder config (`fusec_models::Gpt2Config`).
 impl From<&fusec_models::Gpt2Config> for LlmcConfig {
     fn from(c: &fusec_models::Gpt2Config) -> Self {
-        LlmcConfig { max_seq: c.max_seq, vocab: c.vocab, padded_vocab: c.padded_vocab, layers: c.layers, heads: c.heads, channels: c.channels }
+        LlmcConfig {
+            max_seq: c.max_seq,
+            vocab: c.vocab,
+            padded_vocab: c.padded_vocab,
+            layers: c.layers,
+            heads: c.heads,
+            channels: c.channels,
+        }
     }
 }
 

@@ -147,7 +147,14 @@ fn tiny_gpt2_trains_like_the_cpu_target() {
 }
 
 /// The loss and every parameter gradient of one Grad run on the first batch of a corpus.
-fn loss_and_grads(ex: &mut dyn Executor, fwd: &Graph, step: &Graph, cfg: &Gpt2Config, b: usize, t: usize) -> (f64, Vec<(String, Vec<f32>)>) {
+fn loss_and_grads(
+    ex: &mut dyn Executor,
+    fwd: &Graph,
+    step: &Graph,
+    cfg: &Gpt2Config,
+    b: usize,
+    t: usize,
+) -> (f64, Vec<(String, Vec<f32>)>) {
     init_state(ex, step, &params_from_checkpoint(fwd, &random_init(&LlmcConfig::from(cfg), 7)).unwrap()).unwrap();
     let data = DataLoader::new(fusec_runtime::corpus::markov_tokens(cfg.vocab, 20_000, 42, 1), b, t).unwrap();
     let (x, y) = data.batch(0);

@@ -9,13 +9,13 @@ mod common;
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
+use fusec_codegen_cpu::gemm::crate_calls;
 use fusec_ir::interp::Tensor;
 use fusec_ir::rng::Rng;
 use fusec_models::{build_gpt2, Gpt2Config};
 use fusec_runtime::checkpoint::{random_init, LlmcConfig};
 use fusec_runtime::executor::{Executor, Program};
 use fusec_runtime::params::params_from_checkpoint;
-use fusec_codegen_cpu::gemm::crate_calls;
 use fusec_runtime::train::init_state;
 
 struct Counting;
@@ -53,7 +53,14 @@ fn cpu_training_steps_allocate_nothing() {
         let mut rng = Rng::new(3);
         let toks: Vec<i32> = (0..b * t).map(|_| rng.below(100) as i32).collect();
         let (x, y) = (Tensor::from_i32(vec![b, t], &toks), Tensor::from_i32(vec![b, t], &toks));
-        for (name, v) in [("tokens", x), ("targets", y), ("dloss", Tensor::scalar(fusec_ir::DType::F32, 1.0)), ("lr", Tensor::scalar(fusec_ir::DType::F32, 1e-3)), ("bc1", Tensor::scalar(fusec_ir::DType::F32, 0.1)), ("bc2", Tensor::scalar(fusec_ir::DType::F32, 0.001))] {
+        for (name, v) in [
+            ("tokens", x),
+            ("targets", y),
+            ("dloss", Tensor::scalar(fusec_ir::DType::F32, 1.0)),
+            ("lr", Tensor::scalar(fusec_ir::DType::F32, 1e-3)),
+            ("bc1", Tensor::scalar(fusec_ir::DType::F32, 0.1)),
+            ("bc2", Tensor::scalar(fusec_ir::DType::F32, 0.001)),
+        ] {
             ex.set(name, v).unwrap();
         }
         // Warm-up: thread-local scratch and the thread pool grow to their sizes here.
@@ -77,17 +84,21 @@ fn cpu_training_steps_allocate_nothing() {
         for run in 0..4 {
             let mut last = (ALLOCS.load(Ordering::SeqCst), crate_calls());
             let mut k = 0;
-            ex.run_traced(Program::Step, |_| true, |name| {
-                let (allocs, calls) = (ALLOCS.load(Ordering::SeqCst) - last.0, (crate_calls() - last.1) as usize);
-                let extra = allocs.saturating_sub(2 * calls);
-                if run == 0 {
-                    excess.push((name.to_string(), extra));
-                } else {
-                    excess[k].1 = excess[k].1.min(extra);
-                }
-                k += 1;
-                last = (ALLOCS.load(Ordering::SeqCst), crate_calls());
-            })
+            ex.run_traced(
+                Program::Step,
+                |_| true,
+                |name| {
+                    let (allocs, calls) = (ALLOCS.load(Ordering::SeqCst) - last.0, (crate_calls() - last.1) as usize);
+                    let extra = allocs.saturating_sub(2 * calls);
+                    if run == 0 {
+                        excess.push((name.to_string(), extra));
+                    } else {
+                        excess[k].1 = excess[k].1.min(extra);
+                    }
+                    k += 1;
+                    last = (ALLOCS.load(Ordering::SeqCst), crate_calls());
+                },
+            )
             .unwrap();
         }
         assert!(excess.len() > 20);

@@ -56,7 +56,8 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 fn main() {
     let steps: usize = arg("--steps").and_then(|s| s.parse().ok()).unwrap_or(5);
-    let threads: usize = arg("--threads").and_then(|s| s.parse().ok()).unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1));
+    let threads: usize =
+        arg("--threads").and_then(|s| s.parse().ok()).unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1));
     rayon::ThreadPoolBuilder::new().num_threads(threads).build_global().unwrap();
     let only = arg("--config");
     let cases = [
@@ -75,32 +76,67 @@ fn main() {
         prepare(&mut ex, &fwd, &graphs[&Program::Step], case);
         let time = |ex: &mut CpuExecutor, keep: &dyn Fn(&str) -> bool| {
             ex.run_traced(Program::Step, keep, |_| {}).unwrap(); // warm-up
-            median((0..steps).map(|_| {
-                let t = Instant::now();
-                ex.run_traced(Program::Step, keep, |_| {}).unwrap();
-                t.elapsed().as_secs_f64() * 1e3
-            }).collect())
+            median(
+                (0..steps)
+                    .map(|_| {
+                        let t = Instant::now();
+                        ex.run_traced(Program::Step, keep, |_| {}).unwrap();
+                        t.elapsed().as_secs_f64() * 1e3
+                    })
+                    .collect(),
+            )
         };
         let is_gemm = |n: &str| n.starts_with("gemm") || n == "matmul";
         let step_ms = time(&mut ex, &|_| true);
         let gemm_ms = time(&mut ex, &is_gemm);
         // The share outside GEMMs from the same steps: every launch timed, split by kind.
-        let share = median((0..steps).map(|_| {
-            let (mut gemm, mut other) = (0.0, 0.0);
-            let mut t = Instant::now();
-            ex.run_traced(Program::Step, |_: &str| true, |name: &str| {
-                let dt = t.elapsed().as_secs_f64();
-                if is_gemm(name) { gemm += dt } else { other += dt }
-                t = Instant::now();
-            }).unwrap();
-            other / (gemm + other)
-        }).collect());
+        let share = median(
+            (0..steps)
+                .map(|_| {
+                    let (mut gemm, mut other) = (0.0, 0.0);
+                    let mut t = Instant::now();
+                    ex.run_traced(
+                        Program::Step,
+                        |_: &str| true,
+                        |name: &str| {
+                            let dt = t.elapsed().as_secs_f64();
+                            if is_gemm(name) {
+                                gemm += dt
+                            } else {
+                                other += dt
+                            }
+                            t = Instant::now();
+                        },
+                    )
+                    .unwrap();
+                    other / (gemm + other)
+                })
+                .collect(),
+        );
         let (gemm_flops, other_flops) = ex.flops(Program::Step);
         let tokens = (case.b * case.t) as f64;
-        println!("\n[{}] L={} C={} Vp={} B={} T={}: compile {compile_ms:.0} ms ({} kernels, {} cache hits), arena {:.1} MiB",
-            case.name, case.cfg.layers, case.cfg.channels, case.cfg.padded_vocab, case.b, case.t, build.kernels.0, build.kernels.1, build.arena_bytes as f64 / 1048576.0);
-        println!("  step                {step_ms:9.1} ms   {:9.0} tok/s   {:6.1} GFLOP/s", tokens / step_ms * 1e3, (gemm_flops + other_flops) as f64 / step_ms / 1e6);
-        println!("  GEMMs alone         {gemm_ms:9.1} ms   (the ceiling: {:.1} GFLOP/s)   step / ceiling = {:.2}", gemm_flops as f64 / gemm_ms / 1e6, step_ms / gemm_ms);
+        println!(
+            "\n[{}] L={} C={} Vp={} B={} T={}: compile {compile_ms:.0} ms ({} kernels, {} cache hits), arena {:.1} MiB",
+            case.name,
+            case.cfg.layers,
+            case.cfg.channels,
+            case.cfg.padded_vocab,
+            case.b,
+            case.t,
+            build.kernels.0,
+            build.kernels.1,
+            build.arena_bytes as f64 / 1048576.0
+        );
+        println!(
+            "  step                {step_ms:9.1} ms   {:9.0} tok/s   {:6.1} GFLOP/s",
+            tokens / step_ms * 1e3,
+            (gemm_flops + other_flops) as f64 / step_ms / 1e6
+        );
+        println!(
+            "  GEMMs alone         {gemm_ms:9.1} ms   (the ceiling: {:.1} GFLOP/s)   step / ceiling = {:.2}",
+            gemm_flops as f64 / gemm_ms / 1e6,
+            step_ms / gemm_ms
+        );
         println!("  outside GEMM launches {:6.1}% of the step (every launch timed within the same steps)", 100.0 * share);
     }
 }

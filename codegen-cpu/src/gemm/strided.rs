@@ -29,5 +29,25 @@ impl Mat {
 /// Every view must cover its extent, and `dst` must not overlap the operands.
 pub unsafe fn matmul_strided(m: usize, n: usize, k: usize, dst: *mut f32, dst_rs: isize, lhs: Mat, rhs: Mat, accumulate: bool) {
     super::count_crate_call();
-    gemm::gemm(m, n, k, dst, 1, dst_rs, accumulate, lhs.ptr, lhs.cs, lhs.rs, rhs.ptr, rhs.cs, rhs.rs, 1.0f32, 1.0f32, false, false, false, Parallelism::None)
+    gemm::gemm(
+        m,
+        n,
+        k,
+        dst,
+        1,
+        dst_rs,
+        accumulate,
+        lhs.ptr,
+        lhs.cs,
+        lhs.rs,
+        rhs.ptr,
+        rhs.cs,
+        rhs.rs,
+        1.0f32,
+        1.0f32,
+        false,
+        false,
+        false,
+        Parallelism::None,
+    )
 }

@@ -124,7 +124,19 @@ impl Device {
             } else {
                 None
             };
-            Ok(Device { ctx, _stream: stream, stream: s, blas: handle, lt, base: 0, size: 0, arch, name, open_times, modules: HashMap::new() })
+            Ok(Device {
+                ctx,
+                _stream: stream,
+                stream: s,
+                blas: handle,
+                lt,
+                base: 0,
+                size: 0,
+                arch,
+                name,
+                open_times,
+                modules: HashMap::new(),
+            })
         })
     }
 

@@ -12,8 +12,8 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use cudarc::driver::sys::CUfunction;
 use crate::cpu::launch::gemm_spec;
+use cudarc::driver::sys::CUfunction;
 use fusec_codegen_cuda::gemm::{batched, row_major, Batched, ColMajor};
 use fusec_codegen_cuda::{flash, KernelSource};
 use fusec_ir::{Bindings, DType, Graph, Op, ValueId};
@@ -342,8 +342,17 @@ impl Builder<'_> {
                             let (dout, dqkv) = (off(n.inputs[3])?, off(n.results[0])?);
                             self.need_scratch((s * h * t * 4) as u64);
                             let dsum = Arg::Ptr(Addr::Scratch(0));
-                            let args =
-                                vec![Arg::Ptr(qkv), Arg::Ptr(out_v), Arg::Ptr(lse), Arg::Ptr(dout), Arg::Ptr(dqkv), dsum, ti, hi, Arg::F32(scale)];
+                            let args = vec![
+                                Arg::Ptr(qkv),
+                                Arg::Ptr(out_v),
+                                Arg::Ptr(lse),
+                                Arg::Ptr(dout),
+                                Arg::Ptr(dqkv),
+                                dsum,
+                                ti,
+                                hi,
+                                Arg::F32(scale),
+                            ];
                             push(vec![Step::Kernel { f: f[1], grid, block, args }], "flash_attention_grad_q", 3 * half);
                             let args = vec![Arg::Ptr(qkv), Arg::Ptr(lse), Arg::Ptr(dout), dsum, Arg::Ptr(dqkv), ti, hi, Arg::F32(scale)];
                             push(vec![Step::Kernel { f: f[2], grid, block, args }], "flash_attention_grad_kv", 4 * half);
@@ -455,4 +464,3 @@ impl Builder<'_> {
         Ok(out)
     }
 }
-

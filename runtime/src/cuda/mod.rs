@@ -22,6 +22,9 @@
 mod device;
 mod launch;
 mod lt;
+mod summary;
+
+pub use summary::{CudaBuild, CudaOptions, KernelStats};
 
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -34,7 +37,7 @@ use fusec_codegen_cuda::nvrtc::Compiler;
 use fusec_codegen_cuda::{flash, kernel_source, native, KernelSource};
 use fusec_ir::interp::Tensor;
 use fusec_ir::{Bindings, DType, Graph, Op};
-use fusec_passes::memplan::{memplan, MemPlan, MemplanOptions, ALIGN};
+use fusec_passes::memplan::{memplan, MemplanOptions, ALIGN};
 
 use crate::cpu::layout::SharedLayout;
 use crate::cpu::profile::Profile;
@@ -45,66 +48,6 @@ use launch::{attention_head_sizes, Addr, Arg, Builder, Launch, Loaded, Native, S
 
 /// Bytes given to cuBLAS as its workspace (NVIDIA's recommendation for Hopper).
 const CUBLAS_WORKSPACE: u64 = 32 << 20;
-
-/// Kernel compilation counts of a build.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct KernelStats {
-    /// Fused-kernel launches built (every `kernel` node of every program).
-    pub kernels: usize,
-    /// Distinct CUDA modules (identical kernels share one), the hand-written module included.
-    pub modules: usize,
-    /// Modules NVRTC compiled in this process.
-    pub compiled: usize,
-    /// Modules read from the on-disk cache.
-    pub disk_hits: usize,
-}
-
-/// How to build the programs for the GPU.
-#[derive(Clone, Copy, Debug)]
-pub struct CudaOptions {
-    /// Time every launch with CUDA events (`--profile`).
-    pub profile: bool,
-    /// Products on TF32 tensor cores (about 1e-3 relative); otherwise plain fp32 (`--no-tf32`).
-    pub tf32: bool,
-    /// Attention with the flash kernels where they apply (TF32 allowed, sm_80 or newer, head
-    /// size a multiple of 8 up to 64); otherwise score matrices, cuBLAS and softmax kernels.
-    pub flash: bool,
-    /// Bias and bias + GELU epilogues inside cuBLASLt products (TF32 only); otherwise a cuBLAS
-    /// product and an epilogue kernel.
-    pub lt_epilogues: bool,
-}
-
-impl Default for CudaOptions {
-    fn default() -> Self {
-        CudaOptions { profile: false, tf32: true, flash: true, lt_epilogues: true }
-    }
-}
-
-/// What building the programs for the GPU produced, for the run summary.
-pub struct CudaBuild {
-    /// Memory planning, code generation, NVRTC (or the cache) and module loading.
-    pub compile_time: Duration,
-    /// Where `compile_time` went, in order.
-    pub phases: Vec<(&'static str, Duration)>,
-    /// Kernel compilation counts.
-    pub kernels: KernelStats,
-    /// The GPU, e.g. `NVIDIA H100 80GB HBM3 (sm_90)`.
-    pub device: String,
-    /// NVRTC's version.
-    pub nvrtc: (i32, i32),
-    /// Bytes of the one device allocation (everything, the cuBLAS workspace included).
-    pub device_bytes: u64,
-    /// Bytes of it that are scratch shared by the launches.
-    pub scratch_bytes: u64,
-    /// GPU memory in use after the build (every process; total minus free).
-    pub device_used: u64,
-    /// The Step program's plan (for the summary).
-    pub step_plan: MemPlan,
-    /// How attention runs, e.g. `flash (TF32 tensor cores, head size 64)`.
-    pub attention: String,
-    /// Products whose bias (and GELU) runs inside a cuBLASLt call.
-    pub lt_epilogues: usize,
-}
 
 /// One compiled program.
 struct Compiled {
@@ -175,7 +118,8 @@ impl CudaExecutor {
         let mut compiler = Compiler::new(&dev.sm())?;
         let mut items: Vec<(String, String)> = sources.iter().map(|s| (s.ident.clone(), s.source.clone())).collect();
         items.push((native::NAME.to_string(), native::source()));
-        let flash_dims = if opts.flash && opts.tf32 && dev.arch >= flash::MIN_ARCH { attention_head_sizes(graphs.values(), bind) } else { vec![] };
+        let flash_dims =
+            if opts.flash && opts.tf32 && dev.arch >= flash::MIN_ARCH { attention_head_sizes(graphs.values(), bind) } else { vec![] };
         let flash_dims: Vec<usize> = flash_dims.into_iter().filter(|d| flash::supported(*d)).collect();
         for d in &flash_dims {
             items.push((flash::name(*d), flash::source(*d)));
@@ -211,7 +155,15 @@ impl CudaExecutor {
         };
 
         let lt = dev.lt.filter(|_| opts.lt_epilogues).map(|h| (h, CUBLAS_WORKSPACE as usize));
-        let mut b = Builder { native: &native, words: vec![None; ERR_WORDS], scratch: 0, lt, lt_plans: vec![], lt_index: HashMap::new(), lt_launches: 0 };
+        let mut b = Builder {
+            native: &native,
+            words: vec![None; ERR_WORDS],
+            scratch: 0,
+            lt,
+            lt_plans: vec![],
+            lt_index: HashMap::new(),
+            lt_launches: 0,
+        };
         let mut programs = HashMap::new();
         let mut types = HashMap::new();
         for p in &order {
@@ -385,7 +337,16 @@ impl CudaExecutor {
                 let workspace = d.base + d.size - CUBLAS_WORKSPACE;
                 // cuBLAS's A is the row-major product's `b`, its B is `a`.
                 let (pa, pb) = (self.addr(*b), self.addr(*a));
-                self.lt_plans[*plan].run(handle, pa, pb, self.addr(*c), self.addr(*bias), self.addr(*aux), workspace, d.stream as *mut c_void)
+                self.lt_plans[*plan].run(
+                    handle,
+                    pa,
+                    pb,
+                    self.addr(*c),
+                    self.addr(*bias),
+                    self.addr(*aux),
+                    workspace,
+                    d.stream as *mut c_void,
+                )
             }
             Step::GemmArrays { call: k, arrays, batch } => {
                 let base = self.addr(*arrays);

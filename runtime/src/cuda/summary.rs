@@ -1,0 +1,66 @@
+//! What the CUDA target is asked to build ([`CudaOptions`]) and what the build reports for the
+//! run summary ([`CudaBuild`]).
+
+use std::time::Duration;
+
+use fusec_passes::memplan::MemPlan;
+
+/// Kernel compilation counts of a build.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct KernelStats {
+    /// Fused-kernel launches built (every `kernel` node of every program).
+    pub kernels: usize,
+    /// Distinct CUDA modules (identical kernels share one), the hand-written module included.
+    pub modules: usize,
+    /// Modules NVRTC compiled in this process.
+    pub compiled: usize,
+    /// Modules read from the on-disk cache.
+    pub disk_hits: usize,
+}
+
+/// How to build the programs for the GPU.
+#[derive(Clone, Copy, Debug)]
+pub struct CudaOptions {
+    /// Time every launch with CUDA events (`--profile`).
+    pub profile: bool,
+    /// Products on TF32 tensor cores (about 1e-3 relative); otherwise plain fp32 (`--no-tf32`).
+    pub tf32: bool,
+    /// Attention with the flash kernels where they apply (TF32 allowed, sm_80 or newer, head
+    /// size a multiple of 8 up to 64); otherwise score matrices, cuBLAS and softmax kernels.
+    pub flash: bool,
+    /// Bias and bias + GELU epilogues inside cuBLASLt products (TF32 only); otherwise a cuBLAS
+    /// product and an epilogue kernel.
+    pub lt_epilogues: bool,
+}
+
+impl Default for CudaOptions {
+    fn default() -> Self {
+        CudaOptions { profile: false, tf32: true, flash: true, lt_epilogues: true }
+    }
+}
+
+/// What building the programs for the GPU produced, for the run summary.
+pub struct CudaBuild {
+    /// Memory planning, code generation, NVRTC (or the cache) and module loading.
+    pub compile_time: Duration,
+    /// Where `compile_time` went, in order.
+    pub phases: Vec<(&'static str, Duration)>,
+    /// Kernel compilation counts.
+    pub kernels: KernelStats,
+    /// The GPU, e.g. `NVIDIA H100 80GB HBM3 (sm_90)`.
+    pub device: String,
+    /// NVRTC's version.
+    pub nvrtc: (i32, i32),
+    /// Bytes of the one device allocation (everything, the cuBLAS workspace included).
+    pub device_bytes: u64,
+    /// Bytes of it that are scratch shared by the launches.
+    pub scratch_bytes: u64,
+    /// GPU memory in use after the build (every process; total minus free).
+    pub device_used: u64,
+    /// The Step program's plan (for the summary).
+    pub step_plan: MemPlan,
+    /// How attention runs, e.g. `flash (TF32 tensor cores, head size 64)`.
+    pub attention: String,
+    /// Products whose bias (and GELU) runs inside a cuBLASLt call.
+    pub lt_epilogues: usize,
+}
