@@ -104,6 +104,9 @@ pub struct RunArgs {
     /// Write the per-kernel profile as JSON.
     #[arg(long)]
     profile_json: Option<PathBuf>,
+    /// Print each CUDA module's compile or disk-cache time (hits and misses) after the build.
+    #[arg(long)]
+    timings: bool,
     /// Generate this many tokens at the end (GPT-2 BPE text, or token ids for other vocabularies).
     #[arg(long, default_value_t = 0)]
     sample: usize,
@@ -206,10 +209,19 @@ pub fn run(a: RunArgs) -> CliResult {
                 "kernels".into(),
                 format!("{} launches from {} modules: {} compiled, {} from the disk cache", k.kernels, k.modules, k.compiled, k.disk_hits),
             ));
+            if a.timings {
+                println!("CUDA modules, slowest first ({} compiled, {} from the disk cache):", k.compiled, k.disk_hits);
+                for (name, cached, t) in &build.modules {
+                    println!("  {name:<40} {:<10} {:>8.1} ms", if *cached { "disk cache" } else { "NVRTC" }, t.as_secs_f64() * 1e3);
+                }
+            }
             let phases: Vec<String> = build.phases.iter().map(|(n, d)| format!("{n} {:.0} ms", d.as_secs_f64() * 1e3)).collect();
             summary.push(("gpu build".into(), format!("{:.0} ms: {}", build.compile_time.as_secs_f64() * 1e3, phases.join(" · "))));
             summary.push(("attention".into(), build.attention.clone()));
-            summary.push(("epilogues".into(), format!("{} products with bias/GELU inside cuBLASLt", build.lt_epilogues)));
+            summary.push((
+                "products".into(),
+                format!("{} with bias/GELU inside cuBLASLt, {} weight gradients split along k", build.lt_epilogues, build.split_k),
+            ));
             summary.push((
                 "memory".into(),
                 format!("one device allocation of {} (scratch {})", mib(build.device_bytes), mib(build.scratch_bytes)),

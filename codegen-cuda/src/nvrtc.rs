@@ -151,8 +151,9 @@ pub struct Compiler {
     pub disk_hits: usize,
     /// Requests answered by a module already compiled or loaded in this process.
     pub memory_hits: usize,
-    /// NVRTC's time per module compiled in this process, slowest first.
-    pub times: Vec<(String, std::time::Duration)>,
+    /// Every module requested from disk or NVRTC in this process: name, whether it came from
+    /// the disk cache, and the time it took (NVRTC's compile or the cache read), slowest first.
+    pub times: Vec<(String, bool, std::time::Duration)>,
 }
 
 impl Compiler {
@@ -229,10 +230,10 @@ impl Compiler {
             .map(|&i| {
                 let hex: String = keys[i].iter().map(|b| format!("{b:02x}")).collect();
                 let path = dir.as_ref().map(|d| d.join(format!("{hex}.bin")));
-                if let Some(img) = path.as_ref().and_then(|p| read_cached(p)) {
-                    return (i, Ok((img, true)), Default::default());
-                }
                 let t0 = std::time::Instant::now();
+                if let Some(img) = path.as_ref().and_then(|p| read_cached(p)) {
+                    return (i, Ok((img, true)), t0.elapsed());
+                }
                 let r = compile(&items[i].1, &items[i].0, &arch);
                 let took = t0.elapsed();
                 if let (Ok(img), Some(p)) = (&r, &path) {
@@ -251,8 +252,8 @@ impl Compiler {
                             self.disk_hits += 1;
                         } else {
                             self.compiled += 1;
-                            self.times.push((items[i].0.clone(), took));
                         }
+                        self.times.push((items[i].0.clone(), from_disk, took));
                         have.insert(keys[i], Arc::new(img));
                     }
                     Err(e) => {
@@ -261,7 +262,7 @@ impl Compiler {
                 }
             }
         }
-        self.times.sort_by_key(|t| std::cmp::Reverse(t.1));
+        self.times.sort_by_key(|t| std::cmp::Reverse(t.2));
         let have = self.images.lock().unwrap_or_else(|e| e.into_inner());
         (0..items.len())
             .map(|i| match errs.get(&i) {

@@ -45,6 +45,8 @@ pub struct CudaBuild {
     pub compile_time: Duration,
     /// Where `compile_time` went, in order.
     pub phases: Vec<(&'static str, Duration)>,
+    /// Each module from NVRTC or the disk cache: name, cache hit, time; slowest first.
+    pub modules: Vec<(String, bool, Duration)>,
     /// Kernel compilation counts.
     pub kernels: KernelStats,
     /// The GPU, e.g. `NVIDIA H100 80GB HBM3 (sm_90)`.
@@ -63,4 +65,6 @@ pub struct CudaBuild {
     pub attention: String,
     /// Products whose bias (and GELU) runs inside a cuBLASLt call.
     pub lt_epilogues: usize,
+    /// Accumulating products split along `k` (too few output tiles for the GPU).
+    pub split_k: usize,
 }
