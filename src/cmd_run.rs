@@ -218,10 +218,7 @@ pub fn run(a: RunArgs) -> CliResult {
             let phases: Vec<String> = build.phases.iter().map(|(n, d)| format!("{n} {:.0} ms", d.as_secs_f64() * 1e3)).collect();
             summary.push(("gpu build".into(), format!("{:.0} ms: {}", build.compile_time.as_secs_f64() * 1e3, phases.join(" · "))));
             summary.push(("attention".into(), build.attention.clone()));
-            summary.push((
-                "products".into(),
-                format!("{} with bias/GELU inside cuBLASLt, {} weight gradients split along k", build.lt_epilogues, build.split_k),
-            ));
+            summary.push(("products".into(), format!("{} with bias/GELU inside cuBLASLt", build.lt_epilogues)));
             summary.push((
                 "memory".into(),
                 format!("one device allocation of {} (scratch {})", mib(build.device_bytes), mib(build.scratch_bytes)),

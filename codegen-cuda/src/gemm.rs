@@ -83,38 +83,6 @@ pub fn batched(s: &GemmSpec) -> Result<Batched, String> {
     })
 }
 
-/// Output tiles (of 128 × 128) that fill two waves of a 132-SM GPU (H100/H200): a product with
-/// fewer is split along `k`.
-const SPLIT_K_TILES: i64 = 264;
-
-/// How many slices of `k` to split a single product into so that its output tiles fill the GPU:
-/// the smallest power of two (at most 8) giving two waves of tiles, each slice at least 2048
-/// deep; 1 for no split. Weight gradients of GPT-2 124M (a 768 × 768 to 768 × 3072 result,
-/// `k` = 16,384 tokens) get 2 to 8; products with many output tiles get 1.
-pub fn split_k_factor(c: &ColMajor) -> usize {
-    let tiles = (c.m as u64).div_ceil(128) as i64 * (c.n as u64).div_ceil(128) as i64;
-    let mut s = 1;
-    while tiles * (s as i64) < SPLIT_K_TILES && s < 8 && c.k % (2 * s as i32) == 0 && c.k / (2 * s as i32) >= 2048 {
-        s *= 2;
-    }
-    s
-}
-
-/// `c` as `slices` products over consecutive slices of `k`, batched, each writing its own
-/// packed `m × n` partial (leading dimension `m`): the caller sums the partials in order.
-pub fn split_k(c: &ColMajor, slices: usize) -> Batched {
-    let part = (c.k / slices as i32) as i64;
-    Batched {
-        call: ColMajor { k: c.k / slices as i32, ldc: c.m, ..*c },
-        // Slice `s` starts `s * part` along `k`: down the rows of a stored-transposed operand's
-        // columns, or `part` columns over.
-        stride_a: if c.trans_a { part } else { part * c.lda as i64 },
-        stride_b: if c.trans_b { part * c.ldb as i64 } else { part },
-        stride_c: c.m as i64 * c.n as i64,
-        batch: slices as i32,
-    }
-}
-
 /// The reference semantics of a column-major `C = op(A) op(B)` (for tests): `a`, `b`, `c`
 /// column-major with the given leading dimensions.
 pub fn colmajor_reference(g: &ColMajor, a: &[f32], b: &[f32], c: &mut [f32]) {

@@ -16,9 +16,6 @@
 //! - `fusec_gemm_epilogue`: after a cuBLAS product, `t (+ bias[c])`, GELU with the
 //!   pre-activation saved, `acc + t`, in `Op::Gemm`'s order (flags 1 bias, 2 GELU, 4 accumulate).
 //!
-//! - `fusec_splitk_sum`: `y = acc + (p0 + p1 + ...)`, the partials of a product split along `k`
-//!   summed in slice order.
-//!
 //! Fills are driver memsets (`cuMemsetD32`), not kernels.
 
 use crate::emit::float_lit;
@@ -137,13 +134,6 @@ extern "C" __global__ void __launch_bounds__(256) fusec_iota_f32(float* out, lon
 extern "C" __global__ void __launch_bounds__(256) fusec_iota_i32(int* out, long long n, long long inner, long long len) {
   const long long i = (long long)blockIdx.x * 256 + threadIdx.x;
   if (i < n) out[i] = (int)((i / inner) % len);
-}
-extern "C" __global__ void __launch_bounds__(256) fusec_splitk_sum(float* y, const float* acc, const float* parts, long long n, int slices) {
-  const long long i = (long long)blockIdx.x * 256 + threadIdx.x;
-  if (i >= n) return;
-  float t = parts[i];
-  for (int s = 1; s < slices; ++s) t = t + parts[s * n + i];
-  y[i] = acc[i] + t;
 }
 extern "C" __global__ void __launch_bounds__(256) fusec_gemm_epilogue(float* y, const float* src, const float* bias, float* pre, const float* acc, long long total, int n, int flags) {
   const long long i = (long long)blockIdx.x * 256 + threadIdx.x;

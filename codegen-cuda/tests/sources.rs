@@ -146,40 +146,6 @@ fn gemm_mapping_matches_a_row_major_product() {
     }
 }
 
-#[test]
-fn split_k_slices_sum_to_the_whole_product() {
-    // Every transpose combination: the slices' partials, summed in order, give the product.
-    let (m, n, k) = (6usize, 5usize, 16usize);
-    let a: Vec<f32> = (0..m * k).map(|i| (i as f32 * 0.37).sin()).collect();
-    let b: Vec<f32> = (0..k * n).map(|i| (i as f32 * 0.11).cos()).collect();
-    for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
-        let call = gemm::row_major(m, n, k, ta, tb, if ta { m } else { k }, if tb { k } else { n }, n).unwrap();
-        let mut whole = vec![0f32; m * n];
-        gemm::colmajor_reference(&call, &b, &a, &mut whole);
-        for slices in [2usize, 4] {
-            let sk = gemm::split_k(&call, slices);
-            assert_eq!((sk.batch, sk.call.k), (slices as i32, (k / slices) as i32));
-            let mut sum = vec![0f32; m * n];
-            for s in 0..slices {
-                let mut part = vec![0f32; m * n];
-                let (oa, ob) = (s * sk.stride_a as usize, s * sk.stride_b as usize);
-                gemm::colmajor_reference(&sk.call, &b[oa..], &a[ob..], &mut part);
-                sum.iter_mut().zip(&part).for_each(|(x, p)| *x += p);
-            }
-            for (i, (x, w)) in sum.iter().zip(&whole).enumerate() {
-                assert!((x - w).abs() < 1e-5, "ta {ta} tb {tb} slices {slices} element {i}: {x} vs {w}");
-            }
-        }
-    }
-    // GPT-2 124M's weight gradients split; the LM head's and small products do not.
-    let wgrad = |m, n| gemm::row_major(m, n, 16384, true, false, m, n, n).unwrap();
-    assert_eq!(gemm::split_k_factor(&wgrad(768, 768)), 8);
-    assert_eq!(gemm::split_k_factor(&wgrad(2304, 768)), 4);
-    assert_eq!(gemm::split_k_factor(&wgrad(3072, 768)), 2);
-    assert_eq!(gemm::split_k_factor(&wgrad(50304, 768)), 1);
-    assert_eq!(gemm::split_k_factor(&gemm::row_major(768, 768, 1024, true, false, 768, 768, 768).unwrap()), 1);
-}
-
 /// NVRTC, or `None` with the reason printed.
 fn nvrtc_or_skip() -> Option<nvrtc::Compiler> {
     match nvrtc::Compiler::with_cache_dir("sm_80", None) {

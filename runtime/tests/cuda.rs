@@ -216,28 +216,6 @@ fn flash_attention_and_cublaslt_epilogues_match_the_cpu_for_several_head_sizes()
     }
 }
 
-#[test]
-#[ignore = "needs an NVIDIA GPU: run with --ignored on the device"]
-fn weight_gradients_split_along_k_match_the_cpu() {
-    // 4096 tokens and 128-wide weights: too few output tiles, so the products split along k.
-    let cfg = Gpt2Config { layers: 1, heads: 2, channels: 128, vocab: 256, padded_vocab: 256, max_seq: 1024 };
-    let (b, t) = (4, 1024);
-    let fwd = build_gpt2(&cfg, "split_k_test");
-    let (graphs, bind) = programs(&fwd, b, t);
-    let step = &graphs[&Program::Step];
-    let (mut cpu, _) = CpuExecutor::new(&graphs, &bind, 2, false).unwrap();
-    let (want_loss, want) = loss_and_grads(&mut cpu, &fwd, step, &cfg, b, t);
-    for (tf32, tol) in [(true, 1e-2), (false, 1e-5)] {
-        let (mut gpu, build) = CudaExecutor::new(&graphs, &bind, &cuda(false, tf32)).unwrap_or_else(|e| panic!("{e}"));
-        assert!(build.split_k > 0, "weight gradients split along k");
-        let (loss, got) = loss_and_grads(&mut gpu, &fwd, step, &cfg, b, t);
-        let (err, name) = worst_grad_error(&got, &want);
-        eprintln!("tf32 {tf32}: {} split products: loss {loss} vs cpu {want_loss}, worst gradient relative L2 {err:e} ({name})", build.split_k);
-        assert!((loss - want_loss).abs() <= tol, "tf32 {tf32}: loss {loss} vs {want_loss}");
-        assert!(err <= tol, "tf32 {tf32}: gradient of {name}: relative L2 error {err:e}");
-    }
-}
-
 /// The llm.c reference folder: `../shared/refs/llmc-odd` beside the repository, or
 /// `.dev/refs/llmc-odd` inside it (the device copy), or `$FUSEC_LLMC_REFS`.
 fn llmc_odd() -> Option<PathBuf> {

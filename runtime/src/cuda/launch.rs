@@ -14,7 +14,7 @@ use std::sync::Arc;
 
 use crate::cpu::launch::gemm_spec;
 use cudarc::driver::sys::CUfunction;
-use fusec_codegen_cuda::gemm::{batched, row_major, split_k, split_k_factor, Batched, ColMajor};
+use fusec_codegen_cuda::gemm::{batched, row_major, Batched, ColMajor};
 use fusec_codegen_cuda::{flash, KernelSource};
 use fusec_ir::{Bindings, DType, Graph, Op, ValueId};
 use fusec_passes::memplan::MemPlan;
@@ -77,13 +77,12 @@ pub(crate) struct Native {
     pub iota_f32: CUfunction,
     pub iota_i32: CUfunction,
     pub gemm_epilogue: CUfunction,
-    pub splitk_sum: CUfunction,
     /// The flash-attention entries ([`fusec_codegen_cuda::flash::ENTRIES`]) per head size.
     pub flash: HashMap<usize, [CUfunction; 3]>,
 }
 
 /// Entry names of [`Native`], in field order.
-pub(crate) const NATIVE_ENTRIES: [&str; 9] = [
+pub(crate) const NATIVE_ENTRIES: [&str; 8] = [
     "fusec_gather",
     "fusec_scatter_add",
     "fusec_attn_softmax",
@@ -92,7 +91,6 @@ pub(crate) const NATIVE_ENTRIES: [&str; 9] = [
     "fusec_iota_f32",
     "fusec_iota_i32",
     "fusec_gemm_epilogue",
-    "fusec_splitk_sum",
 ];
 
 /// A compiled fused kernel: its source (launch rules) and one function per rule.
@@ -117,8 +115,6 @@ pub(crate) struct Builder<'a> {
     pub lt_index: HashMap<(ColMajor, Epilogue), usize>,
     /// Launches that use a cuBLASLt plan.
     pub lt_launches: usize,
-    /// Products split along `k`.
-    pub split_k_launches: usize,
 }
 
 /// The static word holding the error flag of gather and scatter-add (three i32s, zeroed).
@@ -214,7 +210,6 @@ impl Builder<'_> {
                     .concat();
                     let mut steps = vec![];
                     let total = spec.y_len() as u64;
-                    let slices = if gm.accumulate && bg.batch == 1 && bg.call.ldc == bg.call.m { split_k_factor(&bg.call) } else { 1 };
                     let lt = match self.lt {
                         Some((h, ws)) if gm.bias && !gm.accumulate && bg.batch == 1 => {
                             let epi = if gm.gelu { Epilogue::GeluAuxBias } else { Epilogue::Bias };
@@ -233,17 +228,6 @@ impl Builder<'_> {
                         self.lt_launches += 1;
                         let (bias, aux) = (bias.expect("a bias"), pre.unwrap_or(y));
                         steps.push(Step::GemmLt { plan, a, b, c: y, bias, aux });
-                    } else if !gm.bias && !gm.gelu && slices > 1 {
-                        // Too few output tiles for the GPU (weight gradients): partials of `k`
-                        // slices as one batched product, then `y = acc + Σ partials` in order.
-                        self.need_scratch(slices as u64 * total * 4);
-                        self.split_k_launches += 1;
-                        let parts = Addr::Scratch(0);
-                        steps.push(Step::Gemm { g: split_k(&bg.call, slices), a, b, c: parts, beta: 0.0 });
-                        let acc = acc.expect("accumulating");
-                        let args =
-                            vec![Arg::Ptr(y), Arg::Ptr(acc), Arg::Ptr(parts), Arg::I64(total as i64), Arg::I32(slices as i32)];
-                        steps.push(Step::Kernel { f: self.native.splitk_sum, grid: blocks(total, 256), block: [256, 1, 1], args });
                     } else if !gm.bias && !gm.gelu {
                         if let Some(acc) = acc.filter(|&acc| acc != y) {
                             steps.push(Step::Copy { dst: y, src: acc, bytes: total * 4 });

@@ -151,7 +151,6 @@ impl CudaExecutor {
             iota_f32: nf[5],
             iota_i32: nf[6],
             gemm_epilogue: nf[7],
-            splitk_sum: nf[8],
             flash: flash_funcs,
         };
 
@@ -164,7 +163,6 @@ impl CudaExecutor {
             lt_plans: vec![],
             lt_index: HashMap::new(),
             lt_launches: 0,
-            split_k_launches: 0,
         };
         let mut programs = HashMap::new();
         let mut types = HashMap::new();
@@ -224,7 +222,6 @@ impl CudaExecutor {
             device_used: used,
             step_plan: plans.remove(&Program::Step).expect("checked above"),
             lt_epilogues: b.lt_launches,
-            split_k: b.split_k_launches,
             attention: match flash_dims.as_slice() {
                 [] => "score matrices: cuBLAS products and softmax kernels".into(),
                 d => format!("flash (TF32 tensor cores, head size {})", d.iter().map(|d| d.to_string()).collect::<Vec<_>>().join(", ")),

@@ -65,6 +65,4 @@ pub struct CudaBuild {
     pub attention: String,
     /// Products whose bias (and GELU) runs inside a cuBLASLt call.
     pub lt_epilogues: usize,
-    /// Accumulating products split along `k` (too few output tiles for the GPU).
-    pub split_k: usize,
 }
