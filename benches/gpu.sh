@@ -10,6 +10,7 @@
 #   1. llm.c parity on llmc-odd, 10 losses vs reference.json: plain fp32 products (--no-tf32,
 #      score-matrix attention) within 1e-5, and TF32 products with flash attention within 1e-3
 #   2. GPT-2 124M, fp32 (TF32 products), B=16 T=1024, 30 steps from random init, --profile
+#   2c. the same with bf16 products (--precision bf16)
 #   3. PyTorch on the same shape: eager-fp32 (TF32 allowed, as the bench sets it) and compile-bf16
 # and prints fusec's tokens/s next to each PyTorch mode's, with the ratio.
 #
@@ -66,22 +67,29 @@ echo "== 2b. fusec without flash attention and cuBLASLt epilogues (score matrice
 "$BIN" run models/gpt2-124m.graph --target cuda --batch 16 --seq 1024 --steps 10 --val-every 1000000 \
   --no-flash-attention --no-cublaslt | grep -E "step time|throughput|peak memory"
 
+echo "== 2c. fusec with bf16 products (--precision bf16), $STEPS steps"
+"$BIN" run models/gpt2-124m.graph --target cuda --precision bf16 --batch 16 --seq 1024 --steps "$STEPS" --val-every 1000000 \
+  --log-json "$OUTDIR/fusec_bf16.jsonl" | grep -E "loss  |step time|throughput|peak memory"
+
 echo "== 3. PyTorch: eager-fp32, compile-bf16"
 python3 "$TORCH" --layers 12 --heads 12 --channels 768 --batch 16 --seq 1024 \
   --modes eager-fp32,compile-bf16 | tee "$OUTDIR/torch.jsonl"
 
-python3 - "$OUTDIR/fusec.jsonl" "$OUTDIR/torch.jsonl" <<'EOF'
+python3 - "$OUTDIR/fusec.jsonl" "$OUTDIR/fusec_bf16.jsonl" "$OUTDIR/torch.jsonl" <<'EOF'
 import json, sys
-steps = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
-ms = sorted(s["ms"] for s in steps[1:]) or [steps[0]["ms"]]
-med = ms[len(ms) // 2]
-fusec = 16 * 1024 / (med / 1000.0)
-print(f"fusec cuda fp32/tf32: {med:.1f} ms/step (median of steps 1..), {fusec:,.0f} tok/s, loss {steps[0]['loss']:.4f} -> {steps[-1]['loss']:.4f}")
-for l in open(sys.argv[2]):
+def rate(path, what):
+    steps = [json.loads(l) for l in open(path) if l.strip()]
+    ms = sorted(s["ms"] for s in steps[1:]) or [steps[0]["ms"]]
+    med = ms[len(ms) // 2]
+    tps = 16 * 1024 / (med / 1000.0)
+    print(f"fusec {what}: {med:.1f} ms/step (median of steps 1..), {tps:,.0f} tok/s, loss {steps[0]['loss']:.4f} -> {steps[-1]['loss']:.4f}")
+    return tps
+fusec, bf16 = rate(sys.argv[1], "cuda fp32/tf32"), rate(sys.argv[2], "cuda bf16 products")
+for l in open(sys.argv[3]):
     l = l.strip()
     if not l.startswith("{"):
         continue
     t = json.loads(l)
     print(f"torch {t['mode']:>13}: {t['ms_per_step_median']:.1f} ms/step, {t['tokens_per_s']:,} tok/s, peak {t['peak_mem_mib']} MiB"
-          f"  -> fusec / torch = {fusec / t['tokens_per_s']:.2f}x")
+          f"  -> fusec fp32 / torch = {fusec / t['tokens_per_s']:.2f}x, fusec bf16 / torch = {bf16 / t['tokens_per_s']:.2f}x")
 EOF

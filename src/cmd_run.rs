@@ -8,6 +8,7 @@ use std::time::Instant;
 use fusec_ir::interp::Precision;
 use fusec_ir::{Bindings, Graph};
 use fusec_models::{logits_graph, Gpt2Config};
+use fusec_passes::amp::Precision as AmpPrecision;
 use fusec_passes::optimizer::AdamWConfig;
 use fusec_passes::pipeline::{compile, Mode, PassRun, PipelineOptions};
 use fusec_runtime::checkpoint::{Checkpoint, LlmcConfig};
@@ -20,6 +21,7 @@ use fusec_runtime::params::{checkpoint_from_params, params_from_checkpoint};
 use fusec_runtime::tokens::read_tokens;
 use fusec_runtime::train::{eval_loss, init_state, train, TrainConfig};
 
+use crate::cmd_dump::PrecisionArg;
 use crate::report::{mib, profile_json, profile_table, table, Progress};
 use crate::{load_graph, CliResult};
 
@@ -81,6 +83,10 @@ pub struct RunArgs {
     /// Clip the global gradient norm to this value.
     #[arg(long)]
     grad_clip: Option<f32>,
+    /// Mixed precision: `bf16` casts matmul operands to bf16 (fp32 master weights, statistics,
+    /// softmax and loss); `--target cuda` or `ref`.
+    #[arg(long, value_enum, default_value = "fp32")]
+    precision: PrecisionArg,
     /// Exact fp32 matmuls on CUDA (default: TF32 tensor cores, as PyTorch allows).
     #[arg(long)]
     no_tf32: bool,
@@ -134,6 +140,9 @@ pub fn run(a: RunArgs) -> CliResult {
     if a.batch == 0 || a.seq == 0 || a.grad_accum == 0 {
         return Err("--batch, --seq and --grad-accum must be at least 1".into());
     }
+    if a.precision == PrecisionArg::Bf16 && a.target == Target::Cpu {
+        return Err("--precision bf16 needs --target cuda or --target ref (the CPU target's products are fp32)".into());
+    }
     if a.seq > model.max_seq {
         return Err(format!("--seq {} exceeds the model's maximum sequence length {}", a.seq, model.max_seq));
     }
@@ -150,6 +159,7 @@ pub fn run(a: RunArgs) -> CliResult {
         adamw: AdamWConfig { weight_decay: a.weight_decay, clip: a.grad_clip.is_some(), ..AdamWConfig::default() },
         // The reference target runs the unfused programs: it is the oracle.
         no_fusion: a.target == Target::Ref,
+        precision: if a.precision == PrecisionArg::Bf16 { AmpPrecision::Bf16 } else { AmpPrecision::F32 },
         ..PipelineOptions::default()
     };
     let mut bind = Bindings::default();

@@ -14,7 +14,7 @@ use fusec_runtime::checkpoint::{random_init, Checkpoint, LlmcConfig};
 use fusec_runtime::cpu::CpuExecutor;
 use fusec_runtime::cuda::{check_libraries, CudaExecutor, CudaOptions};
 use fusec_runtime::data::DataLoader;
-use fusec_runtime::executor::{Executor, Program};
+use fusec_runtime::executor::{Executor, Program, RefExecutor};
 use fusec_runtime::params::params_from_checkpoint;
 use fusec_runtime::tokens::read_tokens;
 use fusec_runtime::train::{eval_loss, init_state, train, TrainConfig};
@@ -143,6 +143,29 @@ fn tiny_gpt2_trains_like_the_cpu_target() {
         let worst = w.data.iter().zip(&g.data).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
         eprintln!("tf32 {tf32}: wte max abs difference {worst:e}");
         let _ = tiny_losses(&mut cpu, step, &cfg, b, t, steps);
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --ignored on the device"]
+fn tiny_gpt2_with_bf16_products_trains_like_the_interpreter() {
+    // bf16 matmul operands (the amp pass's casts, fused into the producers) on cuBLAS, against
+    // the reference interpreter on the unfused bf16 programs.
+    let cfg = Gpt2Config::preset("tiny").unwrap();
+    let (b, t, steps) = (4, 64, 3);
+    let fwd = build_gpt2(&cfg, "tiny");
+    let bf16 = PipelineOptions { precision: fusec_passes::amp::Precision::Bf16, ..PipelineOptions::default() };
+    let (ref_graphs, bind) = programs_with(&fwd, b, t, &PipelineOptions { no_fusion: true, ..bf16.clone() });
+    let mut reference = RefExecutor::new(ref_graphs.clone(), bind.clone(), fusec_ir::interp::Precision::F32);
+    let want = tiny_losses(&mut reference, &ref_graphs[&Program::Step], &cfg, b, t, steps);
+    let (graphs, bind) = programs_with(&fwd, b, t, &bf16);
+    for tf32 in [true, false] {
+        let (mut gpu, _) = CudaExecutor::new(&graphs, &bind, &cuda(false, tf32)).unwrap_or_else(|e| panic!("{e}"));
+        let got = tiny_losses(&mut gpu, &graphs[&Program::Step], &cfg, b, t, steps);
+        eprintln!("bf16 products, tf32 {tf32}: interpreter {want:?}\n                           gpu {got:?}");
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert!(g.is_finite() && (g - w).abs() <= 1e-3, "loss {i}: gpu {g} vs interpreter {w}");
+        }
     }
 }
 

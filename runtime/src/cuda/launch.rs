@@ -44,8 +44,9 @@ pub(crate) enum Arg {
 
 /// One call on the stream.
 pub(crate) enum Step {
-    /// A strided-batched cuBLAS product (`c = b_op a_op`, column-major view), `beta` 0 or 1.
-    Gemm { g: Batched, a: Addr, b: Addr, c: Addr, beta: f32 },
+    /// A strided-batched cuBLAS product (`c = b_op a_op`, column-major view), `beta` 0 or 1;
+    /// `bf16`: the operands are bf16 (fp32 accumulation and result).
+    Gemm { g: Batched, a: Addr, b: Addr, c: Addr, beta: f32, bf16: bool },
     /// A cuBLASLt product with its epilogue: plan `plan` of the builder's list (operands as in
     /// `Gemm`; `aux` is GELU's pre-activation, unused for a bias alone).
     GemmLt { plan: usize, a: Addr, b: Addr, c: Addr, bias: Addr, aux: Addr },
@@ -171,8 +172,15 @@ impl Builder<'_> {
         for (i, n) in g.nodes.iter().enumerate() {
             let io_bytes = n.inputs.iter().chain(&n.results).map(|v| bytes_of(*v)).sum::<Result<u64, String>>()?;
             let err = |m: String| format!("node {i} (`{}`): {m}", n.op.mnemonic());
+            // bf16 operands of products (the `amp` pass's casts) read as bf16 by cuBLAS.
+            let product = matches!(n.op, Op::MatMul { .. } | Op::Gemm(_));
+            let bf16 = product && g.ty(n.inputs[0]).dtype == DType::BF16;
+            if product && g.ty(n.inputs[1]).dtype != g.ty(n.inputs[0]).dtype {
+                return Err(err(format!("a product of {} and {} operands", g.ty(n.inputs[0]).dtype, g.ty(n.inputs[1]).dtype)));
+            }
             if !matches!(n.op, Op::Kernel(_)) {
-                for v in n.inputs.iter().chain(&n.results) {
+                let operands = if bf16 { 2 } else { 0 };
+                for v in n.inputs.iter().skip(operands).chain(&n.results) {
                     let dt = g.ty(*v).dtype;
                     if dt == DType::BF16 || dt == DType::F16 {
                         return Err(err(format!(
@@ -188,7 +196,7 @@ impl Builder<'_> {
                 Op::MatMul { trans_a, trans_b } => {
                     let spec = gemm_spec(g, bind, n.inputs[0], n.inputs[1], n.results[0], *trans_a, *trans_b).map_err(err)?;
                     let b = batched(&spec).map_err(err)?;
-                    let step = Step::Gemm { g: b, a: off(n.inputs[0])?, b: off(n.inputs[1])?, c: off(n.results[0])?, beta: 0.0 };
+                    let step = Step::Gemm { g: b, a: off(n.inputs[0])?, b: off(n.inputs[1])?, c: off(n.results[0])?, beta: 0.0, bf16 };
                     push(vec![step], "matmul", spec.flops());
                 }
                 Op::Gemm(gm) => {
@@ -211,7 +219,7 @@ impl Builder<'_> {
                     let mut steps = vec![];
                     let total = spec.y_len() as u64;
                     let lt = match self.lt {
-                        Some((h, ws)) if gm.bias && !gm.accumulate && bg.batch == 1 => {
+                        Some((h, ws)) if gm.bias && !gm.accumulate && bg.batch == 1 && !bf16 => {
                             let epi = if gm.gelu { Epilogue::GeluAuxBias } else { Epilogue::Bias };
                             match self.lt_index.get(&(bg.call, epi)) {
                                 Some(&i) => Some(i),
@@ -232,7 +240,7 @@ impl Builder<'_> {
                         if let Some(acc) = acc.filter(|&acc| acc != y) {
                             steps.push(Step::Copy { dst: y, src: acc, bytes: total * 4 });
                         }
-                        steps.push(Step::Gemm { g: bg, a, b, c: y, beta: if gm.accumulate { 1.0 } else { 0.0 } });
+                        steps.push(Step::Gemm { g: bg, a, b, c: y, beta: if gm.accumulate { 1.0 } else { 0.0 }, bf16 });
                     } else {
                         // The product into `y` (or scratch when `y` must first be read as the
                         // accumulator), then bias / GELU / accumulate in one pass.
@@ -242,7 +250,7 @@ impl Builder<'_> {
                         } else {
                             y
                         };
-                        steps.push(Step::Gemm { g: bg, a, b, c: src, beta: 0.0 });
+                        steps.push(Step::Gemm { g: bg, a, b, c: src, beta: 0.0, bf16 });
                         let flags = gm.bias as i32 | (gm.gelu as i32) << 1 | (gm.accumulate as i32) << 2;
                         let zero = Arg::Ptr(src);
                         let args = vec![

@@ -303,35 +303,37 @@ impl CudaExecutor {
         let op = |t: bool| if t { blas::cublasOperation_t::CUBLAS_OP_T } else { blas::cublasOperation_t::CUBLAS_OP_N };
         let one = 1f32;
         match st {
-            Step::Gemm { g, a, b, c, beta } => {
+            Step::Gemm { g, a, b, c, beta, bf16: false } => {
                 let k = &g.call;
                 // cuBLAS's A is the row-major product's `b`, its B is `a`.
                 let (pa, pb, pc) = (self.addr(*b) as *const f32, self.addr(*a) as *const f32, self.addr(*c) as *mut f32);
+                let (ta, tb) = (op(k.trans_a), op(k.trans_b));
                 let r = if g.batch == 1 {
-                    blas::cublasSgemm_v2(d.blas, op(k.trans_a), op(k.trans_b), k.m, k.n, k.k, &one, pa, k.lda, pb, k.ldb, beta, pc, k.ldc)
+                    blas::cublasSgemm_v2(d.blas, ta, tb, k.m, k.n, k.k, &one, pa, k.lda, pb, k.ldb, beta, pc, k.ldc)
                 } else {
                     blas::cublasSgemmStridedBatched(
-                        d.blas,
-                        op(k.trans_a),
-                        op(k.trans_b),
-                        k.m,
-                        k.n,
-                        k.k,
-                        &one,
-                        pa,
-                        k.lda,
-                        g.stride_a,
-                        pb,
-                        k.ldb,
-                        g.stride_b,
-                        beta,
-                        pc,
-                        k.ldc,
-                        g.stride_c,
-                        g.batch,
+                        d.blas, ta, tb, k.m, k.n, k.k, &one, pa, k.lda, g.stride_a, pb, k.ldb, g.stride_b, beta, pc, k.ldc, g.stride_c, g.batch,
                     )
                 };
                 ckb(r, "cuBLAS sgemm")
+            }
+            Step::Gemm { g, a, b, c, beta, bf16: true } => {
+                // bf16 operands, fp32 accumulation and result.
+                let k = &g.call;
+                let (pa, pb, pc) = (self.addr(*b) as *const c_void, self.addr(*a) as *const c_void, self.addr(*c) as *mut c_void);
+                let (bf, f32t) = (blas::cudaDataType::CUDA_R_16BF, blas::cudaDataType::CUDA_R_32F);
+                let (compute, alg) = (blas::cublasComputeType_t::CUBLAS_COMPUTE_32F, blas::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT);
+                let (al, be) = (&one as *const f32 as *const c_void, beta as *const f32 as *const c_void);
+                let (ta, tb) = (op(k.trans_a), op(k.trans_b));
+                let r = if g.batch == 1 {
+                    blas::cublasGemmEx(d.blas, ta, tb, k.m, k.n, k.k, al, pa, bf, k.lda, pb, bf, k.ldb, be, pc, f32t, k.ldc, compute, alg)
+                } else {
+                    blas::cublasGemmStridedBatchedEx(
+                        d.blas, ta, tb, k.m, k.n, k.k, al, pa, bf, k.lda, g.stride_a, pb, bf, k.ldb, g.stride_b, be, pc, f32t, k.ldc, g.stride_c,
+                        g.batch, compute, alg,
+                    )
+                };
+                ckb(r, "cuBLAS bf16 product")
             }
             Step::GemmLt { plan, a, b, c, bias, aux } => {
                 let handle = d.lt.ok_or("internal: a cuBLASLt launch without a cuBLASLt handle")?;
