@@ -181,3 +181,14 @@ fn cpu_target_trains_profiles_and_samples() {
     let profile: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
     assert!(profile.as_array().unwrap().iter().any(|k| k["kernel"] == "add_layernorm"));
 }
+
+#[test]
+fn bf16_runs_on_the_interpreter_and_is_refused_on_the_cpu_target() {
+    let args = ["run", "models/gpt2-tiny.graph", "--precision", "bf16", "--batch", "2", "--seq", "16", "--steps", "2"];
+    let o = fusec(&[&args[..], &["--target", "ref"]].concat());
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    assert!(text(&o.stdout).contains("over 2 steps"), "{}", text(&o.stdout));
+    let o = fusec(&[&args[..], &["--target", "cpu"]].concat());
+    assert_eq!(o.status.code(), Some(2));
+    assert!(text(&o.stderr).contains("--precision bf16 needs --target cuda or --target ref"), "{}", text(&o.stderr));
+}
