@@ -178,7 +178,8 @@ impl Builder<'_> {
             if product && g.ty(n.inputs[1]).dtype != g.ty(n.inputs[0]).dtype {
                 return Err(err(format!("a product of {} and {} operands", g.ty(n.inputs[0]).dtype, g.ty(n.inputs[1]).dtype)));
             }
-            if !matches!(n.op, Op::Kernel(_)) {
+            // Reshapes are views (no launch), of any dtype.
+            if !matches!(n.op, Op::Kernel(_) | Op::Reshape { .. }) {
                 let operands = if bf16 { 2 } else { 0 };
                 for v in n.inputs.iter().skip(operands).chain(&n.results) {
                     let dt = g.ty(*v).dtype;
