@@ -200,7 +200,6 @@ pub fn run(a: RunArgs) -> CliResult {
                 profile: a.profile || a.profile_json.is_some(),
                 tf32: !a.no_tf32,
                 flash: !a.no_flash_attention,
-                bf16_attention: a.precision == PrecisionArg::Bf16,
                 lt_epilogues: !a.no_cublaslt,
             };
             let (ex, build) = CudaExecutor::new(&graphs, &bind, &cuda_opts)?;

@@ -54,42 +54,18 @@ pub fn name(d: usize) -> String {
 pub fn source(d: usize) -> String {
     assert!(supported(d), "flash attention for head size {d}");
     let mut s = format!("// {} (fusec: {})\n#define HD {d}\n", name(d), crate::CODEGEN_REVISION);
-    s.push_str(COMMON);
     s.push_str(BODY);
     s
 }
 
-/// What both variants share: tile constants, quad reductions, storing accumulator rows.
-pub(crate) const COMMON: &str = r#"#define TILE 64
+const BODY: &str = r#"#define LD (HD + 4)
+#define TILE 64
 #define KC (HD / 8)
 #define NEG_INF __int_as_float(0xff800000)
 #define FULL 0xffffffffu
 #define LOG2E 1.44269504088896340736f
 #define LN2 0.693147180559945309417f
 
-__device__ __forceinline__ float quad_max(float x) {
-  x = fmaxf(x, __shfl_xor_sync(FULL, x, 1));
-  return fmaxf(x, __shfl_xor_sync(FULL, x, 2));
-}
-__device__ __forceinline__ float quad_sum(float x) {
-  x = x + __shfl_xor_sync(FULL, x, 1);
-  return x + __shfl_xor_sync(FULL, x, 2);
-}
-// Rows `row0` and `row0 + 8` of a 16 x HD accumulator into a row-major matrix.
-__device__ __forceinline__ void store_rows(float* base, long long stride, const float (*acc)[4], int row0, int T, int t, const float* mul) {
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int row = row0 + 8 * r;
-    if (row >= T) continue;
-#pragma unroll
-    for (int dn = 0; dn < KC; ++dn)
-      *(float2*)(base + (long long)row * stride + dn * 8 + 2 * t) = make_float2(acc[dn][2 * r] * mul[r], acc[dn][2 * r + 1] * mul[r]);
-  }
-}
-
-"#;
-
-const BODY: &str = r#"#define LD (HD + 4)
 __device__ __forceinline__ float tf32(float x) {
   unsigned r;
   asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
@@ -142,6 +118,26 @@ __device__ __forceinline__ void mma_pv(float (*acc)[4], const float* p, const fl
 #pragma unroll
   for (int dn = 0; dn < KC; ++dn) mma8(acc[dn], a, sm[(k0 + 2 * t) * LD + dn * 8 + g], sm[(k0 + 2 * t + 1) * LD + dn * 8 + g]);
 }
+__device__ __forceinline__ float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(FULL, x, 1));
+  return fmaxf(x, __shfl_xor_sync(FULL, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+  x = x + __shfl_xor_sync(FULL, x, 1);
+  return x + __shfl_xor_sync(FULL, x, 2);
+}
+// Rows `row0` and `row0 + 8` of a 16 x HD accumulator into a row-major matrix.
+__device__ __forceinline__ void store_rows(float* base, long long stride, const float (*acc)[4], int row0, int T, int t, const float* mul) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = row0 + 8 * r;
+    if (row >= T) continue;
+#pragma unroll
+    for (int dn = 0; dn < KC; ++dn)
+      *(float2*)(base + (long long)row * stride + dn * 8 + 2 * t) = make_float2(acc[dn][2 * r] * mul[r], acc[dn][2 * r + 1] * mul[r]);
+  }
+}
+
 extern "C" __global__ void __launch_bounds__(128) fusec_flash_fwd(const float* qkv, float* out, float* lse, int T, int H, float scale) {
   __shared__ __align__(16) float ks[TILE * LD];
   __shared__ __align__(16) float vs[TILE * LD];

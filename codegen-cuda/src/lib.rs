@@ -29,8 +29,7 @@
 //! - [`native`]: gather, deterministic scatter-add, causal attention (softmax parts around
 //!   cuBLAS products), iota, the GEMM epilogue; one module.
 //! - [`flash`]: causal flash attention (forward and backward) on TF32 tensor cores, one module
-//!   per head size, used instead of the score-matrix path when TF32 products are allowed;
-//!   [`flash_bf16`] the same with bf16 products, for `--precision bf16`.
+//!   per head size, used instead of the score-matrix path when TF32 products are allowed.
 //! - [`nvrtc`]: compiles sources to CUBIN for the device's architecture, in parallel, with an
 //!   on-disk cache keyed by SHA-256 of (source, options, architecture, NVRTC version, fusec
 //!   version).
@@ -38,7 +37,6 @@
 
 mod emit;
 pub mod flash;
-pub mod flash_bf16;
 pub mod gemm;
 pub mod native;
 pub mod nvrtc;

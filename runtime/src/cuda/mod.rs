@@ -34,7 +34,7 @@ use std::time::{Duration, Instant};
 use cudarc::cublas::sys as blas;
 use cudarc::driver::sys;
 use fusec_codegen_cuda::nvrtc::Compiler;
-use fusec_codegen_cuda::{flash, flash_bf16, kernel_source, native, KernelSource};
+use fusec_codegen_cuda::{flash, kernel_source, native, KernelSource};
 use fusec_ir::interp::Tensor;
 use fusec_ir::{Bindings, DType, Graph, Op};
 use fusec_passes::memplan::{memplan, MemplanOptions, ALIGN};
@@ -118,14 +118,11 @@ impl CudaExecutor {
         let mut compiler = Compiler::new(&dev.sm())?;
         let mut items: Vec<(String, String)> = sources.iter().map(|s| (s.ident.clone(), s.source.clone())).collect();
         items.push((native::NAME.to_string(), native::source()));
-        // Flash attention: bf16 products under the bf16 policy, else TF32 ones when allowed.
-        let bf16 = opts.bf16_attention;
-        let wanted = opts.flash && (opts.tf32 || bf16) && dev.arch >= flash::MIN_ARCH;
-        let flash_dims = if wanted { attention_head_sizes(graphs.values(), bind) } else { vec![] };
-        let flash_dims: Vec<usize> =
-            flash_dims.into_iter().filter(|&d| if bf16 { flash_bf16::supported(d) } else { flash::supported(d) }).collect();
-        for &d in &flash_dims {
-            items.push(if bf16 { (flash_bf16::name(d), flash_bf16::source(d)) } else { (flash::name(d), flash::source(d)) });
+        let flash_dims =
+            if opts.flash && opts.tf32 && dev.arch >= flash::MIN_ARCH { attention_head_sizes(graphs.values(), bind) } else { vec![] };
+        let flash_dims: Vec<usize> = flash_dims.into_iter().filter(|d| flash::supported(*d)).collect();
+        for d in &flash_dims {
+            items.push((flash::name(*d), flash::source(*d)));
         }
         phase("codegen");
         let images = compiler.compile_all(&items);
@@ -227,11 +224,7 @@ impl CudaExecutor {
             lt_epilogues: b.lt_launches,
             attention: match flash_dims.as_slice() {
                 [] => "score matrices: cuBLAS products and softmax kernels".into(),
-                d => format!(
-                    "flash ({} tensor cores, head size {})",
-                    if bf16 { "bf16" } else { "TF32" },
-                    d.iter().map(|d| d.to_string()).collect::<Vec<_>>().join(", ")
-                ),
+                d => format!("flash (TF32 tensor cores, head size {})", d.iter().map(|d| d.to_string()).collect::<Vec<_>>().join(", ")),
             },
         };
         let sync_each = std::env::var_os("FUSEC_CUDA_SYNC").is_some_and(|v| v != "0");

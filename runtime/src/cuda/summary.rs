@@ -28,9 +28,6 @@ pub struct CudaOptions {
     /// Attention with the flash kernels where they apply (TF32 allowed, sm_80 or newer, head
     /// size a multiple of 8 up to 64); otherwise score matrices, cuBLAS and softmax kernels.
     pub flash: bool,
-    /// Flash attention with bf16 products (the `--precision bf16` policy; head sizes a multiple
-    /// of 16 up to 64), even without TF32.
-    pub bf16_attention: bool,
     /// Bias and bias + GELU epilogues inside cuBLASLt products (TF32 only); otherwise a cuBLAS
     /// product and an epilogue kernel.
     pub lt_epilogues: bool,
@@ -38,7 +35,7 @@ pub struct CudaOptions {
 
 impl Default for CudaOptions {
     fn default() -> Self {
-        CudaOptions { profile: false, tf32: true, flash: true, bf16_attention: false, lt_epilogues: true }
+        CudaOptions { profile: false, tf32: true, flash: true, lt_epilogues: true }
     }
 }
 
