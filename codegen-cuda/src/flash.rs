@@ -138,7 +138,9 @@ __device__ __forceinline__ void store_rows(float* base, long long stride, const 
   }
 }
 
-extern "C" __global__ void __launch_bounds__(128) fusec_flash_fwd(const float* qkv, float* out, float* lse, int T, int H, float scale) {
+// Four blocks an SM (at most 128 registers): 8% faster than three on the H200; the backward
+// kernels at three blocks an SM spill (dk/dv) or gain nothing (dq).
+extern "C" __global__ void __launch_bounds__(128, 4) fusec_flash_fwd(const float* qkv, float* out, float* lse, int T, int H, float scale) {
   __shared__ __align__(16) float ks[TILE * LD];
   __shared__ __align__(16) float vs[TILE * LD];
   const int nt = (T + TILE - 1) / TILE, qt = nt - 1 - blockIdx.x, h = blockIdx.y;
