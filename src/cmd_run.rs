@@ -134,6 +134,8 @@ pub fn run(a: RunArgs) -> CliResult {
         // The driver's start-up overlaps parsing, initialization and compiling.
         fusec_runtime::cuda::start_driver();
     }
+    let threads = a.threads.unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)).max(1);
+    rayon::ThreadPoolBuilder::new().num_threads(threads).build_global().map_err(|e| format!("thread pool: {e}"))?;
     let g = load_graph(&a.file)?;
     let model = Gpt2Config::from_graph(&g).map_err(|e| format!("{}: {e}", a.file.display()))?;
     let llmc = LlmcConfig::from(&model);
@@ -152,8 +154,6 @@ pub fn run(a: RunArgs) -> CliResult {
     };
     let params = params_from_checkpoint(&g, &ckpt)?;
     let (train_data, val_data) = load_data(&a, &model)?;
-    let threads = a.threads.unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)).max(1);
-    rayon::ThreadPoolBuilder::new().num_threads(threads).build_global().map_err(|e| format!("thread pool: {e}"))?;
 
     let opts = PipelineOptions {
         adamw: AdamWConfig { weight_decay: a.weight_decay, clip: a.grad_clip.is_some(), ..AdamWConfig::default() },

@@ -18,6 +18,11 @@ impl Rng {
         z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
         z ^ (z >> 31)
     }
+    /// Skips the next `n` outputs (SplitMix64 is a counter: this is O(1)), so that slices of
+    /// one stream can be drawn in parallel with the same values as in order.
+    pub fn skip(&mut self, n: u64) {
+        self.0 = self.0.wrapping_add(n.wrapping_mul(0x9E37_79B9_7F4A_7C15));
+    }
     /// Uniform in `0..n` (n > 0).
     pub fn below(&mut self, n: u64) -> u64 {
         self.next_u64() % n
@@ -39,5 +44,20 @@ impl Rng {
     /// True with probability `p`.
     pub fn chance(&mut self, p: f64) -> bool {
         self.uniform() < p
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Rng;
+
+    #[test]
+    fn skip_equals_drawing() {
+        let (mut a, mut b) = (Rng::new(9), Rng::new(9));
+        for _ in 0..1000 {
+            a.next_u64();
+        }
+        b.skip(1000);
+        assert_eq!(a.next_u64(), b.next_u64());
     }
 }

@@ -11,6 +11,7 @@ use std::fmt;
 use std::path::Path;
 
 use fusec_ir::rng::Rng;
+use rayon::prelude::*;
 
 use crate::file_error::{self, FileError, HEADER_BYTES};
 
@@ -358,7 +359,21 @@ impl Checkpoint {
 /// `wte` padding rows (V..Vp) exactly 0. The config must be valid.
 pub fn random_init(cfg: &LlmcConfig, seed: u64) -> Checkpoint {
     debug_assert!(cfg.validate().is_ok(), "random_init on an invalid config");
-    let mut rng = Rng::new(seed);
+    let stream = Rng::new(seed);
+    // Normals drawn so far; each takes two outputs of the one stream, so slices of it are
+    // drawn in parallel with exactly the values of drawing them in order.
+    let mut drawn = 0u64;
+    let mut normals = |params: &mut Vec<f32>, n: usize, std: f64| {
+        const CHUNK: usize = 1 << 16;
+        let (start, first) = (params.len(), drawn);
+        params.resize(start + n, 0.0);
+        drawn += n as u64;
+        params[start..].par_chunks_mut(CHUNK).enumerate().for_each(|(c, out)| {
+            let mut rng = stream.clone();
+            rng.skip(2 * (first + (c * CHUNK) as u64));
+            out.iter_mut().for_each(|x| *x = (std * rng.normal()) as f32);
+        });
+    };
     let proj_std = 0.02 / (2.0 * cfg.layers as f64).sqrt();
     let mut params = Vec::with_capacity(cfg.num_params());
     for (name, shape) in param_layout(cfg) {
@@ -366,15 +381,11 @@ pub fn random_init(cfg: &LlmcConfig, seed: u64) -> Checkpoint {
         match name {
             "wte" => {
                 let real = cfg.vocab * cfg.channels;
-                params.extend((0..real).map(|_| (0.02 * rng.normal()) as f32));
+                normals(&mut params, real, 0.02);
                 params.extend(std::iter::repeat_n(0.0f32, n - real));
             }
-            "wpe" | "qkvw" | "fcw" => {
-                params.extend((0..n).map(|_| (0.02 * rng.normal()) as f32));
-            }
-            "attprojw" | "fcprojw" => {
-                params.extend((0..n).map(|_| (proj_std * rng.normal()) as f32));
-            }
+            "wpe" | "qkvw" | "fcw" => normals(&mut params, n, 0.02),
+            "attprojw" | "fcprojw" => normals(&mut params, n, proj_std),
             "ln1w" | "ln2w" | "lnfw" => params.extend(std::iter::repeat_n(1.0f32, n)),
             _ => params.extend(std::iter::repeat_n(0.0f32, n)),
         }

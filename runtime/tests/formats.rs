@@ -341,3 +341,29 @@ fn llmc_odd_reference_files() {
     assert_eq!(y, as_i32(145..289));
     assert_eq!(dl.offset(9), 9 * 144);
 }
+
+#[test]
+fn random_init_drawn_in_parallel_equals_drawing_in_order() {
+    // Several 65536-value slices per tensor: the same values as one sequential stream.
+    let cfg = LlmcConfig { max_seq: 256, vocab: 1000, padded_vocab: 1024, layers: 2, heads: 4, channels: 128 };
+    let got = random_init(&cfg, 42).params;
+    let mut rng = fusec_ir::rng::Rng::new(42);
+    let proj_std = 0.02 / (2.0 * cfg.layers as f64).sqrt();
+    let mut want = vec![];
+    for (name, shape) in param_layout(&cfg) {
+        let n: usize = shape.iter().product();
+        let normals = |k: usize, std: f64, rng: &mut fusec_ir::rng::Rng| (0..k).map(|_| (std * rng.normal()) as f32).collect::<Vec<_>>();
+        match name {
+            "wte" => {
+                want.extend(normals(cfg.vocab * cfg.channels, 0.02, &mut rng));
+                want.extend(std::iter::repeat_n(0.0, n - cfg.vocab * cfg.channels));
+            }
+            "wpe" | "qkvw" | "fcw" => want.extend(normals(n, 0.02, &mut rng)),
+            "attprojw" | "fcprojw" => want.extend(normals(n, proj_std, &mut rng)),
+            "ln1w" | "ln2w" | "lnfw" => want.extend(std::iter::repeat_n(1.0, n)),
+            _ => want.extend(std::iter::repeat_n(0.0, n)),
+        }
+    }
+    assert_eq!(got.len(), want.len());
+    assert!(got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "bit-identical to the sequential stream");
+}
