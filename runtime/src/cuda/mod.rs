@@ -1,12 +1,15 @@
 //! The CUDA target: one device allocation from the memory plans (shared by the programs as on
 //! the CPU, via [`crate::cpu::layout::SharedLayout`]), NVRTC-compiled fused kernels, cuBLAS
-//! products, hand-written gather / scatter-add / attention kernels, all launched in order on one
-//! stream; per-launch CUDA-event timing when profiling.
+//! products (bias / GELU epilogues inside cuBLASLt calls with TF32, [`lt`]), flash attention
+//! (TF32, sm_80+) or the score-matrix attention stages, hand-written gather / scatter-add, all
+//! launched in order on one stream; per-launch CUDA-event timing when profiling. The driver,
+//! context and cuBLAS can be opened in the background while the compiler works
+//! ([`start_driver`]).
 //!
 //! The allocation is laid out as `[persistent | arena | scratch | static | cuBLAS workspace]`:
 //! the Step program's parameters, gradients, Adam state and inputs, then the largest program's
-//! arena, then scratch shared by every launch (column partials, attention score matrices, a
-//! GEMM epilogue's temporary), then pointer tables, then the workspace handed to cuBLAS (so it
+//! arena, then scratch shared by every launch (column partials, attention score matrices or
+//! flash attention's row sums, a GEMM epilogue's temporary), then pointer tables, then the workspace handed to cuBLAS (so it
 //! never allocates on its own).
 //!
 //! Without profiling, each program is captured into a CUDA graph on its first run and replayed
