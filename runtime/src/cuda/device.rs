@@ -38,7 +38,7 @@ static OPENING: Mutex<Option<JoinHandle<Result<Opened, String>>>> = Mutex::new(N
 
 /// Starts opening the driver, GPU 0's context and cuBLAS on a background thread, so that the
 /// driver's own start-up (about 0.4 s on an H200) overlaps parsing, initialization and
-/// compilation; [`Device::open`] waits for it. Without a call, `open` does it in place.
+/// compilation; building a `CudaExecutor` waits for it. Without a call, `open` does it in place.
 pub fn start_driver() {
     let h = std::thread::spawn(open_driver);
     *OPENING.lock().unwrap_or_else(|e| e.into_inner()) = Some(h);

@@ -1,6 +1,6 @@
 //! The CUDA target: one device allocation from the memory plans (shared by the programs as on
 //! the CPU, via [`crate::cpu::layout::SharedLayout`]), NVRTC-compiled fused kernels, cuBLAS
-//! products (bias / GELU epilogues inside cuBLASLt calls with TF32, [`lt`]), flash attention
+//! products (bias / GELU epilogues inside cuBLASLt calls with TF32, `lt`), flash attention
 //! (TF32, sm_80+) or the score-matrix attention stages, hand-written gather / scatter-add, all
 //! launched in order on one stream; per-launch CUDA-event timing when profiling. The driver,
 //! context and cuBLAS can be opened in the background while the compiler works
