@@ -255,15 +255,21 @@ impl Seg<'_> {
     /// The body of the main kernel (after the signature), indented by two spaces.
     pub fn main_body(&self, out: &mut String) -> R<()> {
         match self.plan.mapping {
-            Mapping::Flat => self.flat(out, "  ", 0),
+            Mapping::Flat => self.flat(out, "  ", 0, self.flat_wide()),
             Mapping::Cols { bx, by, chunks } => self.cols(out, bx, by, chunks),
             Mapping::Rows { team, tpb, teams } => self.rows(out, team, tpb, teams),
         }
     }
 
+    /// Whether the flat body moves four elements a thread (whole rows of a multiple of four).
+    pub fn flat_wide(&self) -> bool {
+        self.p.cols % 4 == 0
+    }
+
     /// The flat body: element `i` of this segment is thread `threadIdx.x` of block
-    /// `blockIdx.x - first_block`.
-    pub fn flat(&self, out: &mut String, ind: &str, first_block: u64) -> R<()> {
+    /// `blockIdx.x - first_block`, or, `wide`, elements `4i .. 4i + 4` with 16-byte accesses
+    /// to the contiguous views.
+    pub fn flat(&self, out: &mut String, ind: &str, first_block: u64, wide: bool) -> R<()> {
         let (p, plan) = (self.p, &self.plan);
         let total = p.rows * p.cols;
         let it = if total < (1 << 31) { "unsigned" } else { "unsigned long long" };
@@ -273,21 +279,40 @@ impl Seg<'_> {
             f => format!("(blockIdx.x - {f}u)"),
         };
         let (total, cols) = if self.generic { ("total".into(), "cols".into()) } else { (format!("{total}ull"), format!("{}u", p.cols)) };
-        let _ = writeln!(out, "{ind}const {it} i = (({it}){b}) * {BLOCK}u + threadIdx.x;");
-        let _ = writeln!(out, "{ind}if (i >= {total}) return;");
-        let _ = writeln!(out, "{ind}const {it} r = i / {cols};\n{ind}const int c = (int)(i % {cols});");
         let live = &plan.main_live;
         let ids: Vec<NodeId> = (0..p.nodes.len() as NodeId).filter(|&i| live[i as usize]).collect();
-        self.lines(out, ind, &ids)?;
-        for &s in &plan.elem_stores {
-            let _ = writeln!(out, "{ind}{}", self.store(&p.stores[s])?);
+        let stores = || plan.elem_stores.iter().map(|&s| &p.stores[s]);
+        let place = format!("const {it} r = i / {cols};\n{ind}const int c = (int)(i % {cols});");
+        let inner = if wide {
+            let _ = writeln!(out, "{ind}const {it} i0 = ((({it}){b}) * {BLOCK}u + threadIdx.x) * 4u;");
+            let _ = writeln!(out, "{ind}if (i0 >= {total}) return;");
+            let at = format!("const {it} i = i0, r = i / {cols}; const int c = (int)(i % {cols});");
+            self.vector_io(out, (ind, &at), &ids, stores(), true)?;
+            let _ = writeln!(out, "#pragma unroll\n{ind}for (int j = 0; j < 4; ++j) {{");
+            let inner = format!("{ind}  ");
+            let _ = writeln!(out, "{inner}const {it} i = i0 + j;\n{inner}{}", place.replace(ind, &inner));
+            inner
+        } else {
+            let _ = writeln!(out, "{ind}const {it} i = (({it}){b}) * {BLOCK}u + threadIdx.x;");
+            let _ = writeln!(out, "{ind}if (i >= {total}) return;");
+            let _ = writeln!(out, "{ind}{place}");
+            ind.to_string()
+        };
+        self.lines(out, &inner, &ids)?;
+        for s in stores() {
+            let _ = writeln!(out, "{inner}{}", self.store(s)?);
         }
         if !plan.row_stores.is_empty() {
-            let _ = writeln!(out, "{ind}if (c == 0) {{");
+            let _ = writeln!(out, "{inner}if (c == 0) {{");
             for &s in &plan.row_stores {
-                let _ = writeln!(out, "{ind}  {}", self.store(&p.stores[s])?);
+                let _ = writeln!(out, "{inner}  {}", self.store(&p.stores[s])?);
             }
+            let _ = writeln!(out, "{inner}}}");
+        }
+        if wide {
             let _ = writeln!(out, "{ind}}}");
+            let at = format!("const {it} i = i0, r = i / {cols}; const int c = (int)(i % {cols});");
+            self.vector_io(out, (ind, &at), &ids, stores(), false)?;
         }
         Ok(())
     }

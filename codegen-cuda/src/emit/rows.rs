@@ -10,6 +10,9 @@ use fusec_ir::ReduceOp;
 use super::{op_of, red_fn, red_init, Seg, R};
 use crate::plan::{arg, region, Region, MAX_REG_PARTIALS};
 
+/// Indentation and the scope that places a 4-wide row loop's first column.
+const COLS: (&str, &str) = ("      ", "const int c = c0;");
+
 impl Seg<'_> {
     pub(super) fn rows(&self, out: &mut String, team: u32, tpb: u32, teams: u64) -> R<()> {
         let (p, plan) = (self.p, &self.plan);
@@ -79,13 +82,13 @@ impl Seg<'_> {
                 if wide && unrolled {
                     let _ = writeln!(out, "#pragma unroll\n    for (int k4 = 0; k4 < {}; ++k4) {{", k_count / 4);
                     let _ = writeln!(out, "      const int c0 = (lane + k4 * {team}) * 4;");
-                    self.vector_io(out, &body, pass.stores.iter().map(|&s| &p.stores[s]), true)?;
+                    self.vector_io(out, COLS, &body, pass.stores.iter().map(|&s| &p.stores[s]), true)?;
                     let _ =
                         writeln!(out, "#pragma unroll\n      for (int j = 0; j < 4; ++j) {{\n      const int c = c0 + j, k = k4 * 4 + j;");
                 } else if wide {
                     // 16-byte loads and stores: four columns a thread, in order.
                     let _ = writeln!(out, "    for (int c0 = lane * 4; c0 < {cols}; c0 += {}) {{", team * 4);
-                    self.vector_io(out, &body, pass.stores.iter().map(|&s| &p.stores[s]), true)?;
+                    self.vector_io(out, COLS, &body, pass.stores.iter().map(|&s| &p.stores[s]), true)?;
                     let _ = writeln!(out, "#pragma unroll\n      for (int j = 0; j < 4; ++j) {{\n      const int c = c0 + j;");
                 } else if unrolled {
                     let _ = writeln!(out, "#pragma unroll\n    for (int k = 0; k < {k_count}; ++k) {{");
@@ -110,7 +113,7 @@ impl Seg<'_> {
                 }
                 if wide {
                     let _ = writeln!(out, "      }}");
-                    self.vector_io(out, &body, pass.stores.iter().map(|&s| &p.stores[s]), false)?;
+                    self.vector_io(out, COLS, &body, pass.stores.iter().map(|&s| &p.stores[s]), false)?;
                 }
                 let _ = writeln!(out, "    }}");
                 for &rr in &pass.rowreds {
@@ -153,7 +156,14 @@ impl Seg<'_> {
     /// Around a 4-wide column loop (`c0`: its first column): before it (`open`), one `float4`
     /// load per distinct contiguous fp32 view the body reads and a register per such store;
     /// after it, the stores. Other views stay scalar accesses inside the loop.
-    fn vector_io<'s>(&self, out: &mut String, body: &[NodeId], stores: impl Iterator<Item = &'s Store>, open: bool) -> R<()> {
+    pub(super) fn vector_io<'s>(
+        &self,
+        out: &mut String,
+        (ind, at): (&str, &str),
+        body: &[NodeId],
+        stores: impl Iterator<Item = &'s Store>,
+        open: bool,
+    ) -> R<()> {
         let wide = |v: &View| v.col && v.mem == Mem::F32 && v.row.iter().all(|t| t.stride % 4 == 0);
         if open {
             let mut vec = vec![];
@@ -163,7 +173,7 @@ impl Seg<'_> {
                         let n = format!("q{}", vec.len());
                         let _ = writeln!(
                             out,
-                            "      float4 {n};\n      {{ const int c = c0; {n} = *(const float4*)&{}[{}]; }}",
+                            "{ind}float4 {n};\n{ind}{{ {at} {n} = *(const float4*)&{}[{}]; }}",
                             self.slot_name(v.slot)?,
                             self.offset(v)
                         );
@@ -174,7 +184,7 @@ impl Seg<'_> {
             for s in stores {
                 if wide(&s.view) && !vec.iter().any(|(w, _)| *w == s.view) {
                     let n = format!("w{}", vec.len());
-                    let _ = writeln!(out, "      float4 {n};");
+                    let _ = writeln!(out, "{ind}float4 {n};");
                     vec.push((s.view.clone(), n));
                 }
             }
@@ -183,12 +193,7 @@ impl Seg<'_> {
             let vec = self.vec.take();
             for s in stores {
                 if let Some((_, n)) = vec.iter().find(|(w, _)| *w == s.view) {
-                    let _ = writeln!(
-                        out,
-                        "      {{ const int c = c0; *(float4*)&{}[{}] = {n}; }}",
-                        self.slot_name(s.view.slot)?,
-                        self.offset(&s.view)
-                    );
+                    let _ = writeln!(out, "{ind}{{ {at} *(float4*)&{}[{}] = {n}; }}", self.slot_name(s.view.slot)?, self.offset(&s.view));
                 }
             }
         }

@@ -315,7 +315,8 @@ impl CudaExecutor {
                     blas::cublasSgemm_v2(d.blas, ta, tb, k.m, k.n, k.k, &one, pa, k.lda, pb, k.ldb, beta, pc, k.ldc)
                 } else {
                     blas::cublasSgemmStridedBatched(
-                        d.blas, ta, tb, k.m, k.n, k.k, &one, pa, k.lda, g.stride_a, pb, k.ldb, g.stride_b, beta, pc, k.ldc, g.stride_c, g.batch,
+                        d.blas, ta, tb, k.m, k.n, k.k, &one, pa, k.lda, g.stride_a, pb, k.ldb, g.stride_b, beta, pc, k.ldc, g.stride_c,
+                        g.batch,
                     )
                 };
                 ckb(r, "cuBLAS sgemm")
@@ -332,8 +333,8 @@ impl CudaExecutor {
                     blas::cublasGemmEx(d.blas, ta, tb, k.m, k.n, k.k, al, pa, bf, k.lda, pb, bf, k.ldb, be, pc, f32t, k.ldc, compute, alg)
                 } else {
                     blas::cublasGemmStridedBatchedEx(
-                        d.blas, ta, tb, k.m, k.n, k.k, al, pa, bf, k.lda, g.stride_a, pb, bf, k.ldb, g.stride_b, be, pc, f32t, k.ldc, g.stride_c,
-                        g.batch, compute, alg,
+                        d.blas, ta, tb, k.m, k.n, k.k, al, pa, bf, k.lda, g.stride_a, pb, bf, k.ldb, g.stride_b, be, pc, f32t, k.ldc,
+                        g.stride_c, g.batch, compute, alg,
                     )
                 };
                 ckb(r, "cuBLAS bf16 product")
