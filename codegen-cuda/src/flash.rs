@@ -42,7 +42,7 @@ pub const ENTRIES: [&str; 3] = ["fusec_flash_fwd", "fusec_flash_bwd_dq", "fusec_
 /// Whether the kernels handle heads of `d` columns (whole 8-column MMA steps; 64 at most so the
 /// backward's fragments stay in registers).
 pub fn supported(d: usize) -> bool {
-    d % 8 == 0 && (8..=64).contains(&d)
+    d.is_multiple_of(8) && (8..=64).contains(&d)
 }
 
 /// The module's name for head size `d`.

@@ -263,7 +263,7 @@ impl Seg<'_> {
 
     /// Whether the flat body moves four elements a thread (whole rows of a multiple of four).
     pub fn flat_wide(&self) -> bool {
-        self.p.cols % 4 == 0
+        self.p.cols.is_multiple_of(4)
     }
 
     /// The flat body: element `i` of this segment is thread `threadIdx.x` of block
