@@ -24,9 +24,9 @@ use fusec_ir::{BinaryOp, ReduceOp};
 
 use crate::prog::{Expr, Mem, NodeId, Prog, Space, Ty, View, FINAL};
 
-/// Where a node is computed.
+/// Where a node is computed (both backends schedule row programs by it).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Region {
+pub enum Region {
     /// Once, at function entry (kernel-wide values).
     Entry,
     /// Once per row, after the pass producing its level.
@@ -37,7 +37,8 @@ pub(crate) enum Region {
     Final,
 }
 
-pub(crate) fn region(p: &Prog, id: NodeId) -> Region {
+/// The region of node `id` of `p`.
+pub fn region(p: &Prog, id: NodeId) -> Region {
     let n = p.node(id);
     if n.level == FINAL {
         Region::Final

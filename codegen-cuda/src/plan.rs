@@ -26,33 +26,8 @@
 //! are recomputed from the inputs (GPU arithmetic is cheap next to the loads it saves).
 
 use fusec_codegen_cpu::plan::{liveness, Liveness};
-use fusec_codegen_cpu::prog::{Expr, NodeId, Prog, Space, FINAL};
-
-/// Where a node is computed (as in the CPU backend's plan).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Region {
-    /// Once, at function entry (kernel-wide values).
-    Entry,
-    /// Once per row.
-    Row,
-    /// Per column (inside the column loop, or per thread).
-    Col,
-    /// After all rows (column-reduction results and what depends on them).
-    Final,
-}
-
-pub(crate) fn region(p: &Prog, id: NodeId) -> Region {
-    let n = p.node(id);
-    if n.level == FINAL {
-        Region::Final
-    } else if n.space.has_col() {
-        Region::Col
-    } else if n.space == Space::Uni && n.level == 0 {
-        Region::Entry
-    } else {
-        Region::Row
-    }
-}
+pub(crate) use fusec_codegen_cpu::plan::{region, Region};
+use fusec_codegen_cpu::prog::{Expr, NodeId, Prog};
 
 /// Threads per block of the flat, column and finalize kernels, and of row kernels with
 /// warp-wide teams.
