@@ -36,6 +36,25 @@ pub struct TrainConfig {
     pub log_json: Option<PathBuf>,
 }
 
+impl TrainConfig {
+    /// `steps` steps of `batch` sequences of `seq` tokens at a constant `lr`, with llm.c's
+    /// other settings: betas (0.9, 0.999), no accumulation, clipping, validation or log.
+    pub fn new(batch: usize, seq: usize, steps: usize, lr: f32) -> TrainConfig {
+        TrainConfig {
+            batch,
+            seq,
+            steps,
+            lr,
+            betas: (0.9, 0.999),
+            grad_accum: 1,
+            grad_clip: None,
+            val_every: None,
+            val_batches: 0,
+            log_json: None,
+        }
+    }
+}
+
 /// One step's record.
 #[derive(Clone, Debug, PartialEq)]
 pub struct StepLog {

@@ -35,18 +35,7 @@ fn cuda(profile: bool, tf32: bool) -> CudaOptions {
 }
 
 fn train_config(b: usize, t: usize, steps: usize) -> TrainConfig {
-    TrainConfig {
-        batch: b,
-        seq: t,
-        steps,
-        lr: 1e-3,
-        betas: (0.9, 0.999),
-        grad_accum: 1,
-        grad_clip: None,
-        val_every: None,
-        val_batches: 0,
-        log_json: None,
-    }
+    TrainConfig::new(b, t, steps, 1e-3)
 }
 
 #[test]

@@ -30,18 +30,7 @@ fn cpu_matches_llmc_for_ten_steps() {
         let want_val = json["val_loss_before_step0"].as_f64().unwrap();
         assert!((v - want_val).abs() <= 1e-5, "val loss {v} vs llm.c {want_val}");
         let data = DataLoader::new(read_tokens(&dir.join("tokens_train_s11.bin")).unwrap(), B, T).unwrap();
-        let tc = TrainConfig {
-            batch: B,
-            seq: T,
-            steps: 10,
-            lr: 1e-3,
-            betas: (0.9, 0.999),
-            grad_accum: 1,
-            grad_clip: None,
-            val_every: None,
-            val_batches: 0,
-            log_json: None,
-        };
+        let tc = TrainConfig::new(B, T, 10, 1e-3);
         let logs = train(&mut ex, &tc, &data, None, |_| {}).unwrap();
         let mut worst_loss = 0f64;
         for (log, want) in logs.iter().zip(json["losses"].as_array().unwrap()) {

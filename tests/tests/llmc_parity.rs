@@ -99,18 +99,7 @@ fn ten_steps_match_llmc_losses_and_parameters() {
     for (variant, opts) in variants() {
         eprintln!("{variant}:");
         let Some(mut s) = setup(&opts) else { return };
-        let cfg = TrainConfig {
-            batch: B,
-            seq: T,
-            steps: 10,
-            lr: s.json["lr"].as_f64().unwrap() as f32,
-            betas: (0.9, 0.999),
-            grad_accum: 1,
-            grad_clip: None,
-            val_every: None,
-            val_batches: 0,
-            log_json: None,
-        };
+        let cfg = TrainConfig::new(B, T, 10, s.json["lr"].as_f64().unwrap() as f32);
         let logs = train(&mut s.ex, &cfg, &loader(&s.dir, "tokens_train_s11.bin"), None, |_| {}).unwrap();
         for (log, want) in logs.iter().zip(s.json["losses"].as_array().unwrap()) {
             let want = want.as_f64().unwrap();

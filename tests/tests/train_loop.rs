@@ -24,18 +24,7 @@ fn tokens(n: usize, seed: u64) -> Vec<u16> {
 }
 
 fn config(batch: usize, steps: usize, grad_accum: usize) -> TrainConfig {
-    TrainConfig {
-        batch,
-        seq: 8,
-        steps,
-        lr: 1e-2,
-        betas: (0.9, 0.999),
-        grad_accum,
-        grad_clip: None,
-        val_every: None,
-        val_batches: 1,
-        log_json: None,
-    }
+    TrainConfig { grad_accum, val_batches: 1, ..TrainConfig::new(batch, 8, steps, 1e-2) }
 }
 
 /// Trains and returns the logs and the final parameters.
