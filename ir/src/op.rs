@@ -196,6 +196,14 @@ pub struct Gemm {
     pub accumulate: bool,
 }
 
+impl Gemm {
+    /// The name backends give its launch, after what it fuses: `gemm`, `gemm_bias_gelu`, ...
+    pub fn launch_name(&self) -> String {
+        let parts = [(self.bias, "_bias"), (self.gelu, "_gelu"), (self.accumulate, "_acc")];
+        parts.iter().filter(|(on, _)| *on).fold("gemm".to_string(), |s, (_, p)| s + p)
+    }
+}
+
 /// The body of an [`Op::Kernel`].
 #[derive(Clone, Debug, PartialEq)]
 pub struct Kernel {
@@ -285,4 +293,17 @@ impl Op {
     pub const BINARY: [BinaryOp; 6] = [BinaryOp::Add, BinaryOp::Sub, BinaryOp::Mul, BinaryOp::Div, BinaryOp::Max, BinaryOp::Min];
     /// Every comparison.
     pub const COMPARE: [CmpOp; 6] = [CmpOp::Lt, CmpOp::Le, CmpOp::Gt, CmpOp::Ge, CmpOp::Eq, CmpOp::Ne];
+}
+
+#[cfg(test)]
+mod gemm_name_tests {
+    use super::{DType, Gemm};
+
+    #[test]
+    fn launch_names_list_the_epilogues_in_order() {
+        let g = Gemm { trans_a: false, trans_b: true, bias: true, gelu: true, out: DType::F32, accumulate: false };
+        assert_eq!(g.launch_name(), "gemm_bias_gelu");
+        assert_eq!(Gemm { bias: false, gelu: false, accumulate: true, ..g.clone() }.launch_name(), "gemm_acc");
+        assert_eq!(Gemm { bias: false, gelu: false, ..g }.launch_name(), "gemm");
+    }
 }

@@ -103,13 +103,7 @@ pub fn launches(
                 let bias = if gm.bias { Some(off(n.inputs[2])?) } else { None };
                 let acc = if gm.accumulate { Some(off(*n.inputs.last().expect("gemm has operands"))?) } else { None };
                 let pre = if gm.gelu { Some(off(n.results[1])?) } else { None };
-                let name = [
-                    "gemm",
-                    if gm.bias { "_bias" } else { "" },
-                    if gm.gelu { "_gelu" } else { "" },
-                    if gm.accumulate { "_acc" } else { "" },
-                ]
-                .concat();
+                let name = gm.launch_name();
                 let f = spec.flops();
                 (Kind::Gemm { spec, a: off(n.inputs[0])?, b: off(n.inputs[1])?, bias, acc, y: off(n.results[0])?, pre }, name, f)
             }
