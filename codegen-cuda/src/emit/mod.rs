@@ -283,10 +283,11 @@ impl Seg<'_> {
         let ids: Vec<NodeId> = (0..p.nodes.len() as NodeId).filter(|&i| live[i as usize]).collect();
         let stores = || plan.elem_stores.iter().map(|&s| &p.stores[s]);
         let place = format!("const {it} r = i / {cols};\n{ind}const int c = (int)(i % {cols});");
+        // Where the 16-byte accesses of a wide body are: its first element's row and column.
+        let at = format!("const {it} i = i0, r = i / {cols}; const int c = (int)(i % {cols});");
         let inner = if wide {
             let _ = writeln!(out, "{ind}const {it} i0 = ((({it}){b}) * {BLOCK}u + threadIdx.x) * 4u;");
             let _ = writeln!(out, "{ind}if (i0 >= {total}) return;");
-            let at = format!("const {it} i = i0, r = i / {cols}; const int c = (int)(i % {cols});");
             self.vector_io(out, (ind, &at), &ids, stores(), true)?;
             let _ = writeln!(out, "#pragma unroll\n{ind}for (int j = 0; j < 4; ++j) {{");
             let inner = format!("{ind}  ");
@@ -311,7 +312,6 @@ impl Seg<'_> {
         }
         if wide {
             let _ = writeln!(out, "{ind}}}");
-            let at = format!("const {it} i = i0, r = i / {cols}; const int c = (int)(i % {cols});");
             self.vector_io(out, (ind, &at), &ids, stores(), false)?;
         }
         Ok(())

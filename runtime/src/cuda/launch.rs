@@ -20,7 +20,7 @@ use fusec_ir::{Bindings, DType, Graph, Op, ValueId};
 use fusec_passes::memplan::MemPlan;
 
 use crate::cpu::layout::SharedLayout;
-use crate::cuda::lt::{Epilogue, LtGemm};
+use crate::cuda::lt::{Epilogue, LtPlans};
 
 /// A place in the one allocation.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -107,15 +107,8 @@ pub(crate) struct Builder<'a> {
     pub words: Vec<Option<Addr>>,
     /// Bytes of scratch the largest launch needs.
     pub scratch: u64,
-    /// cuBLASLt (handle, workspace bytes) for fused bias / GELU epilogues, when available.
-    pub lt: Option<(cudarc::cublaslt::sys::cublasLtHandle_t, usize)>,
-    /// The cuBLASLt plans the launches refer to (one per shape and epilogue: the bias and
-    /// auxiliary pointers are set at each call).
-    pub lt_plans: Vec<LtGemm>,
-    /// Plan index by (shape, epilogue).
-    pub lt_index: HashMap<(ColMajor, Epilogue), usize>,
-    /// Launches that use a cuBLASLt plan.
-    pub lt_launches: usize,
+    /// cuBLASLt plans for fused bias / GELU epilogues, when cuBLASLt is used.
+    pub lt: Option<LtPlans>,
 }
 
 /// The static word holding the error flag of gather and scatter-add (three i32s, zeroed).
@@ -210,31 +203,16 @@ impl Builder<'_> {
                     let bias = if gm.bias { Some(off(n.inputs[2])?) } else { None };
                     let acc = if gm.accumulate { Some(off(*n.inputs.last().expect("gemm has operands"))?) } else { None };
                     let pre = if gm.gelu { Some(off(n.results[1])?) } else { None };
-                    let name = [
-                        "gemm",
-                        if gm.bias { "_bias" } else { "" },
-                        if gm.gelu { "_gelu" } else { "" },
-                        if gm.accumulate { "_acc" } else { "" },
-                    ]
-                    .concat();
+                    let name = gm.launch_name();
                     let mut steps = vec![];
                     let total = spec.y_len() as u64;
-                    let lt = match self.lt {
-                        Some((h, ws)) if gm.bias && !gm.accumulate && bg.batch == 1 && !bf16 => {
-                            let epi = if gm.gelu { Epilogue::GeluAuxBias } else { Epilogue::Bias };
-                            match self.lt_index.get(&(bg.call, epi)) {
-                                Some(&i) => Some(i),
-                                None => LtGemm::new(h, &bg.call, epi, ws).map_err(err)?.map(|p| {
-                                    self.lt_plans.push(p);
-                                    self.lt_index.insert((bg.call, epi), self.lt_plans.len() - 1);
-                                    self.lt_plans.len() - 1
-                                }),
-                            }
+                    let lt = match self.lt.as_mut() {
+                        Some(lt) if gm.bias && !gm.accumulate && bg.batch == 1 && !bf16 => {
+                            lt.plan(&bg.call, if gm.gelu { Epilogue::GeluAuxBias } else { Epilogue::Bias }).map_err(err)?
                         }
                         _ => None,
                     };
                     if let Some(plan) = lt {
-                        self.lt_launches += 1;
                         let (bias, aux) = (bias.expect("a bias"), pre.unwrap_or(y));
                         steps.push(Step::GemmLt { plan, a, b, c: y, bias, aux });
                     } else if !gm.bias && !gm.gelu {

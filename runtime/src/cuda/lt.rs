@@ -8,6 +8,7 @@
 //! cuBLASLt offers no algorithm, or without TF32 (`--no-tf32` keeps the epilogue kernel, whose
 //! rounding order is the interpreter's), the launch falls back to cuBLAS + epilogue kernel.
 
+use std::collections::HashMap;
 use std::ffi::c_void;
 
 use cudarc::cublaslt::sys as lt;
@@ -148,6 +149,42 @@ impl LtGemm {
             ),
             "matmul",
         )
+    }
+}
+
+/// The plans of one build, one per (shape, epilogue), and how many launches use them.
+pub(crate) struct LtPlans {
+    handle: lt::cublasLtHandle_t,
+    /// Bytes of workspace a plan may use.
+    workspace: usize,
+    pub plans: Vec<LtGemm>,
+    index: HashMap<(ColMajor, Epilogue), usize>,
+    /// Launches that use a plan.
+    pub launches: usize,
+}
+
+impl LtPlans {
+    /// No plans yet.
+    pub fn new(handle: lt::cublasLtHandle_t, workspace: usize) -> LtPlans {
+        LtPlans { handle, workspace, plans: vec![], index: HashMap::new(), launches: 0 }
+    }
+
+    /// The plan for one more launch of `call` with `epilogue` (made at its first use); `None`
+    /// when cuBLASLt has no algorithm for it.
+    pub fn plan(&mut self, call: &ColMajor, epilogue: Epilogue) -> Result<Option<usize>, String> {
+        let i = match self.index.get(&(*call, epilogue)) {
+            Some(&i) => i,
+            None => match LtGemm::new(self.handle, call, epilogue, self.workspace)? {
+                Some(p) => {
+                    self.plans.push(p);
+                    self.index.insert((*call, epilogue), self.plans.len() - 1);
+                    self.plans.len() - 1
+                }
+                None => return Ok(None),
+            },
+        };
+        self.launches += 1;
+        Ok(Some(i))
     }
 }
 

@@ -157,16 +157,8 @@ impl CudaExecutor {
             flash: flash_funcs,
         };
 
-        let lt = dev.lt.filter(|_| opts.lt_epilogues).map(|h| (h, CUBLAS_WORKSPACE as usize));
-        let mut b = Builder {
-            native: &native,
-            words: vec![None; ERR_WORDS],
-            scratch: 0,
-            lt,
-            lt_plans: vec![],
-            lt_index: HashMap::new(),
-            lt_launches: 0,
-        };
+        let lt = dev.lt.filter(|_| opts.lt_epilogues).map(|h| lt::LtPlans::new(h, CUBLAS_WORKSPACE as usize));
+        let mut b = Builder { native: &native, words: vec![None; ERR_WORDS], scratch: 0, lt };
         let mut programs = HashMap::new();
         let mut types = HashMap::new();
         for p in &order {
@@ -188,7 +180,7 @@ impl CudaExecutor {
             programs.insert(*p, Compiled { launches, scalars, outputs });
         }
 
-        let lt_plans = std::mem::take(&mut b.lt_plans);
+        let (lt_plans, lt_launches) = b.lt.take().map_or((vec![], 0), |lt| (lt.plans, lt.launches));
         let align = |x: u64| x.div_ceil(ALIGN) * ALIGN;
         let scratch_base = align(layout.persistent_bytes + arena_max);
         let static_base = scratch_base + align(b.scratch);
@@ -224,7 +216,7 @@ impl CudaExecutor {
             scratch_bytes: b.scratch,
             device_used: used,
             step_plan: plans.remove(&Program::Step).expect("checked above"),
-            lt_epilogues: b.lt_launches,
+            lt_epilogues: lt_launches,
             attention: match flash_dims.as_slice() {
                 [] => "score matrices: cuBLAS products and softmax kernels".into(),
                 d => format!("flash (TF32 tensor cores, head size {})", d.iter().map(|d| d.to_string()).collect::<Vec<_>>().join(", ")),
