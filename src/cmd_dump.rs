@@ -40,8 +40,8 @@ pub struct DumpArgs {
     #[arg(long, default_value_t = 64)]
     seq: u64,
     /// Mixed precision: `bf16` casts matmul operands to bf16.
-    #[arg(long, value_enum, default_value = "fp32")]
-    precision: PrecisionArg,
+    #[arg(long, default_value = "fp32", value_parser = precision_parser())]
+    precision: Precision,
     /// Include global-norm gradient clipping in the optimizer.
     #[arg(long)]
     grad_clip: bool,
@@ -56,13 +56,10 @@ pub struct DumpArgs {
     timings: bool,
 }
 
-/// Precision choices on the command line.
-#[derive(Clone, Copy, ValueEnum, PartialEq, Eq)]
-pub enum PrecisionArg {
-    /// Everything fp32.
-    Fp32,
-    /// bf16 matmul operands, fp32 master weights, statistics, softmax and loss.
-    Bf16,
+/// Parses `--precision` (fp32, bf16) into the `amp` pass's policy.
+pub fn precision_parser() -> impl clap::builder::TypedValueParser<Value = Precision> {
+    use clap::builder::TypedValueParser;
+    clap::builder::PossibleValuesParser::new(Precision::NAMES).try_map(|s| s.parse::<Precision>())
 }
 
 /// The code generation step after `memplan`: each kernel's Cranelift IR.
@@ -77,7 +74,7 @@ pub fn dump(a: DumpArgs) -> CliResult {
     let parse_time = t0.elapsed();
     let opts = PipelineOptions {
         adamw: AdamWConfig { clip: a.grad_clip, ..AdamWConfig::default() },
-        precision: if a.precision == PrecisionArg::Bf16 { Precision::Bf16 } else { Precision::F32 },
+        precision: a.precision,
         no_fusion: false,
         memplan: MemplanOptions { reuse: !a.no_reuse },
     };

@@ -5,23 +5,22 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 use std::time::Instant;
 
-use fusec_ir::interp::Precision;
-use fusec_ir::{Bindings, Graph};
-use fusec_models::{logits_graph, Gpt2Config};
-use fusec_passes::amp::Precision as AmpPrecision;
+use fusec_models::Gpt2Config;
+use fusec_passes::amp::Precision;
 use fusec_passes::optimizer::AdamWConfig;
-use fusec_passes::pipeline::{compile, Mode, PassRun, PipelineOptions};
-use fusec_runtime::checkpoint::{Checkpoint, LlmcConfig};
+use fusec_passes::pipeline::{PassRun, PipelineOptions};
+use fusec_runtime::checkpoint::Checkpoint;
 use fusec_runtime::corpus::markov_tokens;
 use fusec_runtime::cpu::CpuExecutor;
 use fusec_runtime::cuda::{CudaExecutor, CudaOptions};
 use fusec_runtime::data::DataLoader;
-use fusec_runtime::executor::{Executor, Program, RefExecutor};
+use fusec_runtime::executor::{Executor, RefExecutor};
 use fusec_runtime::params::{checkpoint_from_params, params_from_checkpoint};
+use fusec_runtime::programs::RunPrograms;
 use fusec_runtime::tokens::read_tokens;
 use fusec_runtime::train::{eval_loss, init_state, train, TrainConfig};
 
-use crate::cmd_dump::PrecisionArg;
+use crate::cmd_dump::precision_parser;
 use crate::report::{mib, profile_json, profile_table, table, Progress};
 use crate::{load_graph, CliResult};
 
@@ -85,8 +84,8 @@ pub struct RunArgs {
     grad_clip: Option<f32>,
     /// Mixed precision: `bf16` casts matmul operands to bf16 (fp32 master weights, statistics,
     /// softmax and loss); `--target cuda` or `ref`.
-    #[arg(long, value_enum, default_value = "fp32")]
-    precision: PrecisionArg,
+    #[arg(long, default_value = "fp32", value_parser = precision_parser())]
+    precision: Precision,
     /// Exact fp32 matmuls on CUDA (default: TF32 tensor cores, as PyTorch allows).
     #[arg(long)]
     no_tf32: bool,
@@ -104,7 +103,7 @@ pub struct RunArgs {
     /// CPU threads (default: all cores).
     #[arg(long)]
     threads: Option<usize>,
-    /// Time every launch and print a per-kernel table at the end (CPU target).
+    /// Time every launch and print a per-kernel table at the end (`cpu` and `cuda` targets).
     #[arg(long)]
     profile: bool,
     /// Write the per-kernel profile as JSON.
@@ -138,18 +137,17 @@ pub fn run(a: RunArgs) -> CliResult {
     rayon::ThreadPoolBuilder::new().num_threads(threads).build_global().map_err(|e| format!("thread pool: {e}"))?;
     let g = load_graph(&a.file)?;
     let model = Gpt2Config::from_graph(&g).map_err(|e| format!("{}: {e}", a.file.display()))?;
-    let llmc = LlmcConfig::from(&model);
     if a.batch == 0 || a.seq == 0 || a.grad_accum == 0 {
         return Err("--batch, --seq and --grad-accum must be at least 1".into());
     }
-    if a.precision == PrecisionArg::Bf16 && a.target == Target::Cpu {
+    if a.precision == Precision::Bf16 && a.target == Target::Cpu {
         return Err("--precision bf16 needs --target cuda or --target ref (the CPU target's products are fp32)".into());
     }
     if a.seq > model.max_seq {
         return Err(format!("--seq {} exceeds the model's maximum sequence length {}", a.seq, model.max_seq));
     }
     let ckpt = match a.init.as_str() {
-        "random" => fusec_runtime::checkpoint::random_init(&llmc, a.seed),
+        "random" => fusec_runtime::checkpoint::random_init(&model, a.seed),
         path => Checkpoint::read(path.as_ref()).map_err(|e| e.to_string())?,
     };
     let params = params_from_checkpoint(&g, &ckpt)?;
@@ -159,20 +157,18 @@ pub fn run(a: RunArgs) -> CliResult {
         adamw: AdamWConfig { weight_decay: a.weight_decay, clip: a.grad_clip.is_some(), ..AdamWConfig::default() },
         // The reference target runs the unfused programs: it is the oracle.
         no_fusion: a.target == Target::Ref,
-        precision: if a.precision == PrecisionArg::Bf16 { AmpPrecision::Bf16 } else { AmpPrecision::F32 },
+        precision: a.precision,
         ..PipelineOptions::default()
     };
-    let mut bind = Bindings::default();
-    bind.set("B", a.batch as u64).set("T", a.seq as u64);
     let t_compile = Instant::now();
-    let (graphs, pass_runs) = programs(&g, &opts, &bind, a.sample > 0)?;
+    let run = RunPrograms::compile(&g, &opts, &RunPrograms::bindings(a.batch, a.seq), a.sample > 0)?;
     let mut summary: Vec<(String, String)> = vec![];
     let mut profiling = false;
     let mut cuda: Option<u64> = None;
     let mut ex: Box<dyn Executor> = match a.target {
-        Target::Ref => Box::new(RefExecutor::new(graphs.clone(), bind.clone(), Precision::F32)),
+        Target::Ref => Box::new(RefExecutor::new(&run, fusec_ir::interp::Precision::F32)),
         Target::Cpu => {
-            let (ex, build) = CpuExecutor::new(&graphs, &bind, threads, a.profile || a.profile_json.is_some())?;
+            let (ex, build) = CpuExecutor::new(&run, threads, a.profile || a.profile_json.is_some())?;
             profiling = ex.profile.is_some();
             let plan = &build.step_plan;
             summary.push((
@@ -193,16 +189,14 @@ pub fn run(a: RunArgs) -> CliResult {
             Box::new(ex)
         }
         Target::Cuda => {
-            if a.no_cuda_graph {
-                std::env::set_var("FUSEC_CUDA_GRAPHS", "0");
-            }
             let cuda_opts = CudaOptions {
                 profile: a.profile || a.profile_json.is_some(),
                 tf32: !a.no_tf32,
                 flash: !a.no_flash_attention,
                 lt_epilogues: !a.no_cublaslt,
+                graphs: !a.no_cuda_graph,
             };
-            let (ex, build) = CudaExecutor::new(&graphs, &bind, &cuda_opts)?;
+            let (ex, build) = CudaExecutor::new(&run, &cuda_opts)?;
             profiling = ex.profile.is_some();
             let k = &build.kernels;
             summary.push((
@@ -238,7 +232,7 @@ pub fn run(a: RunArgs) -> CliResult {
         }
     };
     let compile_ms = t_compile.elapsed().as_secs_f64() * 1e3;
-    let step_graph = &graphs[&Program::Step];
+    let step_graph = run.step()?;
     init_state(ex.as_mut(), step_graph, &params)?;
 
     if a.steps == 0 {
@@ -278,7 +272,7 @@ pub fn run(a: RunArgs) -> CliResult {
         ("loss".into(), format!("{first:.4} → {last:.4} over {} steps{val}", logs.len())),
         ("step time".into(), format!("{ms:.1} ms/step (first step {:.1} ms)", logs[0].ms)),
         ("throughput".into(), format!("{:.0} tok/s", tokens_per_step as f64 / ms * 1e3)),
-        ("compile".into(), format!("{compile_ms:.1} ms: {}", pass_times(&pass_runs))),
+        ("compile".into(), format!("{compile_ms:.1} ms: {}", pass_times(&run.pass_runs))),
         (
             "first step".into(),
             format!(
@@ -312,7 +306,7 @@ pub fn run(a: RunArgs) -> CliResult {
         for (name, _) in g.params() {
             now.insert(name.to_string(), ex.get(name)?);
         }
-        checkpoint_from_params(&llmc, &now)?.write(path).map_err(|e| e.to_string())?;
+        checkpoint_from_params(&model, &now)?.write(path).map_err(|e| e.to_string())?;
         println!("saved {}", path.display());
     }
     Ok(())
@@ -333,23 +327,6 @@ fn load_data(a: &RunArgs, model: &Gpt2Config) -> Result<(DataLoader, Option<Data
             (corpus(1)?, Some(corpus(2)?))
         }
     })
-}
-
-/// The programs of a run, scheduled for the binding, and the Step program's pass timings.
-fn programs(g: &Graph, opts: &PipelineOptions, bind: &Bindings, logits: bool) -> Result<(HashMap<Program, Graph>, Vec<PassRun>), String> {
-    let mut graphs = HashMap::new();
-    let mut runs = vec![];
-    for (p, m) in [(Program::Eval, Mode::Forward), (Program::Grad, Mode::Grad), (Program::Step, Mode::Step)] {
-        let c = compile(g, "schedule", m, opts, bind)?;
-        if p == Program::Step {
-            runs = c.runs;
-        }
-        graphs.insert(p, c.graph);
-    }
-    if logits {
-        graphs.insert(Program::Logits, compile(&logits_graph(g)?, "schedule", Mode::Forward, opts, bind)?.graph);
-    }
-    Ok((graphs, runs))
 }
 
 fn pass_times(runs: &[PassRun]) -> String {

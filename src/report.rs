@@ -3,7 +3,7 @@
 use std::io::{IsTerminal, Write};
 use std::time::Instant;
 
-use fusec_runtime::cpu::profile::Profile;
+use fusec_runtime::profile::Profile;
 use fusec_runtime::train::StepLog;
 
 /// A one-line progress bar on a terminal; a line every few steps otherwise (logs stay short).

@@ -2,7 +2,8 @@
 
 use fusec_ir::interp::Tensor;
 use fusec_models::Gpt2Config;
-use fusec_runtime::executor::{Executor, Program};
+use fusec_runtime::executor::Executor;
+use fusec_runtime::programs::Program;
 use fusec_runtime::sample::generate;
 use fusec_runtime::tokenizer::{describe_tokens, Gpt2Tokenizer, GPT2_VOCAB};
 

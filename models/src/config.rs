@@ -1,7 +1,17 @@
-//! GPT-2 model sizes and the named presets.
+//! GPT-2 model sizes and the named presets: the one config type of the builder and of llm.c's
+//! checkpoint header (`fusec_runtime::checkpoint` reads and writes it).
+
+use std::fmt;
+
+/// Largest accepted values, to reject garbage headers and flags before allocating anything.
+const MAX_SEQ: usize = 1 << 20;
+const MAX_VOCAB: usize = 1 << 24;
+const MAX_LAYERS: usize = 4096;
+const MAX_CHANNELS: usize = 1 << 16;
+const MAX_PARAMS: usize = 1 << 40;
 
 /// The sizes that define a GPT-2 model (llm.c's header fields).
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Gpt2Config {
     /// Number of transformer blocks (L).
     pub layers: usize,
@@ -36,34 +46,59 @@ impl Gpt2Config {
         presets().into_iter().find(|(n, _, _)| *n == name).map(|(_, c, _)| c)
     }
 
-    /// Checks that the sizes describe a buildable model; says what is wrong otherwise.
+    /// Checks that every size is positive and sane (the limits reject garbage checkpoint
+    /// headers and configs whose parameters could not be allocated): channels divisible by
+    /// heads, padded vocab ≥ vocab. The error names the value by its llm.c header name.
     pub fn validate(&self) -> Result<(), String> {
         let fields = [
-            ("layers", self.layers),
-            ("heads", self.heads),
-            ("channels", self.channels),
-            ("vocab", self.vocab),
-            ("padded vocab", self.padded_vocab),
-            ("max sequence length", self.max_seq),
+            ("max_seq_len", self.max_seq, MAX_SEQ),
+            ("vocab_size", self.vocab, MAX_VOCAB),
+            ("padded_vocab_size", self.padded_vocab, MAX_VOCAB),
+            ("num_layers", self.layers, MAX_LAYERS),
+            ("num_heads", self.heads, MAX_CHANNELS),
+            ("channels", self.channels, MAX_CHANNELS),
         ];
-        for (name, v) in fields {
-            if v == 0 || v > 1 << 24 {
-                return Err(format!("{name} must be in 1..=16777216, found {v}"));
+        for (name, value, limit) in fields {
+            if value == 0 {
+                return Err(format!("bad config: {name} is 0; it must be positive"));
+            }
+            if value > limit {
+                return Err(format!("bad config: {name} {value} is absurdly large (limit {limit})"));
             }
         }
-        if self.channels % self.heads != 0 {
-            return Err(format!("channels ({}) must be divisible by heads ({})", self.channels, self.heads));
+        if !self.channels.is_multiple_of(self.heads) {
+            return Err(format!("bad config: channels {} is not divisible by num_heads {}", self.channels, self.heads));
         }
         if self.padded_vocab < self.vocab {
-            return Err(format!("padded vocab ({}) must be at least vocab ({})", self.padded_vocab, self.vocab));
+            return Err(format!("bad config: padded_vocab_size {} is smaller than vocab_size {}", self.padded_vocab, self.vocab));
         }
-        Ok(())
+        match self.checked_num_params() {
+            Some(n) if n <= MAX_PARAMS => Ok(()),
+            _ => Err(format!("bad config: {self} has absurdly many parameters")),
+        }
     }
 
-    /// Number of trainable parameters.
+    /// Number of trainable parameters. Saturates for absurd configs; call
+    /// [`Gpt2Config::validate`] first.
     pub fn num_params(&self) -> usize {
+        self.checked_num_params().unwrap_or(usize::MAX)
+    }
+
+    fn checked_num_params(&self) -> Option<usize> {
         let (l, c) = (self.layers, self.channels);
-        self.padded_vocab * c + self.max_seq * c + l * (12 * c * c + 13 * c) + 2 * c
+        let per_layer = c.checked_mul(c)?.checked_mul(12)?.checked_add(c.checked_mul(13)?)?;
+        let embeddings = self.padded_vocab.checked_add(self.max_seq)?.checked_mul(c)?;
+        embeddings.checked_add(l.checked_mul(per_layer)?)?.checked_add(c.checked_mul(2)?)
+    }
+}
+
+impl fmt::Display for Gpt2Config {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "(max_seq_len {}, vocab_size {}, padded_vocab_size {}, num_layers {}, num_heads {}, channels {})",
+            self.max_seq, self.vocab, self.padded_vocab, self.layers, self.heads, self.channels
+        )
     }
 }
 

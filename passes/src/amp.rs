@@ -23,6 +23,22 @@ pub enum Precision {
     Bf16,
 }
 
+impl Precision {
+    /// The names `--precision` accepts, in order.
+    pub const NAMES: [&'static str; 2] = ["fp32", "bf16"];
+}
+
+impl std::str::FromStr for Precision {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Precision, String> {
+        match s {
+            "fp32" => Ok(Precision::F32),
+            "bf16" => Ok(Precision::Bf16),
+            _ => Err(format!("unknown precision `{s}`; expected one of: {}", Precision::NAMES.join(", "))),
+        }
+    }
+}
+
 /// The bf16 copy of `v` (made once): a reshape of the copy of what `v` reshapes, if it is a
 /// reshape.
 fn to_bf16(out: &mut Graph, bf16_of: &mut HashMap<ValueId, ValueId>, v: ValueId) -> ValueId {

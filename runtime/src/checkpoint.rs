@@ -7,10 +7,10 @@
 //! tensors hold all layers together (leading dimension L); in the graph each layer's slice is
 //! its own parameter, named `NAME.l` (e.g. `qkvw.2`).
 
-use std::fmt;
 use std::path::Path;
 
 use fusec_ir::rng::Rng;
+pub use fusec_models::Gpt2Config;
 use rayon::prelude::*;
 
 use crate::file_error::{self, FileError, HEADER_BYTES};
@@ -19,13 +19,6 @@ use crate::file_error::{self, FileError, HEADER_BYTES};
 pub const CHECKPOINT_MAGIC: i32 = 20240326;
 /// The only supported checkpoint version (fp32 weights).
 pub const CHECKPOINT_VERSION: i32 = 3;
-
-/// Largest accepted values, to reject garbage headers before allocating anything.
-const MAX_SEQ: usize = 1 << 20;
-const MAX_VOCAB: usize = 1 << 24;
-const MAX_LAYERS: usize = 4096;
-const MAX_CHANNELS: usize = 1 << 16;
-const MAX_PARAMS: usize = 1 << 40;
 
 /// The 16 llm.c tensor names in checkpoint order.
 const NAMES: [&str; 16] = [
@@ -38,144 +31,42 @@ fn is_per_layer(name: &str) -> bool {
     !matches!(name, "wte" | "wpe" | "lnfw" | "lnfb")
 }
 
-/// The same sizes as a GPT-2 graph builder config (`fusec_models::Gpt2Config`).
-impl From<&fusec_models::Gpt2Config> for LlmcConfig {
-    fn from(c: &fusec_models::Gpt2Config) -> Self {
-        LlmcConfig {
-            max_seq: c.max_seq,
-            vocab: c.vocab,
-            padded_vocab: c.padded_vocab,
-            layers: c.layers,
-            heads: c.heads,
-            channels: c.channels,
-        }
-    }
+/// Builds a config from a checkpoint header (magic and version already checked); rejects
+/// negative values, naming the header slot.
+fn config_from_header(h: &[i32; 256]) -> Result<Gpt2Config, String> {
+    let slot = |i: usize, name: &str| -> Result<usize, String> {
+        usize::try_from(h[i]).map_err(|_| format!("bad config: {name} is {} (header slot {i}); it must be positive", h[i]))
+    };
+    let cfg = Gpt2Config {
+        max_seq: slot(2, "max_seq_len")?,
+        vocab: slot(3, "vocab_size")?,
+        layers: slot(4, "num_layers")?,
+        heads: slot(5, "num_heads")?,
+        channels: slot(6, "channels")?,
+        padded_vocab: slot(7, "padded_vocab_size")?,
+    };
+    cfg.validate()?;
+    Ok(cfg)
 }
 
-impl LlmcConfig {
-    /// The GPT-2 builder config of the same sizes.
-    pub fn model(&self) -> fusec_models::Gpt2Config {
-        fusec_models::Gpt2Config {
-            layers: self.layers,
-            heads: self.heads,
-            channels: self.channels,
-            vocab: self.vocab,
-            padded_vocab: self.padded_vocab,
-            max_seq: self.max_seq,
-        }
-    }
-}
-
-/// A GPT-2 model configuration as stored in an llm.c checkpoint header.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct LlmcConfig {
-    /// Maximum sequence length (rows of `wpe`).
-    pub max_seq: usize,
-    /// Real vocabulary size V (tokens and loss use ids below it).
-    pub vocab: usize,
-    /// Padded vocabulary size Vp ≥ V (rows of `wte`).
-    pub padded_vocab: usize,
-    /// Number of transformer blocks L.
-    pub layers: usize,
-    /// Number of attention heads NH.
-    pub heads: usize,
-    /// Channels C (a multiple of NH).
-    pub channels: usize,
-}
-
-impl fmt::Display for LlmcConfig {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "(max_seq_len {}, vocab_size {}, padded_vocab_size {}, num_layers {}, num_heads {}, \
-             channels {})",
-            self.max_seq, self.vocab, self.padded_vocab, self.layers, self.heads, self.channels
-        )
-    }
-}
-
-impl LlmcConfig {
-    /// Checks that every size is positive and sane: channels divisible by heads,
-    /// padded vocab ≥ vocab, nothing absurdly large. The error says which value is wrong.
-    pub fn validate(&self) -> Result<(), String> {
-        let fields = [
-            ("max_seq_len", self.max_seq, MAX_SEQ),
-            ("vocab_size", self.vocab, MAX_VOCAB),
-            ("padded_vocab_size", self.padded_vocab, MAX_VOCAB),
-            ("num_layers", self.layers, MAX_LAYERS),
-            ("num_heads", self.heads, MAX_CHANNELS),
-            ("channels", self.channels, MAX_CHANNELS),
-        ];
-        for (name, value, limit) in fields {
-            if value == 0 {
-                return Err(format!("bad config: {name} is 0; it must be positive"));
-            }
-            if value > limit {
-                return Err(format!("bad config: {name} {value} is absurdly large (limit {limit})"));
-            }
-        }
-        if !self.channels.is_multiple_of(self.heads) {
-            return Err(format!("bad config: channels {} is not divisible by num_heads {}", self.channels, self.heads));
-        }
-        if self.padded_vocab < self.vocab {
-            return Err(format!("bad config: padded_vocab_size {} is smaller than vocab_size {}", self.padded_vocab, self.vocab));
-        }
-        match self.checked_num_params() {
-            Some(n) if n <= MAX_PARAMS => Ok(()),
-            _ => Err(format!("bad config: {self} has absurdly many parameters")),
-        }
-    }
-
-    /// Total number of parameters (floats in the checkpoint). Saturates for absurd configs;
-    /// call [`LlmcConfig::validate`] first.
-    pub fn num_params(&self) -> usize {
-        self.checked_num_params().unwrap_or(usize::MAX)
-    }
-
-    fn checked_num_params(&self) -> Option<usize> {
-        param_layout(self).iter().try_fold(0usize, |acc, (_, shape)| {
-            let n = shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d))?;
-            acc.checked_add(n)
-        })
-    }
-
-    /// Builds a config from a checkpoint header (magic and version already checked);
-    /// rejects negative values, naming the header slot.
-    fn from_header(h: &[i32; 256]) -> Result<LlmcConfig, String> {
-        let slot = |i: usize, name: &str| -> Result<usize, String> {
-            usize::try_from(h[i]).map_err(|_| format!("bad config: {name} is {} (header slot {i}); it must be positive", h[i]))
-        };
-        let cfg = LlmcConfig {
-            max_seq: slot(2, "max_seq_len")?,
-            vocab: slot(3, "vocab_size")?,
-            layers: slot(4, "num_layers")?,
-            heads: slot(5, "num_heads")?,
-            channels: slot(6, "channels")?,
-            padded_vocab: slot(7, "padded_vocab_size")?,
-        };
-        cfg.validate()?;
-        Ok(cfg)
-    }
-
-    /// The checkpoint header for this config (magic, version 3, sizes, zeros).
-    fn header(&self) -> [i32; 256] {
-        let mut h = [0i32; 256];
-        h[0] = CHECKPOINT_MAGIC;
-        h[1] = CHECKPOINT_VERSION;
-        // validate() bounds every field well below i32::MAX.
-        h[2] = self.max_seq as i32;
-        h[3] = self.vocab as i32;
-        h[4] = self.layers as i32;
-        h[5] = self.heads as i32;
-        h[6] = self.channels as i32;
-        h[7] = self.padded_vocab as i32;
-        h
-    }
+/// The checkpoint header for a valid config (magic, version 3, sizes, zeros).
+fn header(cfg: &Gpt2Config) -> [i32; 256] {
+    let mut h = [0i32; 256];
+    h[0] = CHECKPOINT_MAGIC;
+    h[1] = CHECKPOINT_VERSION;
+    // validate() bounds every field well below i32::MAX.
+    h[2] = cfg.max_seq as i32;
+    h[3] = cfg.vocab as i32;
+    h[4] = cfg.layers as i32;
+    h[5] = cfg.heads as i32;
+    h[6] = cfg.channels as i32;
+    h[7] = cfg.padded_vocab as i32;
+    h
 }
 
 /// The 16 llm.c tensors in checkpoint order with their full shapes (per-layer tensors
 /// have a leading dimension L).
-pub fn param_layout(cfg: &LlmcConfig) -> Vec<(&'static str, Vec<usize>)> {
+pub fn param_layout(cfg: &Gpt2Config) -> Vec<(&'static str, Vec<usize>)> {
     let (l, c, vp, t) = (cfg.layers, cfg.channels, cfg.padded_vocab, cfg.max_seq);
     let shapes: [Vec<usize>; 16] = [
         vec![vp, c],
@@ -200,7 +91,7 @@ pub fn param_layout(cfg: &LlmcConfig) -> Vec<(&'static str, Vec<usize>)> {
 
 /// Every graph parameter name and shape in checkpoint order: `wte`, `wpe`, then each
 /// per-layer tensor split by layer (`ln1w.0` … `ln1w.{L-1}`, `ln1b.0` …), then `lnfw`, `lnfb`.
-pub fn graph_param_names(cfg: &LlmcConfig) -> Vec<(String, Vec<usize>)> {
+pub fn graph_param_names(cfg: &Gpt2Config) -> Vec<(String, Vec<usize>)> {
     let mut out = Vec::new();
     for (name, shape) in param_layout(cfg) {
         if is_per_layer(name) {
@@ -218,14 +109,14 @@ pub fn graph_param_names(cfg: &LlmcConfig) -> Vec<(String, Vec<usize>)> {
 #[derive(Debug, Clone, PartialEq)]
 pub struct Checkpoint {
     /// The model configuration from the header.
-    pub config: LlmcConfig,
+    pub config: Gpt2Config,
     /// All `config.num_params()` parameters, in the order of [`param_layout`].
     pub params: Vec<f32>,
 }
 
 /// Opens a checkpoint, checks magic, version, config and the exact file size.
 /// Returns the open file (positioned after the header), the config and the parameter count.
-fn open_checkpoint(path: &Path) -> Result<(std::fs::File, LlmcConfig, usize), FileError> {
+fn open_checkpoint(path: &Path) -> Result<(std::fs::File, Gpt2Config, usize), FileError> {
     let (mut file, len) = file_error::open_with_len(path)?;
     let h = file_error::read_header(path, &mut file, len, "checkpoint")?;
     if h[0] != CHECKPOINT_MAGIC {
@@ -250,7 +141,7 @@ fn open_checkpoint(path: &Path) -> Result<(std::fs::File, LlmcConfig, usize), Fi
             ),
         ));
     }
-    let config = LlmcConfig::from_header(&h).map_err(|m| FileError::new(path, m))?;
+    let config = config_from_header(&h).map_err(|m| FileError::new(path, m))?;
     let n = config.num_params();
     let expected = 4 * n as u64;
     let found = len - HEADER_BYTES as u64;
@@ -275,7 +166,7 @@ impl Checkpoint {
 
     /// Reads and validates only the config of a checkpoint (for `--like CKPT`); the file
     /// size is still checked, the parameters are not read.
-    pub fn read_header(path: &Path) -> Result<LlmcConfig, FileError> {
+    pub fn read_header(path: &Path) -> Result<Gpt2Config, FileError> {
         open_checkpoint(path).map(|(_, config, _)| config)
     }
 
@@ -291,7 +182,7 @@ impl Checkpoint {
             ));
         }
         let mut chunks = self.params.chunks(1 << 18);
-        file_error::write_file(path, &self.config.header(), |buf| match chunks.next() {
+        file_error::write_file(path, &header(&self.config), |buf| match chunks.next() {
             Some(c) => {
                 buf.extend(c.iter().flat_map(|v| v.to_le_bytes()));
                 true
@@ -339,7 +230,7 @@ impl Checkpoint {
 
     /// Assembles a checkpoint from per-graph-parameter tensors: `lookup(name)` must return
     /// the data of every name in [`graph_param_names`] with the right number of values.
-    pub fn from_named(config: LlmcConfig, lookup: impl Fn(&str) -> Option<Vec<f32>>) -> Result<Checkpoint, String> {
+    pub fn from_named(config: Gpt2Config, lookup: impl Fn(&str) -> Option<Vec<f32>>) -> Result<Checkpoint, String> {
         config.validate()?;
         let mut params = Vec::with_capacity(config.num_params());
         for (name, shape) in graph_param_names(&config) {
@@ -357,8 +248,7 @@ impl Checkpoint {
 /// GPT-2-style random initialisation, deterministic per seed: `wte`, `wpe`, `qkvw`, `fcw`
 /// normal with std 0.02; `attprojw`, `fcprojw` std 0.02/√(2L); biases 0; LayerNorm scales 1;
 /// `wte` padding rows (V..Vp) exactly 0. The config must be valid.
-pub fn random_init(cfg: &LlmcConfig, seed: u64) -> Checkpoint {
-    debug_assert!(cfg.validate().is_ok(), "random_init on an invalid config");
+pub fn random_init(cfg: &Gpt2Config, seed: u64) -> Checkpoint {
     let stream = Rng::new(seed);
     // Normals drawn so far; each takes two outputs of the one stream, so slices of it are
     // drawn in parallel with exactly the values of drawing them in order.

@@ -5,18 +5,8 @@ use std::collections::HashMap;
 use fusec_ir::interp::{self, Precision, Tensor};
 use fusec_ir::{Bindings, DType, Graph};
 
-/// The programs a training run needs, compiled once per run.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Program {
-    /// Forward + loss (validation).
-    Eval,
-    /// Forward + backward, accumulating into the `grad.P` tensors (a micro-step).
-    Grad,
-    /// Forward + backward + AdamW (the last micro-step of a step).
-    Step,
-    /// Forward to the logits (sampling).
-    Logits,
-}
+use crate::profile::Profile;
+use crate::programs::{Program, RunPrograms};
 
 /// A target that holds named tensors (parameters, optimizer state, gradient accumulators,
 /// per-step inputs) and runs programs over them.
@@ -42,7 +32,7 @@ pub trait Executor {
         None
     }
     /// Per-kernel timings, for executors that profile.
-    fn profile(&self) -> Option<crate::cpu::profile::Profile> {
+    fn profile(&self) -> Option<Profile> {
         None
     }
 }
@@ -77,8 +67,9 @@ pub struct RefExecutor {
 }
 
 impl RefExecutor {
-    /// An executor for the given programs under a binding of `B` and `T`.
-    pub fn new(graphs: HashMap<Program, Graph>, bindings: Bindings, precision: Precision) -> RefExecutor {
+    /// An executor for the programs of a run, computing in `precision`.
+    pub fn new(run: &RunPrograms, precision: Precision) -> RefExecutor {
+        let (graphs, bindings) = (run.graphs.clone(), run.bind.clone());
         RefExecutor { graphs, bindings, precision, tensors: HashMap::new(), last: HashMap::new() }
     }
 }

@@ -34,6 +34,6 @@ pub fn params_from_checkpoint(g: &Graph, ckpt: &Checkpoint) -> Result<HashMap<St
 }
 
 /// Writes parameter tensors back into a checkpoint of the given config, by name.
-pub fn checkpoint_from_params(cfg: &crate::checkpoint::LlmcConfig, params: &HashMap<String, Tensor>) -> Result<Checkpoint, String> {
-    Checkpoint::from_named(cfg.clone(), |name| params.get(name).map(|t| t.to_f32()))
+pub fn checkpoint_from_params(cfg: &fusec_models::Gpt2Config, params: &HashMap<String, Tensor>) -> Result<Checkpoint, String> {
+    Checkpoint::from_named(*cfg, |name| params.get(name).map(|t| t.to_f32()))
 }

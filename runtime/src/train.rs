@@ -9,7 +9,8 @@ use fusec_ir::interp::Tensor;
 use fusec_ir::{DType, Graph};
 
 use crate::data::DataLoader;
-use crate::executor::{Executor, Program};
+use crate::executor::Executor;
+use crate::programs::Program;
 
 /// Settings of a training run.
 #[derive(Clone, Debug)]

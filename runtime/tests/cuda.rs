@@ -3,31 +3,28 @@
 //! the tiny GPT-2 trains to the CPU target's losses (within 1e-3 with TF32 products, 1e-5
 //! without), the same bits twice, and llm.c's reference run (llmc-odd) is reproduced.
 
-use std::collections::HashMap;
 use std::path::PathBuf;
 
 use fusec_ir::interp::Tensor;
-use fusec_ir::{Bindings, DType, Graph};
+use fusec_ir::{DType, Graph};
 use fusec_models::{build_gpt2, Gpt2Config};
-use fusec_passes::pipeline::{compile, Mode, PipelineOptions};
-use fusec_runtime::checkpoint::{random_init, Checkpoint, LlmcConfig};
+use fusec_passes::pipeline::PipelineOptions;
+use fusec_runtime::checkpoint::{random_init, Checkpoint};
 use fusec_runtime::cpu::CpuExecutor;
 use fusec_runtime::cuda::{check_libraries, CudaExecutor, CudaOptions};
 use fusec_runtime::data::DataLoader;
-use fusec_runtime::executor::{Executor, Program, RefExecutor};
+use fusec_runtime::executor::{Executor, RefExecutor};
 use fusec_runtime::params::params_from_checkpoint;
+use fusec_runtime::programs::{Program, RunPrograms};
 use fusec_runtime::tokens::read_tokens;
 use fusec_runtime::train::{eval_loss, init_state, train, TrainConfig};
 
-fn programs(fwd: &Graph, b: usize, t: usize) -> (HashMap<Program, Graph>, Bindings) {
+fn programs(fwd: &Graph, b: usize, t: usize) -> RunPrograms {
     programs_with(fwd, b, t, &PipelineOptions::default())
 }
 
-fn programs_with(fwd: &Graph, b: usize, t: usize, opts: &PipelineOptions) -> (HashMap<Program, Graph>, Bindings) {
-    let mut bind = Bindings::default();
-    bind.set("B", b as u64).set("T", t as u64);
-    let c = |m| compile(fwd, "schedule", m, opts, &bind).unwrap().graph;
-    ([(Program::Eval, c(Mode::Forward)), (Program::Grad, c(Mode::Grad)), (Program::Step, c(Mode::Step))].into(), bind)
+fn programs_with(fwd: &Graph, b: usize, t: usize, opts: &PipelineOptions) -> RunPrograms {
+    RunPrograms::compile(fwd, opts, &RunPrograms::bindings(b, t), false).unwrap()
 }
 
 fn cuda(profile: bool, tf32: bool) -> CudaOptions {
@@ -41,11 +38,11 @@ fn train_config(b: usize, t: usize, steps: usize) -> TrainConfig {
 #[test]
 fn without_a_gpu_new_is_an_error_naming_what_is_missing() {
     let cfg = Gpt2Config::preset("tiny").unwrap();
-    let (graphs, bind) = programs(&build_gpt2(&cfg, "tiny"), 2, 8);
+    let run = programs(&build_gpt2(&cfg, "tiny"), 2, 8);
     match check_libraries() {
         Ok(()) => eprintln!("SKIPPED: the CUDA libraries are present here (this test is for machines without a GPU)"),
         Err(e) => {
-            let err = CudaExecutor::new(&graphs, &bind, &cuda(false, true)).err().expect("no GPU: an error");
+            let err = CudaExecutor::new(&run, &cuda(false, true)).err().expect("no GPU: an error");
             assert_eq!(err, e);
             if !e.starts_with("no CUDA driver found") {
                 eprintln!("the driver is present but: {e}");
@@ -64,7 +61,7 @@ fn tiny_losses(ex: &mut dyn Executor, step: &Graph, cfg: &Gpt2Config, b: usize, 
 
 fn tiny_losses_with(ex: &mut dyn Executor, step: &Graph, cfg: &Gpt2Config, tc: &TrainConfig) -> Vec<f64> {
     let fwd = build_gpt2(cfg, "tiny");
-    let params = params_from_checkpoint(&fwd, &random_init(&LlmcConfig::from(cfg), 1337)).unwrap();
+    let params = params_from_checkpoint(&fwd, &random_init(&cfg, 1337)).unwrap();
     init_state(ex, step, &params).unwrap();
     let data = DataLoader::new(fusec_runtime::corpus::markov_tokens(cfg.vocab, 20_000, 42, 1), tc.batch, tc.seq).unwrap();
     let mut out = vec![eval_loss(ex, &data, 2, tc.batch, tc.seq).unwrap()];
@@ -82,12 +79,12 @@ fn tiny_gpt2_with_clipping_decay_and_accumulation_trains_like_the_cpu_target() {
     let mut opts = PipelineOptions::default();
     opts.adamw.clip = true;
     opts.adamw.weight_decay = 0.1;
-    let (graphs, bind) = programs_with(&build_gpt2(&cfg, "tiny"), 2, 32, &opts);
-    let step = &graphs[&Program::Step];
+    let run = programs_with(&build_gpt2(&cfg, "tiny"), 2, 32, &opts);
+    let step = run.step().unwrap();
     let tc = TrainConfig { grad_accum: 2, grad_clip: Some(0.5), ..train_config(2, 32, 3) };
-    let (mut cpu, _) = CpuExecutor::new(&graphs, &bind, 2, false).unwrap();
+    let (mut cpu, _) = CpuExecutor::new(&run, 2, false).unwrap();
     let want = tiny_losses_with(&mut cpu, step, &cfg, &tc);
-    let (mut gpu, _) = CudaExecutor::new(&graphs, &bind, &cuda(false, false)).unwrap_or_else(|e| panic!("{e}"));
+    let (mut gpu, _) = CudaExecutor::new(&run, &cuda(false, false)).unwrap_or_else(|e| panic!("{e}"));
     let got = tiny_losses_with(&mut gpu, step, &cfg, &tc);
     eprintln!("losses and gradient norms: cpu {want:?}\n                           gpu {got:?}");
     assert_eq!(got.len(), want.len());
@@ -101,12 +98,12 @@ fn tiny_gpt2_with_clipping_decay_and_accumulation_trains_like_the_cpu_target() {
 fn tiny_gpt2_trains_like_the_cpu_target() {
     let cfg = Gpt2Config::preset("tiny").unwrap();
     let (b, t, steps) = (4, 64, 3);
-    let (graphs, bind) = programs(&build_gpt2(&cfg, "tiny"), b, t);
-    let step = &graphs[&Program::Step];
-    let (mut cpu, _) = CpuExecutor::new(&graphs, &bind, 2, false).unwrap();
+    let run = programs(&build_gpt2(&cfg, "tiny"), b, t);
+    let step = run.step().unwrap();
+    let (mut cpu, _) = CpuExecutor::new(&run, 2, false).unwrap();
     let want = tiny_losses(&mut cpu, step, &cfg, b, t, steps);
     for (tf32, tol) in [(true, 1e-3), (false, 1e-5)] {
-        let (mut gpu, build) = CudaExecutor::new(&graphs, &bind, &cuda(true, tf32)).unwrap_or_else(|e| panic!("{e}"));
+        let (mut gpu, build) = CudaExecutor::new(&run, &cuda(true, tf32)).unwrap_or_else(|e| panic!("{e}"));
         eprintln!(
             "{}: {} kernels, {} modules ({} compiled, {} from the cache), {:.1} MiB, built in {:.0} ms",
             build.device,
@@ -144,13 +141,13 @@ fn tiny_gpt2_with_bf16_products_trains_like_the_interpreter() {
     let (b, t, steps) = (4, 64, 3);
     let fwd = build_gpt2(&cfg, "tiny");
     let bf16 = PipelineOptions { precision: fusec_passes::amp::Precision::Bf16, ..PipelineOptions::default() };
-    let (ref_graphs, bind) = programs_with(&fwd, b, t, &PipelineOptions { no_fusion: true, ..bf16.clone() });
-    let mut reference = RefExecutor::new(ref_graphs.clone(), bind.clone(), fusec_ir::interp::Precision::F32);
-    let want = tiny_losses(&mut reference, &ref_graphs[&Program::Step], &cfg, b, t, steps);
-    let (graphs, bind) = programs_with(&fwd, b, t, &bf16);
+    let ref_run = programs_with(&fwd, b, t, &PipelineOptions { no_fusion: true, ..bf16.clone() });
+    let mut reference = RefExecutor::new(&ref_run, fusec_ir::interp::Precision::F32);
+    let want = tiny_losses(&mut reference, ref_run.step().unwrap(), &cfg, b, t, steps);
+    let run = programs_with(&fwd, b, t, &bf16);
     for tf32 in [true, false] {
-        let (mut gpu, _) = CudaExecutor::new(&graphs, &bind, &cuda(false, tf32)).unwrap_or_else(|e| panic!("{e}"));
-        let got = tiny_losses(&mut gpu, &graphs[&Program::Step], &cfg, b, t, steps);
+        let (mut gpu, _) = CudaExecutor::new(&run, &cuda(false, tf32)).unwrap_or_else(|e| panic!("{e}"));
+        let got = tiny_losses(&mut gpu, run.step().unwrap(), &cfg, b, t, steps);
         eprintln!("bf16 products, tf32 {tf32}: interpreter {want:?}\n                           gpu {got:?}");
         for (i, (g, w)) in got.iter().zip(&want).enumerate() {
             assert!(g.is_finite() && (g - w).abs() <= 1e-3, "loss {i}: gpu {g} vs interpreter {w}");
@@ -167,7 +164,7 @@ fn loss_and_grads(
     b: usize,
     t: usize,
 ) -> (f64, Vec<(String, Vec<f32>)>) {
-    init_state(ex, step, &params_from_checkpoint(fwd, &random_init(&LlmcConfig::from(cfg), 7)).unwrap()).unwrap();
+    init_state(ex, step, &params_from_checkpoint(fwd, &random_init(&*cfg, 7)).unwrap()).unwrap();
     let data = DataLoader::new(fusec_runtime::corpus::markov_tokens(cfg.vocab, 20_000, 42, 1), b, t).unwrap();
     let (x, y) = data.batch(0);
     ex.set("tokens", Tensor::from_i32(vec![b, t], &x)).unwrap();
@@ -199,15 +196,15 @@ fn flash_attention_and_cublaslt_epilogues_match_the_cpu_for_several_head_sizes()
         let cfg = Gpt2Config { layers: 2, heads, channels, vocab: 256, padded_vocab: 256, max_seq: 128 };
         let (b, t) = (2, 100);
         let fwd = build_gpt2(&cfg, "flash_test");
-        let (graphs, bind) = programs(&fwd, b, t);
-        let step = &graphs[&Program::Step];
-        let (mut cpu, _) = CpuExecutor::new(&graphs, &bind, 2, false).unwrap();
+        let run = programs(&fwd, b, t);
+        let step = run.step().unwrap();
+        let (mut cpu, _) = CpuExecutor::new(&run, 2, false).unwrap();
         let (want_loss, want) = loss_and_grads(&mut cpu, &fwd, step, &cfg, b, t);
         let mut errs = vec![];
         for flash in [true, false] {
             // Flash attention and cuBLASLt epilogues, or neither (score matrices, epilogue kernels).
             let opts = CudaOptions { flash, lt_epilogues: flash, ..cuda(false, true) };
-            let (mut gpu, build) = CudaExecutor::new(&graphs, &bind, &opts).unwrap_or_else(|e| panic!("{e}"));
+            let (mut gpu, build) = CudaExecutor::new(&run, &opts).unwrap_or_else(|e| panic!("{e}"));
             assert_eq!(build.attention.starts_with("flash"), flash, "{}", build.attention);
             assert_eq!(build.lt_epilogues > 0, flash, "cuBLASLt epilogues: {}", build.lt_epilogues);
             let (loss, got) = loss_and_grads(&mut gpu, &fwd, step, &cfg, b, t);
@@ -258,12 +255,12 @@ fn llmc_odd_matches_llmc_without_tf32() {
     let Some(dir) = llmc_odd() else { return };
     let json = std::fs::read_to_string(dir.join("reference.json")).unwrap();
     let ckpt = Checkpoint::read(&dir.join("gpt2_odd_s4242.bin")).unwrap();
-    let cfg = ckpt.config.model();
+    let cfg = ckpt.config;
     let (b, t) = (3, 48);
     let fwd = build_gpt2(&cfg, "gpt2_odd");
-    let (graphs, bind) = programs(&fwd, b, t);
-    let (mut ex, _) = CudaExecutor::new(&graphs, &bind, &cuda(false, false)).unwrap_or_else(|e| panic!("{e}"));
-    init_state(&mut ex, &graphs[&Program::Step], &params_from_checkpoint(&fwd, &ckpt).unwrap()).unwrap();
+    let run = programs(&fwd, b, t);
+    let (mut ex, _) = CudaExecutor::new(&run, &cuda(false, false)).unwrap_or_else(|e| panic!("{e}"));
+    init_state(&mut ex, run.step().unwrap(), &params_from_checkpoint(&fwd, &ckpt).unwrap()).unwrap();
     let data = DataLoader::new(read_tokens(&dir.join("tokens_train_s11.bin")).unwrap(), b, t).unwrap();
     let logs = train(&mut ex, &train_config(b, t, 10), &data, None, |_| {}).unwrap();
     let want = json_floats(&json, "losses");
@@ -296,8 +293,8 @@ fn gpt2_124m_training_step_time() {
     let env = |k: &str, d: usize| std::env::var(k).ok().and_then(|v| v.parse().ok()).unwrap_or(d);
     let (b, t, steps) = (env("FUSEC_B", 16), env("FUSEC_T", 1024), env("FUSEC_STEPS", 10));
     let fwd = build_gpt2(&cfg, "gpt2_124m");
-    let (graphs, bind) = programs(&fwd, b, t);
-    let (mut ex, build) = CudaExecutor::new(&graphs, &bind, &cuda(true, true)).unwrap_or_else(|e| panic!("{e}"));
+    let run = programs(&fwd, b, t);
+    let (mut ex, build) = CudaExecutor::new(&run, &cuda(true, true)).unwrap_or_else(|e| panic!("{e}"));
     eprintln!(
         "{}: {} kernels, {} modules ({} compiled, {} cached), {:.1} GiB allocated, built in {:.2} s",
         build.device,
@@ -308,8 +305,8 @@ fn gpt2_124m_training_step_time() {
         build.device_bytes as f64 / (1u64 << 30) as f64,
         build.compile_time.as_secs_f64()
     );
-    let params = params_from_checkpoint(&fwd, &random_init(&LlmcConfig::from(&cfg), 1337)).unwrap();
-    init_state(&mut ex, &graphs[&Program::Step], &params).unwrap();
+    let params = params_from_checkpoint(&fwd, &random_init(&cfg, 1337)).unwrap();
+    init_state(&mut ex, run.step().unwrap(), &params).unwrap();
     let data = DataLoader::new(fusec_runtime::corpus::markov_tokens(cfg.vocab, 400_000, 42, 1), b, t).unwrap();
     let logs = train(&mut ex, &train_config(b, t, steps), &data, None, |r| eprintln!("step {}: loss {:.4} {:.1} ms", r.step, r.loss, r.ms))
         .unwrap();
@@ -339,8 +336,8 @@ fn gpt2_124m_training_step_time() {
     assert!(logs.iter().all(|l| l.loss.is_finite()));
     // Without profiling: the programs replay as CUDA graphs.
     drop(ex);
-    let (mut ex, _) = CudaExecutor::new(&graphs, &bind, &cuda(false, true)).unwrap_or_else(|e| panic!("{e}"));
-    init_state(&mut ex, &graphs[&Program::Step], &params).unwrap();
+    let (mut ex, _) = CudaExecutor::new(&run, &cuda(false, true)).unwrap_or_else(|e| panic!("{e}"));
+    init_state(&mut ex, run.step().unwrap(), &params).unwrap();
     let again = train(&mut ex, &train_config(b, t, steps), &data, None, |_| {}).unwrap();
     let mut ms: Vec<f64> = again.iter().skip(1).map(|l| l.ms).collect();
     ms.sort_by(f64::total_cmp);

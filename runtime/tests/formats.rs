@@ -3,7 +3,7 @@
 
 use std::path::{Path, PathBuf};
 
-use fusec_runtime::checkpoint::{graph_param_names, param_layout, random_init, Checkpoint, LlmcConfig};
+use fusec_runtime::checkpoint::{graph_param_names, param_layout, random_init, Checkpoint, Gpt2Config};
 use fusec_runtime::data::DataLoader;
 use fusec_runtime::file_error::FileError;
 use fusec_runtime::tokens::{read_tokens, write_tokens};
@@ -27,12 +27,12 @@ fn refs() -> Option<PathBuf> {
     }
 }
 
-fn tiny() -> LlmcConfig {
-    LlmcConfig { max_seq: 8, vocab: 10, padded_vocab: 16, layers: 2, heads: 2, channels: 4 }
+fn tiny() -> Gpt2Config {
+    Gpt2Config { max_seq: 8, vocab: 10, padded_vocab: 16, layers: 2, heads: 2, channels: 4 }
 }
 
-fn odd() -> LlmcConfig {
-    LlmcConfig { max_seq: 48, vocab: 500, padded_vocab: 512, layers: 3, heads: 2, channels: 32 }
+fn odd() -> Gpt2Config {
+    Gpt2Config { max_seq: 48, vocab: 500, padded_vocab: 512, layers: 3, heads: 2, channels: 32 }
 }
 
 /// Asserts `r` is a FileError naming `path` whose message contains every piece in `want`.
@@ -345,7 +345,7 @@ fn llmc_odd_reference_files() {
 #[test]
 fn random_init_drawn_in_parallel_equals_drawing_in_order() {
     // Several 65536-value slices per tensor: the same values as one sequential stream.
-    let cfg = LlmcConfig { max_seq: 256, vocab: 1000, padded_vocab: 1024, layers: 2, heads: 4, channels: 128 };
+    let cfg = Gpt2Config { max_seq: 256, vocab: 1000, padded_vocab: 1024, layers: 2, heads: 4, channels: 128 };
     let got = random_init(&cfg, 42).params;
     let mut rng = fusec_ir::rng::Rng::new(42);
     let proj_std = 0.02 / (2.0 * cfg.layers as f64).sqrt();

@@ -6,7 +6,7 @@ mod common;
 use fusec_models::build_gpt2;
 use fusec_runtime::checkpoint::Checkpoint;
 use fusec_runtime::data::DataLoader;
-use fusec_runtime::executor::{Executor, Program};
+use fusec_runtime::executor::Executor;
 use fusec_runtime::params::params_from_checkpoint;
 use fusec_runtime::tokens::read_tokens;
 use fusec_runtime::train::{eval_loss, init_state, train, TrainConfig};
@@ -19,11 +19,10 @@ fn cpu_matches_llmc_for_ten_steps() {
     let Some(dir) = common::llmc_odd() else { return };
     let json = common::reference_json(&dir);
     let ckpt = Checkpoint::read(&dir.join("gpt2_odd_s4242.bin")).unwrap();
-    let cfg = ckpt.config.model();
+    let cfg = ckpt.config;
     let fwd = build_gpt2(&cfg, "gpt2_odd");
     for threads in [1, 2] {
-        let (mut ex, _) = common::cpu_executor(&fwd, B, T, threads);
-        let step = common::programs(&fwd, &Default::default()).remove(&Program::Step).unwrap();
+        let (mut ex, step) = common::cpu_executor(&fwd, B, T, threads);
         init_state(&mut ex, &step, &params_from_checkpoint(&fwd, &ckpt).unwrap()).unwrap();
         let val = DataLoader::new(read_tokens(&dir.join("tokens_val_s12.bin")).unwrap(), B, T).unwrap();
         let v = eval_loss(&mut ex, &val, 4, B, T).unwrap();

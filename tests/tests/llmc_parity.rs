@@ -10,8 +10,9 @@ use fusec_models::build_gpt2;
 use fusec_passes::pipeline::PipelineOptions;
 use fusec_runtime::checkpoint::Checkpoint;
 use fusec_runtime::data::DataLoader;
-use fusec_runtime::executor::{Executor, Program};
+use fusec_runtime::executor::Executor;
 use fusec_runtime::params::params_from_checkpoint;
+use fusec_runtime::programs::Program;
 use fusec_runtime::tokens::read_tokens;
 use fusec_runtime::train::{eval_loss, init_state, train, TrainConfig};
 
@@ -34,10 +35,9 @@ fn setup(opts: &PipelineOptions) -> Option<Setup> {
     let dir = common::llmc_odd()?;
     let json = common::reference_json(&dir);
     let ckpt = Checkpoint::read(&dir.join("gpt2_odd_s4242.bin")).unwrap();
-    let cfg = ckpt.config.model();
+    let cfg = ckpt.config;
     let fwd = build_gpt2(&cfg, "gpt2_odd");
-    let mut ex = common::ref_executor(&fwd, opts, B, T, Precision::F32);
-    let step = common::programs(&fwd, opts).remove(&Program::Step).unwrap();
+    let (mut ex, step) = common::ref_executor(&fwd, opts, B, T, Precision::F32);
     init_state(&mut ex, &step, &params_from_checkpoint(&fwd, &ckpt).unwrap()).unwrap();
     Some(Setup { dir, json, ckpt, ex })
 }

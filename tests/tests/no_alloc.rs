@@ -13,9 +13,10 @@ use fusec_codegen_cpu::gemm::crate_calls;
 use fusec_ir::interp::Tensor;
 use fusec_ir::rng::Rng;
 use fusec_models::{build_gpt2, Gpt2Config};
-use fusec_runtime::checkpoint::{random_init, LlmcConfig};
-use fusec_runtime::executor::{Executor, Program};
+use fusec_runtime::checkpoint::random_init;
+use fusec_runtime::executor::Executor;
 use fusec_runtime::params::params_from_checkpoint;
+use fusec_runtime::programs::Program;
 use fusec_runtime::train::init_state;
 
 struct Counting;
@@ -44,12 +45,10 @@ fn cpu_training_steps_allocate_nothing() {
     let cfg = Gpt2Config { layers: 2, heads: 2, channels: 32, vocab: 100, padded_vocab: 128, max_seq: 32 };
     let (b, t) = (2, 32);
     let fwd = build_gpt2(&cfg, "t");
-    let lcfg = LlmcConfig { max_seq: 32, vocab: 100, padded_vocab: 128, layers: 2, heads: 2, channels: 32 };
     let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
     pool.install(|| {
-        let (mut ex, _) = common::cpu_executor(&fwd, b, t, 2);
-        let step = common::programs(&fwd, &Default::default()).remove(&Program::Step).unwrap();
-        init_state(&mut ex, &step, &params_from_checkpoint(&fwd, &random_init(&lcfg, 1)).unwrap()).unwrap();
+        let (mut ex, step) = common::cpu_executor(&fwd, b, t, 2);
+        init_state(&mut ex, &step, &params_from_checkpoint(&fwd, &random_init(&cfg, 1)).unwrap()).unwrap();
         let mut rng = Rng::new(3);
         let toks: Vec<i32> = (0..b * t).map(|_| rng.below(100) as i32).collect();
         let (x, y) = (Tensor::from_i32(vec![b, t], &toks), Tensor::from_i32(vec![b, t], &toks));

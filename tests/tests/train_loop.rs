@@ -6,16 +6,14 @@ use fusec_ir::interp::Precision;
 use fusec_ir::rng::Rng;
 use fusec_models::{build_gpt2, Gpt2Config};
 use fusec_passes::pipeline::PipelineOptions;
-use fusec_runtime::checkpoint::{random_init, LlmcConfig};
+use fusec_runtime::checkpoint::random_init;
 use fusec_runtime::data::DataLoader;
-use fusec_runtime::executor::{Executor, Program};
+use fusec_runtime::executor::Executor;
 use fusec_runtime::params::params_from_checkpoint;
 use fusec_runtime::train::{init_state, train, StepLog, TrainConfig};
 
-fn model() -> (Gpt2Config, LlmcConfig) {
-    let g = Gpt2Config { layers: 2, heads: 2, channels: 16, vocab: 37, padded_vocab: 40, max_seq: 16 };
-    let l = LlmcConfig::from(&g);
-    (g, l)
+fn model() -> Gpt2Config {
+    Gpt2Config { layers: 2, heads: 2, channels: 16, vocab: 37, padded_vocab: 40, max_seq: 16 }
 }
 
 fn tokens(n: usize, seed: u64) -> Vec<u16> {
@@ -29,14 +27,13 @@ fn config(batch: usize, steps: usize, grad_accum: usize) -> TrainConfig {
 
 /// Trains and returns the logs and the final parameters.
 fn run(cfg: &TrainConfig, nan_param: bool) -> Result<(Vec<StepLog>, Vec<Vec<f32>>), String> {
-    let (gcfg, lcfg) = model();
+    let gcfg = model();
     let fwd = build_gpt2(&gcfg, "t");
-    let mut ex = common::ref_executor(&fwd, &PipelineOptions::default(), cfg.batch, cfg.seq, Precision::F32);
-    let mut params = params_from_checkpoint(&fwd, &random_init(&lcfg, 7)).unwrap();
+    let (mut ex, step) = common::ref_executor(&fwd, &PipelineOptions::default(), cfg.batch, cfg.seq, Precision::F32);
+    let mut params = params_from_checkpoint(&fwd, &random_init(&gcfg, 7)).unwrap();
     if nan_param {
         params.get_mut("lnfw").unwrap().data[3] = f64::NAN;
     }
-    let step = common::programs(&fwd, &PipelineOptions::default()).remove(&Program::Step).unwrap();
     init_state(&mut ex, &step, &params).unwrap();
     let data = DataLoader::new(tokens(4000, 3), cfg.batch, cfg.seq).unwrap();
     let logs = train(&mut ex, cfg, &data, None, |_| {})?;
@@ -84,15 +81,14 @@ fn json_log_has_one_object_per_step() {
 
 #[test]
 fn three_fused_steps_agree_with_unfused_steps() {
-    let (gcfg, lcfg) = model();
+    let gcfg = model();
     let fwd = build_gpt2(&gcfg, "t");
     let cfg = config(2, 3, 1);
     let data = DataLoader::new(tokens(4000, 5), cfg.batch, cfg.seq).unwrap();
     let mut finals = vec![];
     for opts in [common::unfused(), PipelineOptions::default()] {
-        let mut ex = common::ref_executor(&fwd, &opts, cfg.batch, cfg.seq, Precision::F32);
-        let step = common::programs(&fwd, &opts).remove(&Program::Step).unwrap();
-        init_state(&mut ex, &step, &params_from_checkpoint(&fwd, &random_init(&lcfg, 9)).unwrap()).unwrap();
+        let (mut ex, step) = common::ref_executor(&fwd, &opts, cfg.batch, cfg.seq, Precision::F32);
+        init_state(&mut ex, &step, &params_from_checkpoint(&fwd, &random_init(&gcfg, 9)).unwrap()).unwrap();
         let logs = train(&mut ex, &cfg, &data, None, |_| {}).unwrap();
         let params: Vec<Vec<f32>> = fwd.params().iter().map(|(n, _)| ex.get(n).unwrap().to_f32()).collect();
         finals.push((logs, params));

@@ -4,18 +4,18 @@
 //!
 //! `cargo run --release -p fusec-benches --bin train_step -- [--steps N] [--threads N] [--config small|124m]`
 
-use std::collections::HashMap;
 use std::time::Instant;
 
 use fusec_ir::interp::Tensor;
 use fusec_ir::rng::Rng;
-use fusec_ir::{Bindings, DType, Graph};
+use fusec_ir::{DType, Graph};
 use fusec_models::{build_gpt2, Gpt2Config};
-use fusec_passes::pipeline::{compile, Mode, PipelineOptions};
-use fusec_runtime::checkpoint::{random_init, LlmcConfig};
+use fusec_passes::pipeline::PipelineOptions;
+use fusec_runtime::checkpoint::random_init;
 use fusec_runtime::cpu::CpuExecutor;
-use fusec_runtime::executor::{Executor, Program};
+use fusec_runtime::executor::Executor;
 use fusec_runtime::params::params_from_checkpoint;
+use fusec_runtime::programs::{Program, RunPrograms};
 use fusec_runtime::train::init_state;
 
 struct Case {
@@ -30,15 +30,10 @@ fn arg(name: &str) -> Option<String> {
     args.iter().position(|a| a == name).and_then(|i| args.get(i + 1).cloned())
 }
 
-fn programs(fwd: &Graph, opts: &PipelineOptions, bind: &Bindings) -> HashMap<Program, Graph> {
-    let c = |m| compile(fwd, "schedule", m, opts, bind).expect("compiles").graph;
-    [(Program::Eval, c(Mode::Forward)), (Program::Grad, c(Mode::Grad)), (Program::Step, c(Mode::Step))].into()
-}
-
 /// Loads random parameters and a random batch, with the step's runtime scalars.
 fn prepare(ex: &mut dyn Executor, fwd: &Graph, step: &Graph, case: &Case) {
     let c = &case.cfg;
-    let l = LlmcConfig::from(c);
+    let l = *c;
     init_state(ex, step, &params_from_checkpoint(fwd, &random_init(&l, 1)).unwrap()).unwrap();
     let mut rng = Rng::new(2);
     let toks: Vec<i32> = (0..case.b * case.t).map(|_| rng.below(c.vocab as u64) as i32).collect();
@@ -67,13 +62,12 @@ fn main() {
     println!("fusec CPU training step, {threads} thread(s), median of {steps} steps");
     for case in cases.iter().filter(|c| only.as_deref().is_none_or(|o| o == c.name)) {
         let fwd = build_gpt2(&case.cfg, case.name);
-        let mut bind = Bindings::default();
-        bind.set("B", case.b as u64).set("T", case.t as u64);
         let t0 = Instant::now();
-        let graphs = programs(&fwd, &PipelineOptions::default(), &bind);
-        let (mut ex, build) = CpuExecutor::new(&graphs, &bind, threads, false).unwrap();
+        let bind = RunPrograms::bindings(case.b, case.t);
+        let run = RunPrograms::compile(&fwd, &PipelineOptions::default(), &bind, false).unwrap();
+        let (mut ex, build) = CpuExecutor::new(&run, threads, false).unwrap();
         let compile_ms = t0.elapsed().as_secs_f64() * 1e3;
-        prepare(&mut ex, &fwd, &graphs[&Program::Step], case);
+        prepare(&mut ex, &fwd, run.step().unwrap(), case);
         let time = |ex: &mut CpuExecutor, keep: &dyn Fn(&str) -> bool| {
             ex.run_traced(Program::Step, keep, |_| {}).unwrap(); // warm-up
             median(

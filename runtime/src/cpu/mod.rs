@@ -1,10 +1,9 @@
 //! The CPU target: one arena from the memory plans, Cranelift-compiled fused kernels, GEMMs
 //! through the `gemm` crate, native attention and embedding ops, per-launch timing.
 
+mod arena;
 pub(crate) mod launch;
-pub(crate) mod layout;
 pub mod ops;
-pub mod profile;
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -12,19 +11,21 @@ use std::time::{Duration, Instant};
 use fusec_codegen_cpu::gemm::gemm_f32;
 use fusec_codegen_cpu::KernelCompiler;
 use fusec_ir::interp::Tensor;
-use fusec_ir::{Bindings, DType, Graph};
-use fusec_passes::memplan::{memplan, MemPlan, MemplanOptions};
+use fusec_ir::DType;
+use fusec_passes::memplan::MemPlan;
 
-use crate::executor::{Executor, Program, StepOutputs};
+use crate::executor::{Executor, StepOutputs};
+use crate::launches::{LaunchPlan, ProgramIo};
+use crate::layout::SharedLayout;
+use crate::profile::Profile;
+use crate::programs::{Program, RunPrograms};
+use arena::Arena;
 use launch::{Kind, Launch};
-use layout::{Arena, SharedLayout};
-use profile::Profile;
 
-/// One compiled program: its launches and where its scalar outputs land.
+/// One compiled program: its launches and where its outputs land.
 struct Compiled {
     launches: Vec<Launch>,
-    scalars: Vec<(String, u64, DType)>,
-    outputs: HashMap<String, (u64, DType, Vec<usize>)>,
+    io: ProgramIo,
 }
 
 /// What compiling the programs for the CPU produced, for the run summary.
@@ -54,61 +55,39 @@ pub struct CpuExecutor {
 }
 
 impl CpuExecutor {
-    /// Plans memory for the scheduled programs (which must include `Step`), allocates the arena
-    /// once and compiles every kernel.
-    pub fn new(
-        graphs: &HashMap<Program, Graph>,
-        bind: &Bindings,
-        threads: usize,
-        profile: bool,
-    ) -> Result<(CpuExecutor, CpuBuild), String> {
+    /// Plans memory for the programs (which must include `Step`), allocates the arena once
+    /// and compiles every kernel.
+    pub fn new(run: &RunPrograms, threads: usize, profile: bool) -> Result<(CpuExecutor, CpuBuild), String> {
         let t0 = Instant::now();
-        let step = graphs.get(&Program::Step).ok_or("the CPU target needs the Step program")?;
-        let mut plans = HashMap::new();
-        for (p, g) in graphs {
-            plans.insert(*p, memplan(g, bind, &MemplanOptions::default()).map_err(|e| format!("memory plan of {p:?}: {e}"))?);
-        }
-        let layout = SharedLayout::new(step, &plans[&Program::Step]);
-        let arena_max = plans.values().map(|p| p.arena_bytes).max().unwrap_or(0);
-        let arena = Arena::new(layout.persistent_bytes + arena_max)?;
+        let plan = LaunchPlan::new(run)?;
+        let arena = Arena::new(plan.planned_bytes)?;
         let mut kc = KernelCompiler::new()?;
         let mut programs = HashMap::new();
-        let mut types = HashMap::new();
-        for (p, g) in graphs {
-            let plan = &plans[p];
-            let launches = launch::launches(g, plan, &layout, bind, &mut kc, arena.base()).map_err(|e| format!("{p:?} program: {e}"))?;
-            let mut scalars = vec![];
-            let mut outputs = HashMap::new();
-            for (name, v) in &g.outputs {
-                let (off, ty) = (layout.offset(g, plan, *v)?, g.ty(*v));
-                if ty.shape.rank() == 0 {
-                    scalars.push((name.clone(), off, ty.dtype));
-                }
-                outputs.insert(name.clone(), (off, ty.dtype, ty.shape.eval(bind)?.into_iter().map(|d| d as usize).collect()));
-            }
-            for (name, v) in g.params().into_iter().chain(g.inputs()) {
-                types.insert(name.to_string(), (g.ty(v).dtype, g.ty(v).shape.eval(bind)?.into_iter().map(|d| d as usize).collect()));
-            }
-            programs.insert(*p, Compiled { launches, scalars, outputs });
+        for (p, launches, io) in &plan.programs {
+            let launches = launch::translate(launches, &run.bind, &mut kc, arena.base()).map_err(|e| format!("{p:?} program: {e}"))?;
+            programs.insert(*p, Compiled { launches, io: io.clone() });
         }
-        let build = CpuBuild {
-            compile_time: t0.elapsed(),
-            kernels: kc.stats(),
-            arena_bytes: arena.size() as u64,
-            step_plan: plans.remove(&Program::Step).expect("checked above"),
-        };
-        let profile = profile.then(Profile::default);
         let attn = programs
             .values()
             .flat_map(|c: &Compiled| &c.launches)
             .filter_map(|l| match &l.kind {
-                Kind::Attention { dm, .. } => Some(2 * dm.s * dm.h * dm.t * dm.t),
+                Kind::Attention { attn, .. } => Some(2 * attn.dims.s * attn.dims.h * attn.dims.t * attn.dims.t),
                 _ => None,
             })
             .max()
             .unwrap_or(0);
-        let attn_scratch = vec![0f32; attn];
-        Ok((CpuExecutor { arena, layout, programs, types, threads: threads.max(1), attn_scratch, profile }, build))
+        let build =
+            CpuBuild { compile_time: t0.elapsed(), kernels: kc.stats(), arena_bytes: arena.size() as u64, step_plan: plan.step_plan };
+        let ex = CpuExecutor {
+            arena,
+            layout: plan.layout,
+            programs,
+            types: plan.tensors,
+            threads: threads.max(1),
+            attn_scratch: vec![0f32; attn],
+            profile: profile.then(Profile::default),
+        };
+        Ok((ex, build))
     }
 
     /// Runs the launches of `program` whose name passes `keep`, calling `after(name)` after
@@ -128,7 +107,7 @@ impl CpuExecutor {
         let mut f = (0, 0);
         if let Some(p) = self.programs.get(&program) {
             for l in &p.launches {
-                if matches!(l.kind, Kind::Gemm { .. }) {
+                if matches!(l.kind, Kind::Gemm(_)) {
                     f.0 += l.flops;
                 } else {
                     f.1 += l.flops;
@@ -155,24 +134,24 @@ impl CpuExecutor {
     unsafe fn exec(&self, l: &Launch) -> Result<(), String> {
         let f = |off: u64, n: usize| self.slice::<f32>(off, n);
         match &l.kind {
-            Kind::Gemm { spec, a, b, bias, acc, y, pre } => {
+            Kind::Gemm(p) => {
+                let spec = &p.spec;
                 let yn = spec.y_len();
-                let yv = f(*y, yn);
-                if let Some(acc) = acc.filter(|acc| acc != y) {
+                let yv = f(p.y, yn);
+                if let Some(acc) = p.acc.filter(|acc| *acc != p.y) {
                     yv.copy_from_slice(f(acc, yn));
                 }
-                let bias = bias.map(|o| &*f(o, spec.n));
-                let pre = pre.map(|o| f(o, yn));
-                gemm_f32(spec, f(*a, spec.a_len()), f(*b, spec.b_len()), bias, yv, pre, self.threads);
+                let bias = p.bias.map(|o| &*f(o, spec.n));
+                let pre = p.pre.map(|o| f(o, yn));
+                gemm_f32(spec, f(p.a, spec.a_len()), f(p.b, spec.b_len()), bias, yv, pre, self.threads);
             }
             Kind::Kernel { k, ins, outs } => k.run(ins, outs, self.threads),
-            Kind::Gather { table, rows, cols, idx, n, out } => {
-                ops::gather(f(*table, rows * cols), *cols, self.slice::<i32>(*idx, *n), f(*out, n * cols))?
+            Kind::Gather(g) => ops::gather(f(g.table, g.rows * g.cols), g.cols, self.slice::<i32>(g.idx, g.n), f(g.out, g.n * g.cols))?,
+            Kind::ScatterAdd(s) => {
+                ops::scatter_add(f(s.src, s.n * s.cols), s.cols, self.slice::<i32>(s.idx, s.n), f(s.out, s.rows * s.cols))?
             }
-            Kind::ScatterAdd { src, cols, idx, n, out, rows } => {
-                ops::scatter_add(f(*src, n * cols), *cols, self.slice::<i32>(*idx, *n), f(*out, rows * cols))?
-            }
-            Kind::Attention { stage, dm, scale, t } => {
+            Kind::Attention { stage, attn } => {
+                let (dm, t) = (attn.dims, attn.at);
                 let at = |o: u64| self.arena.base().add(o as usize) as *mut f32;
                 let heads = dm.s * dm.h * dm.t * dm.t;
                 let scratch = self.attn_scratch.as_ptr() as *mut f32;
@@ -185,23 +164,23 @@ impl CpuExecutor {
                     p: scratch,
                     ds: scratch.add(heads),
                 };
-                ops::attention_stage(*stage, *dm, *scale, ptrs)
+                ops::attention_stage(*stage, dm, attn.scale, ptrs)
             }
-            Kind::Iota { shape, axis, dtype, out } => {
-                let n: usize = shape.iter().product();
-                let inner: usize = shape[axis + 1..].iter().product();
-                let len = shape[*axis];
+            Kind::Iota(it) => {
+                let n: usize = it.shape.iter().product();
+                let inner: usize = it.shape[it.axis + 1..].iter().product();
+                let len = it.shape[it.axis];
                 for i in 0..n {
                     let x = (i / inner) % len;
-                    match dtype {
-                        DType::I32 => self.slice::<i32>(*out, n)[i] = x as i32,
-                        _ => f(*out, n)[i] = x as f32,
+                    match it.dtype {
+                        DType::I32 => self.slice::<i32>(it.out, n)[i] = x as i32,
+                        _ => f(it.out, n)[i] = x as f32,
                     }
                 }
             }
-            Kind::Fill { value, dtype, n, out } => match dtype {
-                DType::I32 => self.slice::<i32>(*out, *n).fill(*value as i32),
-                _ => f(*out, *n).fill(*value as f32),
+            Kind::Fill(fl) => match fl.dtype {
+                DType::I32 => self.slice::<i32>(fl.out, fl.n).fill(fl.value as i32),
+                _ => f(fl.out, fl.n).fill(fl.value as f32),
             },
         }
         Ok(())
@@ -243,7 +222,7 @@ impl Executor for CpuExecutor {
 
     fn output(&self, program: Program, name: &str) -> Result<Tensor, String> {
         let prog = self.programs.get(&program).ok_or_else(|| format!("program {program:?} was not compiled"))?;
-        let (off, dt, shape) = prog.outputs.get(name).ok_or_else(|| format!("{program:?} has no output `{name}`"))?;
+        let (off, dt, shape) = prog.io.outputs.get(name).ok_or_else(|| format!("{program:?} has no output `{name}`"))?;
         let n = shape.iter().product();
         // SAFETY: outputs live in the arena until the next run.
         let data = unsafe {
@@ -277,7 +256,7 @@ impl Executor for CpuExecutor {
             // SAFETY: launches were built against this arena's plan.
             let r = unsafe { self.exec(l) }.map_err(|e| format!("{} ({program:?} launch {i}): {e}", l.name));
             if let (Some(p), Some(t0)) = (profile.as_mut(), t0) {
-                p.record(program, i, l, t0.elapsed());
+                p.record(&l.name, l.bytes, l.flops, t0.elapsed());
             }
             if r.is_err() {
                 self.profile = profile;
@@ -286,7 +265,7 @@ impl Executor for CpuExecutor {
         }
         self.profile = profile;
         let mut out = StepOutputs::default();
-        for (name, off, _) in &prog.scalars {
+        for (name, off, _) in &prog.io.scalars {
             // SAFETY: scalar outputs are inside the arena (f32).
             out.set(name, unsafe { self.slice::<f32>(*off, 1)[0] as f64 });
         }

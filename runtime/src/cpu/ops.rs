@@ -5,6 +5,8 @@
 use fusec_codegen_cpu::gemm::{exp, matmul_strided, Mat};
 use rayon::prelude::*;
 
+pub use crate::launches::AttnDims;
+
 /// `out[s, :] = table[idx[s], :]`; an index outside the table is an error.
 pub fn gather(table: &[f32], cols: usize, idx: &[i32], out: &mut [f32]) -> Result<(), String> {
     let rows = table.len() / cols;
@@ -49,25 +51,6 @@ unsafe impl Sync for SyncPtr {}
 impl SyncPtr {
     fn get(self) -> *mut f32 {
         self.0
-    }
-}
-
-/// Sizes of a packed attention: batch rows `s`, sequence `t`, heads `h`, head size `d`.
-#[derive(Clone, Copy, Debug)]
-pub struct AttnDims {
-    /// Leading (batch) rows.
-    pub s: usize,
-    /// Sequence length.
-    pub t: usize,
-    /// Heads.
-    pub h: usize,
-    /// Head size.
-    pub d: usize,
-}
-
-impl AttnDims {
-    fn c(&self) -> usize {
-        self.h * self.d
     }
 }
 
@@ -164,7 +147,7 @@ unsafe impl Sync for AttnPtrs {}
 /// Every pointer the stage uses must cover its tensor; heads touch disjoint parts of the
 /// outputs and of the scratch.
 pub unsafe fn attention_stage(stage: AttnStage, dm: AttnDims, scale: f32, a: AttnPtrs) {
-    let (t, d, c) = (dm.t, dm.d, dm.c());
+    let (t, d, c) = (dm.t, dm.d, dm.h * dm.d);
     let shared = &a;
     (0..dm.s * dm.h).into_par_iter().for_each(|sh| {
         let a = *shared; // the whole struct (Sync), not its raw-pointer fields

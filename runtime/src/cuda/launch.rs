@@ -12,15 +12,13 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use crate::cpu::launch::gemm_spec;
 use cudarc::driver::sys::CUfunction;
-use fusec_codegen_cuda::gemm::{batched, row_major, Batched, ColMajor};
-use fusec_codegen_cuda::{flash, KernelSource};
-use fusec_ir::{Bindings, DType, Graph, Op, ValueId};
-use fusec_passes::memplan::MemPlan;
+use fusec_codegen_cuda::gemm::{batched, Batched, ColMajor};
+use fusec_codegen_cuda::KernelSource;
+use fusec_ir::DType;
 
-use crate::cpu::layout::SharedLayout;
 use crate::cuda::lt::{Epilogue, LtPlans};
+use crate::launches::{self, LaunchOp, Product};
 
 /// A place in the one allocation.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -114,17 +112,14 @@ pub(crate) struct Builder<'a> {
 /// The static word holding the error flag of gather and scatter-add (three i32s, zeroed).
 pub(crate) const ERR_WORDS: usize = 2;
 
-/// The head sizes of the attention nodes of `graphs`.
-pub(crate) fn attention_head_sizes<'a>(graphs: impl IntoIterator<Item = &'a Graph>, bind: &Bindings) -> Vec<usize> {
+/// The head sizes of the attention launches of a launch plan.
+pub(crate) fn attention_head_sizes(plan: &launches::LaunchPlan) -> Vec<usize> {
     let mut out = vec![];
-    for g in graphs {
-        for n in &g.nodes {
-            if let Op::Attention { heads, .. } | Op::AttentionGrad { heads, .. } = n.op {
-                if let Ok(q) = g.ty(n.inputs[0]).shape.eval(bind) {
-                    let d = q[q.len() - 1] / 3 / (heads as usize).max(1);
-                    if !out.contains(&d) {
-                        out.push(d);
-                    }
+    for (_, launches, _) in &plan.programs {
+        for l in launches {
+            if let LaunchOp::Attention(a) = &l.op {
+                if !out.contains(&a.dims.d) {
+                    out.push(a.dims.d);
                 }
             }
         }
@@ -133,321 +128,173 @@ pub(crate) fn attention_head_sizes<'a>(graphs: impl IntoIterator<Item = &'a Grap
     out
 }
 
-fn blocks(n: u64, per: u64) -> [u32; 3] {
+pub(crate) fn blocks(n: u64, per: u64) -> [u32; 3] {
     [n.div_ceil(per).max(1) as u32, 1, 1]
 }
 
 impl Builder<'_> {
-    fn table(&mut self, ptrs: impl IntoIterator<Item = Addr>) -> Addr {
+    /// `ptrs` as a table of 8-byte words in the static region.
+    pub(crate) fn table(&mut self, ptrs: impl IntoIterator<Item = Addr>) -> Addr {
         let at = Addr::Static(self.words.len() as u64 * 8);
         self.words.extend(ptrs.into_iter().map(Some));
         at
     }
 
-    fn need_scratch(&mut self, bytes: u64) {
+    /// Makes the shared scratch region at least `bytes` long.
+    pub(crate) fn need_scratch(&mut self, bytes: u64) {
         self.scratch = self.scratch.max(bytes.div_ceil(256) * 256);
     }
 
-    /// The launches of `g` under `plan`; `kernels(i)` is the compiled kernel of node `i`.
-    pub fn launches(
-        &mut self,
-        g: &Graph,
-        plan: &MemPlan,
-        layout: &SharedLayout,
-        bind: &Bindings,
-        kernels: &dyn Fn(usize) -> Option<Loaded>,
-    ) -> Result<Vec<Launch>, String> {
-        let off = |v: ValueId| layout.offset(g, plan, v).map(Addr::Plan);
-        let dims = |v: ValueId| g.ty(v).shape.eval(bind).map(|d| d.into_iter().collect::<Vec<usize>>());
-        let bytes_of = |v: ValueId| g.ty(v).bytes(bind).map(|b| b as u64);
+    /// The CUDA launches of a program's launch plan; `kernels(i)` is the compiled kernel of
+    /// launch `i`.
+    pub fn translate(&mut self, plan: &[launches::Launch], kernels: &dyn Fn(usize) -> Option<Loaded>) -> Result<Vec<Launch>, String> {
         let err_flag = Addr::Static(0);
         let mut out = vec![];
-        for (i, n) in g.nodes.iter().enumerate() {
-            let io_bytes = n.inputs.iter().chain(&n.results).map(|v| bytes_of(*v)).sum::<Result<u64, String>>()?;
-            let err = |m: String| format!("node {i} (`{}`): {m}", n.op.mnemonic());
-            // bf16 operands of products (the `amp` pass's casts) read as bf16 by cuBLAS.
-            let product = matches!(n.op, Op::MatMul { .. } | Op::Gemm(_));
-            let bf16 = product && g.ty(n.inputs[0]).dtype == DType::BF16;
-            if product && g.ty(n.inputs[1]).dtype != g.ty(n.inputs[0]).dtype {
-                return Err(err(format!("a product of {} and {} operands", g.ty(n.inputs[0]).dtype, g.ty(n.inputs[1]).dtype)));
+        for (i, l) in plan.iter().enumerate() {
+            let err = |m: String| l.err(m);
+            let product = matches!(l.op, LaunchOp::Product(_));
+            // bf16 operands of products (the `amp` pass's casts) are read as bf16 by cuBLAS.
+            let bf16 = product && l.dtypes[0] == DType::BF16;
+            if product && l.dtypes[1] != l.dtypes[0] {
+                return Err(err(format!("a product of {} and {} operands", l.dtypes[0], l.dtypes[1])));
             }
-            // Reshapes are views (no launch), of any dtype.
-            if !matches!(n.op, Op::Kernel(_) | Op::Reshape { .. }) {
+            if !matches!(l.op, LaunchOp::Kernel { .. }) {
                 let operands = if bf16 { 2 } else { 0 };
-                for v in n.inputs.iter().skip(operands).chain(&n.results) {
-                    let dt = g.ty(*v).dtype;
-                    if dt == DType::BF16 || dt == DType::F16 {
-                        return Err(err(format!(
-                            "{dt} storage outside fused kernels is not supported by the CUDA target yet (use --precision fp32)"
-                        )));
-                    }
+                if let Some(dt) = l.dtypes.iter().skip(operands).find(|d| matches!(d, DType::BF16 | DType::F16)) {
+                    return Err(err(format!(
+                        "{dt} storage outside fused kernels is not supported by the CUDA target yet (use --precision fp32)"
+                    )));
                 }
             }
-            let mut push =
-                |steps: Vec<Step>, name: &str, flops: u64| out.push(Launch { steps, name: name.to_string(), bytes: io_bytes, flops });
-            match &n.op {
-                Op::Param { .. } | Op::Input { .. } | Op::Reshape { .. } => {}
-                Op::MatMul { trans_a, trans_b } => {
-                    let spec = gemm_spec(g, bind, n.inputs[0], n.inputs[1], n.results[0], *trans_a, *trans_b).map_err(err)?;
-                    let b = batched(&spec).map_err(err)?;
-                    let step = Step::Gemm { g: b, a: off(n.inputs[0])?, b: off(n.inputs[1])?, c: off(n.results[0])?, beta: 0.0, bf16 };
-                    push(vec![step], "matmul", spec.flops());
+            let mut push = |steps: Vec<Step>, name: &str, flops: u64| {
+                out.push(Launch { steps, name: name.to_string(), bytes: l.bytes, flops });
+            };
+            let p = |o: u64| Arg::Ptr(Addr::Plan(o));
+            match &l.op {
+                LaunchOp::Product(pr) => {
+                    let steps = self.product(pr, bf16, l.name != "matmul").map_err(err)?;
+                    push(steps, &l.name, l.flops);
                 }
-                Op::Gemm(gm) => {
-                    let spec = gemm_spec(g, bind, n.inputs[0], n.inputs[1], n.results[0], gm.trans_a, gm.trans_b).map_err(err)?;
-                    if gm.out != DType::F32 {
-                        return Err(err(format!("a {} GEMM result is not supported by the CUDA target yet", gm.out)));
-                    }
-                    let bg = batched(&spec).map_err(err)?;
-                    let (a, b, y) = (off(n.inputs[0])?, off(n.inputs[1])?, off(n.results[0])?);
-                    let bias = if gm.bias { Some(off(n.inputs[2])?) } else { None };
-                    let acc = if gm.accumulate { Some(off(*n.inputs.last().expect("gemm has operands"))?) } else { None };
-                    let pre = if gm.gelu { Some(off(n.results[1])?) } else { None };
-                    let name = gm.launch_name();
-                    let mut steps = vec![];
-                    let total = spec.y_len() as u64;
-                    let lt = match self.lt.as_mut() {
-                        Some(lt) if gm.bias && !gm.accumulate && bg.batch == 1 && !bf16 => {
-                            lt.plan(&bg.call, if gm.gelu { Epilogue::GeluAuxBias } else { Epilogue::Bias }).map_err(err)?
-                        }
-                        _ => None,
-                    };
-                    if let Some(plan) = lt {
-                        let (bias, aux) = (bias.expect("a bias"), pre.unwrap_or(y));
-                        steps.push(Step::GemmLt { plan, a, b, c: y, bias, aux });
-                    } else if !gm.bias && !gm.gelu {
-                        if let Some(acc) = acc.filter(|&acc| acc != y) {
-                            steps.push(Step::Copy { dst: y, src: acc, bytes: total * 4 });
-                        }
-                        steps.push(Step::Gemm { g: bg, a, b, c: y, beta: if gm.accumulate { 1.0 } else { 0.0 }, bf16 });
-                    } else {
-                        // The product into `y` (or scratch when `y` must first be read as the
-                        // accumulator), then bias / GELU / accumulate in one pass.
-                        let src = if acc.is_some() {
-                            self.need_scratch(total * 4);
-                            Addr::Scratch(0)
-                        } else {
-                            y
-                        };
-                        steps.push(Step::Gemm { g: bg, a, b, c: src, beta: 0.0, bf16 });
-                        let flags = gm.bias as i32 | (gm.gelu as i32) << 1 | (gm.accumulate as i32) << 2;
-                        let zero = Arg::Ptr(src);
-                        let args = vec![
-                            Arg::Ptr(y),
-                            Arg::Ptr(src),
-                            bias.map_or(zero, Arg::Ptr),
-                            pre.map_or(zero, Arg::Ptr),
-                            acc.map_or(zero, Arg::Ptr),
-                            Arg::I64(total as i64),
-                            Arg::I32(spec.n as i32),
-                            Arg::I32(flags),
-                        ];
-                        steps.push(Step::Kernel { f: self.native.gemm_epilogue, grid: blocks(total, 256), block: [256, 1, 1], args });
-                    }
-                    push(steps, &name, spec.flops());
-                }
-                Op::Kernel(k) => {
-                    let l = kernels(i).ok_or_else(|| err(format!("kernel `{}` was not compiled", k.name)))?;
-                    self.need_scratch(l.src.scratch_bytes);
-                    let mut ptrs: Vec<Addr> = n.inputs.iter().map(|v| off(*v)).collect::<Result<_, _>>()?;
-                    for v in &n.results {
-                        ptrs.push(off(*v)?);
-                    }
-                    let args: Vec<Arg> = if l.src.param_table {
+                LaunchOp::Kernel { kernel, ins, outs } => {
+                    let k = kernels(i).ok_or_else(|| err(format!("kernel `{}` was not compiled", kernel.name)))?;
+                    self.need_scratch(k.src.scratch_bytes);
+                    let ptrs: Vec<Addr> = ins.iter().chain(outs).map(|&o| Addr::Plan(o)).collect();
+                    let args: Vec<Arg> = if k.src.param_table {
                         vec![Arg::Ptr(self.table(ptrs)), Arg::Ptr(Addr::Scratch(0))]
                     } else {
                         ptrs.into_iter().map(Arg::Ptr).chain([Arg::Ptr(Addr::Scratch(0))]).collect()
                     };
-                    let steps = l
+                    let steps = k
                         .src
                         .launches
                         .iter()
-                        .zip(&l.funcs)
+                        .zip(&k.funcs)
                         .map(|(r, f)| Step::Kernel { f: *f, grid: r.grid, block: r.block, args: args.clone() })
                         .collect();
-                    push(steps, &k.name, l.src.flops);
+                    push(steps, &kernel.name, k.src.flops);
                 }
-                Op::Gather => {
-                    let t = dims(n.inputs[0]).map_err(err)?;
-                    let cnt: usize = dims(n.inputs[1]).map_err(err)?.iter().product();
+                LaunchOp::Gather(g) => {
                     let args = vec![
-                        Arg::Ptr(off(n.inputs[0])?),
-                        Arg::Ptr(off(n.inputs[1])?),
-                        Arg::Ptr(off(n.results[0])?),
-                        Arg::I32(t[0] as i32),
-                        Arg::I32(t[1] as i32),
-                        Arg::I64(cnt as i64),
+                        p(g.table),
+                        p(g.idx),
+                        p(g.out),
+                        Arg::I32(g.rows as i32),
+                        Arg::I32(g.cols as i32),
+                        Arg::I64(g.n as i64),
                         Arg::Ptr(err_flag),
                     ];
                     let f = self.native.gather;
-                    push(vec![Step::Kernel { f, grid: blocks((cnt * t[1]) as u64, 256), block: [256, 1, 1], args }], "gather", 0);
+                    push(vec![Step::Kernel { f, grid: blocks((g.n * g.cols) as u64, 256), block: [256, 1, 1], args }], "gather", 0);
                 }
-                Op::ScatterAdd { .. } => {
-                    let o = dims(n.results[0]).map_err(err)?;
-                    let cnt: usize = dims(n.inputs[1]).map_err(err)?.iter().product();
+                LaunchOp::ScatterAdd(s) => {
                     let args = vec![
-                        Arg::Ptr(off(n.inputs[0])?),
-                        Arg::Ptr(off(n.inputs[1])?),
-                        Arg::Ptr(off(n.results[0])?),
-                        Arg::I32(o[0] as i32),
-                        Arg::I32(o[1] as i32),
-                        Arg::I32(cnt as i32),
+                        p(s.src),
+                        p(s.idx),
+                        p(s.out),
+                        Arg::I32(s.rows as i32),
+                        Arg::I32(s.cols as i32),
+                        Arg::I32(s.n as i32),
                         Arg::Ptr(err_flag),
                     ];
-                    let grid = blocks(o[0] as u64, fusec_codegen_cuda::native::SCATTER_ROWS as u64);
-                    push(
-                        vec![Step::Kernel { f: self.native.scatter_add, grid, block: [256, 1, 1], args }],
-                        "scatter_add",
-                        (cnt * o[1]) as u64,
-                    );
+                    let grid = blocks(s.rows as u64, fusec_codegen_cuda::native::SCATTER_ROWS as u64);
+                    push(vec![Step::Kernel { f: self.native.scatter_add, grid, block: [256, 1, 1], args }], "scatter_add", l.flops);
                 }
-                Op::Attention { heads, scale } | Op::AttentionGrad { heads, scale } => {
-                    let q = dims(n.inputs[0]).map_err(err)?;
-                    let r = q.len();
-                    let (s, t, h) = (q[..r - 2].iter().product::<usize>(), q[r - 2], *heads as usize);
-                    let (d, c) = (q[r - 1] / 3 / h, q[r - 1] / 3);
-                    let forward = matches!(n.op, Op::Attention { .. });
-                    let (qkv, out_v, lse) = if forward {
-                        (off(n.inputs[0])?, off(n.results[0])?, off(n.results[1])?)
-                    } else {
-                        (off(n.inputs[0])?, off(n.inputs[1])?, off(n.inputs[2])?)
-                    };
-                    let plan_off = |a: Addr| match a {
-                        Addr::Plan(o) => o,
-                        _ => unreachable!("planned"),
-                    };
-                    if let Some(f) = self.native.flash.get(&d) {
-                        let (scale, tiles) = (*scale as f32, (t as u32).div_ceil(flash::TILE));
-                        let (grid, block) = ([tiles, h as u32, s as u32], [flash::THREADS, 1, 1]);
-                        // Products done, the causal half: 2 forward, 3 for dq and 4 for dk, dv.
-                        let half = (s * h * t * t * d) as u64;
-                        let (ti, hi) = (Arg::I32(t as i32), Arg::I32(h as i32));
-                        if forward {
-                            let args = vec![Arg::Ptr(qkv), Arg::Ptr(out_v), Arg::Ptr(lse), ti, hi, Arg::F32(scale)];
-                            push(vec![Step::Kernel { f: f[0], grid, block, args }], "flash_attention", 2 * half);
-                        } else {
-                            let (dout, dqkv) = (off(n.inputs[3])?, off(n.results[0])?);
-                            self.need_scratch((s * h * t * 4) as u64);
-                            let dsum = Arg::Ptr(Addr::Scratch(0));
-                            let args = vec![
-                                Arg::Ptr(qkv),
-                                Arg::Ptr(out_v),
-                                Arg::Ptr(lse),
-                                Arg::Ptr(dout),
-                                Arg::Ptr(dqkv),
-                                dsum,
-                                ti,
-                                hi,
-                                Arg::F32(scale),
-                            ];
-                            push(vec![Step::Kernel { f: f[1], grid, block, args }], "flash_attention_grad_q", 3 * half);
-                            let args = vec![Arg::Ptr(qkv), Arg::Ptr(lse), Arg::Ptr(dout), dsum, Arg::Ptr(dqkv), ti, hi, Arg::F32(scale)];
-                            push(vec![Step::Kernel { f: f[2], grid, block, args }], "flash_attention_grad_kv", 4 * half);
-                        }
-                        continue;
-                    }
-                    let (bh, tt) = (s * h, (t * t) as u64);
-                    let p_bytes = bh as u64 * tt * 4;
-                    self.need_scratch(if forward { p_bytes } else { 2 * p_bytes });
-                    let (p, dp) = (0u64, p_bytes);
-                    // Per (batch row, head): its q, k, v (row stride 3C), its score matrix, its
-                    // output columns (row stride C).
-                    let head = |base: Addr, stride: usize, part: usize| -> Vec<Addr> {
-                        (0..bh)
-                            .map(|b| {
-                                let (si, hi) = (b / h, b % h);
-                                Addr::Plan(plan_off(base) + 4 * (si * t * stride + part * c + hi * d) as u64)
-                            })
-                            .collect()
-                    };
-                    let scores = |o: u64| -> Vec<Addr> { (0..bh as u64).map(|b| Addr::Scratch(o + b * tt * 4)).collect() };
-                    let (qs, ks, vs) = (head(qkv, 3 * c, 0), head(qkv, 3 * c, 1), head(qkv, 3 * c, 2));
-                    let arrays = |this: &mut Self, a: Vec<Addr>, b: Vec<Addr>, cc: Vec<Addr>| this.table(a.into_iter().chain(b).chain(cc));
-                    let flops = (2 * bh * t * t * d) as u64;
-                    let nrows = (bh * t) as i64;
-                    let rows_grid = blocks(nrows as u64, fusec_codegen_cuda::native::ATTN_ROWS_PER_BLOCK as u64);
-                    // scores = q k^T (cuBLAS A = k, B = q).
-                    let sc = row_major(t, t, d, false, true, 3 * c, 3 * c, t).map_err(err)?;
-                    let sc_arr = arrays(self, ks.clone(), qs.clone(), scores(p));
-                    push(vec![Step::GemmArrays { call: sc, arrays: sc_arr, batch: bh as i32 }], "gemm_attn_scores", flops);
-                    let scale = *scale as f32;
-                    if forward {
-                        let args = vec![Arg::Ptr(Addr::Scratch(p)), Arg::Ptr(lse), Arg::I32(t as i32), Arg::I64(nrows), Arg::F32(scale)];
-                        push(
-                            vec![Step::Kernel { f: self.native.attn_softmax, grid: rows_grid, block: [256, 1, 1], args }],
-                            "attn_softmax",
-                            0,
-                        );
-                        // out = p v (cuBLAS A = v, B = p).
-                        let pv = row_major(t, d, t, false, false, t, 3 * c, c).map_err(err)?;
-                        let pv_arr = arrays(self, vs, scores(p), head(out_v, c, 0));
-                        push(vec![Step::GemmArrays { call: pv, arrays: pv_arr, batch: bh as i32 }], "gemm_attn_values", flops);
-                    } else {
-                        let (dout, dqkv) = (off(n.inputs[3])?, off(n.results[0])?);
-                        let args = vec![Arg::Ptr(Addr::Scratch(p)), Arg::Ptr(lse), Arg::I32(t as i32), Arg::I64(nrows), Arg::F32(scale)];
-                        push(
-                            vec![Step::Kernel { f: self.native.attn_probs, grid: rows_grid, block: [256, 1, 1], args }],
-                            "attn_softmax",
-                            0,
-                        );
-                        // dp = dout v^T (cuBLAS A = v, B = dout).
-                        let dpc = row_major(t, t, d, false, true, c, 3 * c, t).map_err(err)?;
-                        let dp_arr = arrays(self, vs.clone(), head(dout, c, 0), scores(dp));
-                        push(vec![Step::GemmArrays { call: dpc, arrays: dp_arr, batch: bh as i32 }], "gemm_attn_dp", flops);
-                        let args = vec![
-                            Arg::Ptr(Addr::Scratch(p)),
-                            Arg::Ptr(Addr::Scratch(dp)),
-                            Arg::Ptr(out_v),
-                            Arg::Ptr(dout),
-                            Arg::I32(t as i32),
-                            Arg::I32(h as i32),
-                            Arg::I32(d as i32),
-                            Arg::I64(nrows),
-                            Arg::F32(scale),
-                        ];
-                        push(
-                            vec![Step::Kernel { f: self.native.attn_dscores, grid: rows_grid, block: [256, 1, 1], args }],
-                            "attn_softmax_grad",
-                            0,
-                        );
-                        // dq = ds k, dk = ds^T q, dv = p^T dout.
-                        let dq = row_major(t, d, t, false, false, t, 3 * c, 3 * c).map_err(err)?;
-                        let dk = row_major(t, d, t, true, false, t, 3 * c, 3 * c).map_err(err)?;
-                        let dv = row_major(t, d, t, true, false, t, c, 3 * c).map_err(err)?;
-                        let dq_arr = arrays(self, ks, scores(dp), head(dqkv, 3 * c, 0));
-                        let dk_arr = arrays(self, qs, scores(dp), head(dqkv, 3 * c, 1));
-                        let dv_arr = arrays(self, head(dout, c, 0), scores(p), head(dqkv, 3 * c, 2));
-                        let b = bh as i32;
-                        let steps = vec![
-                            Step::GemmArrays { call: dq, arrays: dq_arr, batch: b },
-                            Step::GemmArrays { call: dk, arrays: dk_arr, batch: b },
-                            Step::GemmArrays { call: dv, arrays: dv_arr, batch: b },
-                        ];
-                        push(steps, "gemm_attn_dqkv", 3 * flops);
+                LaunchOp::Attention(a) => {
+                    for (steps, name, flops) in self.attention(a).map_err(err)? {
+                        push(steps, name, flops);
                     }
                 }
-                Op::Iota { axis, ty } => {
-                    let shape = dims(n.results[0]).map_err(err)?;
-                    let cnt: usize = shape.iter().product();
-                    let inner: usize = shape[axis + 1..].iter().product();
-                    let f = if ty.dtype == DType::I32 { self.native.iota_i32 } else { self.native.iota_f32 };
-                    let args =
-                        vec![Arg::Ptr(off(n.results[0])?), Arg::I64(cnt as i64), Arg::I64(inner as i64), Arg::I64(shape[*axis] as i64)];
+                LaunchOp::Iota(it) => {
+                    let cnt: usize = it.shape.iter().product();
+                    let inner: usize = it.shape[it.axis + 1..].iter().product();
+                    let f = if it.dtype == DType::I32 { self.native.iota_i32 } else { self.native.iota_f32 };
+                    let args = vec![p(it.out), Arg::I64(cnt as i64), Arg::I64(inner as i64), Arg::I64(it.shape[it.axis] as i64)];
                     push(vec![Step::Kernel { f, grid: blocks(cnt as u64, 256), block: [256, 1, 1], args }], "iota", 0);
                 }
-                Op::Const { value, ty } => {
-                    let cnt: usize = dims(n.results[0]).map_err(err)?.iter().product();
-                    let dst = off(n.results[0])?;
-                    let step = match ty.dtype {
-                        DType::I32 => Step::Fill32 { dst, bits: fusec_ir::interp::round_to(DType::I32, *value) as i32 as u32, n: cnt },
-                        DType::F32 => Step::Fill32 { dst, bits: (*value as f32).to_bits(), n: cnt },
+                LaunchOp::Fill(fl) => {
+                    let dst = Addr::Plan(fl.out);
+                    let bits = match fl.dtype {
+                        DType::I32 => fusec_ir::interp::round_to(DType::I32, fl.value) as i32 as u32,
+                        DType::F32 => (fl.value as f32).to_bits(),
                         d => return Err(err(format!("a {d} constant outside a fused kernel"))),
                     };
-                    push(vec![step], "fill", 0);
+                    push(vec![Step::Fill32 { dst, bits, n: fl.n }], "fill", 0);
                 }
-                other => return Err(err(format!("`{}` outside a fused kernel has no CUDA implementation", other.mnemonic()))),
             }
         }
         Ok(out)
+    }
+
+    /// A product's steps: a cuBLASLt call with its epilogue where one applies, else a cuBLAS
+    /// product (accumulating with beta = 1), followed by the epilogue kernel when there is a
+    /// bias or GELU. `fused`: a `gemm` node (a plain `matmul` never carries an epilogue).
+    fn product(&mut self, pr: &Product, bf16: bool, fused: bool) -> Result<Vec<Step>, String> {
+        let spec = &pr.spec;
+        if fused && pr.out != DType::F32 {
+            return Err(format!("a {} GEMM result is not supported by the CUDA target yet", pr.out));
+        }
+        let bg = batched(spec)?;
+        let (a, b, y) = (Addr::Plan(pr.a), Addr::Plan(pr.b), Addr::Plan(pr.y));
+        let (bias, acc, pre) = (pr.bias.map(Addr::Plan), pr.acc.map(Addr::Plan), pr.pre.map(Addr::Plan));
+        let mut steps = vec![];
+        let total = spec.y_len() as u64;
+        let lt = match self.lt.as_mut() {
+            Some(lt) if spec.bias && !spec.accumulate && bg.batch == 1 && !bf16 => {
+                lt.plan(&bg.call, if spec.gelu { Epilogue::GeluAuxBias } else { Epilogue::Bias })?
+            }
+            _ => None,
+        };
+        if let (Some(plan), Some(bias)) = (lt, bias) {
+            steps.push(Step::GemmLt { plan, a, b, c: y, bias, aux: pre.unwrap_or(y) });
+        } else if !spec.bias && !spec.gelu {
+            if let Some(acc) = acc.filter(|&acc| acc != y) {
+                steps.push(Step::Copy { dst: y, src: acc, bytes: total * 4 });
+            }
+            steps.push(Step::Gemm { g: bg, a, b, c: y, beta: if spec.accumulate { 1.0 } else { 0.0 }, bf16 });
+        } else {
+            // The product into `y` (or scratch when `y` must first be read as the
+            // accumulator), then bias / GELU / accumulate in one pass.
+            let src = if acc.is_some() {
+                self.need_scratch(total * 4);
+                Addr::Scratch(0)
+            } else {
+                y
+            };
+            steps.push(Step::Gemm { g: bg, a, b, c: src, beta: 0.0, bf16 });
+            let flags = spec.bias as i32 | (spec.gelu as i32) << 1 | (spec.accumulate as i32) << 2;
+            let zero = Arg::Ptr(src);
+            let args = vec![
+                Arg::Ptr(y),
+                Arg::Ptr(src),
+                bias.map_or(zero, Arg::Ptr),
+                pre.map_or(zero, Arg::Ptr),
+                acc.map_or(zero, Arg::Ptr),
+                Arg::I64(total as i64),
+                Arg::I32(spec.n as i32),
+                Arg::I32(flags),
+            ];
+            steps.push(Step::Kernel { f: self.native.gemm_epilogue, grid: blocks(total, 256), block: [256, 1, 1], args });
+        }
+        Ok(steps)
     }
 }

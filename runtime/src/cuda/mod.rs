@@ -1,5 +1,5 @@
-//! The CUDA target: one device allocation from the memory plans (shared by the programs as on
-//! the CPU, via [`crate::cpu::layout::SharedLayout`]), NVRTC-compiled fused kernels, cuBLAS
+//! The CUDA target: one device allocation from the launch plan (shared by the programs as on
+//! the CPU, via [`crate::layout::SharedLayout`]), NVRTC-compiled fused kernels, cuBLAS
 //! products (bias / GELU epilogues inside cuBLASLt calls with TF32, `lt`), flash attention
 //! (TF32, sm_80+) or the score-matrix attention stages, hand-written gather / scatter-add, all
 //! launched in order on one stream; per-launch CUDA-event timing when profiling. The driver,
@@ -13,7 +13,8 @@
 //! never allocates on its own).
 //!
 //! Without profiling, each program is captured into a CUDA graph on its first run and replayed
-//! afterwards (one launch per step instead of hundreds; `FUSEC_CUDA_GRAPHS=0` turns it off).
+//! afterwards (one launch per step instead of hundreds; [`CudaOptions::graphs`] off launches
+//! one by one).
 //! Every address, kernel argument and table is fixed when the executor is built, so a replay
 //! is exactly the launches it recorded.
 //!
@@ -22,6 +23,7 @@
 //! panics. Launches are asynchronous: an error inside a kernel surfaces at the end of the
 //! program; `FUSEC_CUDA_SYNC=1` waits after every launch so the error names it.
 
+mod attention;
 mod device;
 mod launch;
 mod lt;
@@ -39,12 +41,14 @@ use cudarc::driver::sys;
 use fusec_codegen_cuda::nvrtc::Compiler;
 use fusec_codegen_cuda::{flash, kernel_source, native, KernelSource};
 use fusec_ir::interp::Tensor;
-use fusec_ir::{Bindings, DType, Graph, Op};
-use fusec_passes::memplan::{memplan, MemplanOptions, ALIGN};
+use fusec_ir::DType;
+use fusec_passes::memplan::ALIGN;
 
-use crate::cpu::layout::SharedLayout;
-use crate::cpu::profile::Profile;
-use crate::executor::{Executor, Program, StepOutputs};
+use crate::executor::{Executor, StepOutputs};
+use crate::launches::{LaunchOp, LaunchPlan, ProgramIo};
+use crate::layout::SharedLayout;
+use crate::profile::Profile;
+use crate::programs::{Program, RunPrograms};
 pub use device::{check_libraries, start_driver};
 use device::{ck, ckb, Device};
 use launch::{attention_head_sizes, Addr, Arg, Builder, Launch, Loaded, Native, Step, ERR_WORDS, NATIVE_ENTRIES};
@@ -55,8 +59,7 @@ const CUBLAS_WORKSPACE: u64 = 32 << 20;
 /// One compiled program.
 struct Compiled {
     launches: Vec<Launch>,
-    scalars: Vec<(String, u64)>,
-    outputs: HashMap<String, (u64, DType, Vec<usize>)>,
+    io: ProgramIo,
 }
 
 /// Runs the programs of a training run on a GPU.
@@ -79,12 +82,11 @@ pub struct CudaExecutor {
 }
 
 impl CudaExecutor {
-    /// Plans memory for the scheduled programs (which must include `Step`), opens GPU 0,
-    /// compiles every kernel (NVRTC, in parallel, through the disk cache), and allocates the
-    /// one device buffer, as `opts` says.
-    pub fn new(graphs: &HashMap<Program, Graph>, bind: &Bindings, opts: &CudaOptions) -> Result<(CudaExecutor, CudaBuild), String> {
+    /// Plans memory for the programs (which must include `Step`), opens GPU 0, compiles every
+    /// kernel (NVRTC, in parallel, through the disk cache), and allocates the one device
+    /// buffer, as `opts` says.
+    pub fn new(run: &RunPrograms, opts: &CudaOptions) -> Result<(CudaExecutor, CudaBuild), String> {
         let t0 = Instant::now();
-        let step = graphs.get(&Program::Step).ok_or("the CUDA target needs the Step program")?;
         let mut dev = Device::open(opts.tf32)?;
         let mut phases = dev.open_times.to_vec();
         let mut lap = Instant::now();
@@ -92,37 +94,29 @@ impl CudaExecutor {
             phases.push((name, lap.elapsed()));
             lap = Instant::now();
         };
-        let mut order: Vec<Program> = graphs.keys().copied().collect();
-        order.sort_by_key(|p| *p as u8);
-        let mut plans = HashMap::new();
-        for p in &order {
-            plans.insert(*p, memplan(&graphs[p], bind, &MemplanOptions::default()).map_err(|e| format!("memory plan of {p:?}: {e}"))?);
-        }
-        let layout = SharedLayout::new(step, &plans[&Program::Step]);
-        let arena_max = plans.values().map(|p| p.arena_bytes).max().unwrap_or(0);
+        let plan = LaunchPlan::new(run)?;
         phase("memplan");
 
         // Generate every kernel's source, then compile the distinct ones at once.
         let mut sources: Vec<Arc<KernelSource>> = vec![];
         let mut by_text: HashMap<String, usize> = HashMap::new();
-        let mut node_src: HashMap<(Program, usize), usize> = HashMap::new();
-        for p in &order {
-            for (i, n) in graphs[p].nodes.iter().enumerate() {
-                if let Op::Kernel(k) = &n.op {
-                    let ks = kernel_source(k, bind).map_err(|e| format!("{p:?} program, node {i}: {e}"))?;
+        let mut launch_src: HashMap<(Program, usize), usize> = HashMap::new();
+        for (p, launches, _) in &plan.programs {
+            for (i, l) in launches.iter().enumerate() {
+                if let LaunchOp::Kernel { kernel, .. } = &l.op {
+                    let ks = kernel_source(kernel, &run.bind).map_err(|e| format!("{p:?} program, {}", l.err(e)))?;
                     let idx = *by_text.entry(ks.source.clone()).or_insert_with(|| {
                         sources.push(Arc::new(ks));
                         sources.len() - 1
                     });
-                    node_src.insert((*p, i), idx);
+                    launch_src.insert((*p, i), idx);
                 }
             }
         }
         let mut compiler = Compiler::new(&dev.sm())?;
         let mut items: Vec<(String, String)> = sources.iter().map(|s| (s.ident.clone(), s.source.clone())).collect();
         items.push((native::NAME.to_string(), native::source()));
-        let flash_dims =
-            if opts.flash && opts.tf32 && dev.arch >= flash::MIN_ARCH { attention_head_sizes(graphs.values(), bind) } else { vec![] };
+        let flash_dims = if opts.flash && opts.tf32 && dev.arch >= flash::MIN_ARCH { attention_head_sizes(&plan) } else { vec![] };
         let flash_dims: Vec<usize> = flash_dims.into_iter().filter(|d| flash::supported(*d)).collect();
         for d in &flash_dims {
             items.push((flash::name(*d), flash::source(*d)));
@@ -160,29 +154,15 @@ impl CudaExecutor {
         let lt = dev.lt.filter(|_| opts.lt_epilogues).map(|h| lt::LtPlans::new(h, CUBLAS_WORKSPACE as usize));
         let mut b = Builder { native: &native, words: vec![None; ERR_WORDS], scratch: 0, lt };
         let mut programs = HashMap::new();
-        let mut types = HashMap::new();
-        for p in &order {
-            let (g, plan) = (&graphs[p], &plans[p]);
-            let lookup = |i: usize| node_src.get(&(*p, i)).map(|&s| Loaded { src: sources[s].clone(), funcs: funcs[s].clone() });
-            let launches = b.launches(g, plan, &layout, bind, &lookup).map_err(|e| format!("{p:?} program: {e}"))?;
-            let mut scalars = vec![];
-            let mut outputs = HashMap::new();
-            for (name, v) in &g.outputs {
-                let (off, ty) = (layout.offset(g, plan, *v)?, g.ty(*v));
-                if ty.shape.rank() == 0 {
-                    scalars.push((name.clone(), off));
-                }
-                outputs.insert(name.clone(), (off, ty.dtype, ty.shape.eval(bind)?.into_iter().collect()));
-            }
-            for (name, v) in g.params().into_iter().chain(g.inputs()) {
-                types.insert(name.to_string(), (g.ty(v).dtype, g.ty(v).shape.eval(bind)?.into_iter().collect()));
-            }
-            programs.insert(*p, Compiled { launches, scalars, outputs });
+        for (p, launches, io) in &plan.programs {
+            let lookup = |i: usize| launch_src.get(&(*p, i)).map(|&s| Loaded { src: sources[s].clone(), funcs: funcs[s].clone() });
+            let launches = b.translate(launches, &lookup).map_err(|e| format!("{p:?} program: {e}"))?;
+            programs.insert(*p, Compiled { launches, io: io.clone() });
         }
 
         let (lt_plans, lt_launches) = b.lt.take().map_or((vec![], 0), |lt| (lt.plans, lt.launches));
         let align = |x: u64| x.div_ceil(ALIGN) * ALIGN;
-        let scratch_base = align(layout.persistent_bytes + arena_max);
+        let scratch_base = align(plan.planned_bytes);
         let static_base = scratch_base + align(b.scratch);
         let total = static_base + align(b.words.len() as u64 * 8);
         dev.allocate(total, CUBLAS_WORKSPACE)?;
@@ -205,7 +185,7 @@ impl CudaExecutor {
             phases,
             modules: std::mem::take(&mut compiler.times),
             kernels: KernelStats {
-                kernels: node_src.len(),
+                kernels: launch_src.len(),
                 modules: items.len(),
                 compiled: compiler.compiled,
                 disk_hits: compiler.disk_hits,
@@ -215,7 +195,7 @@ impl CudaExecutor {
             device_bytes: dev.size,
             scratch_bytes: b.scratch,
             device_used: used,
-            step_plan: plans.remove(&Program::Step).expect("checked above"),
+            step_plan: plan.step_plan,
             lt_epilogues: lt_launches,
             attention: match flash_dims.as_slice() {
                 [] => "score matrices: cuBLAS products and softmax kernels".into(),
@@ -223,15 +203,14 @@ impl CudaExecutor {
             },
         };
         let sync_each = std::env::var_os("FUSEC_CUDA_SYNC").is_some_and(|v| v != "0");
-        let use_graphs = std::env::var_os("FUSEC_CUDA_GRAPHS").is_none_or(|v| v != "0");
         let ex = CudaExecutor {
-            layout,
+            layout: plan.layout,
             programs,
-            types,
+            types: plan.tensors,
             scratch_base,
             static_base,
             sync_each,
-            use_graphs,
+            use_graphs: opts.graphs,
             graphs: HashMap::new(),
             events,
             peak: used,
@@ -246,19 +225,6 @@ impl CudaExecutor {
     /// profiled run.
     pub fn peak_device_bytes(&self) -> u64 {
         self.peak
-    }
-
-    /// Static FLOPs of one run of `program`, split into (cuBLAS products, the rest).
-    pub fn flops(&self, program: Program) -> (u64, u64) {
-        let mut f = (0, 0);
-        for l in self.programs.get(&program).map(|p| p.launches.as_slice()).unwrap_or(&[]) {
-            if l.steps.iter().any(|s| matches!(s, Step::Gemm { .. } | Step::GemmLt { .. } | Step::GemmArrays { .. })) {
-                f.0 += l.flops;
-            } else {
-                f.1 += l.flops;
-            }
-        }
-        f
     }
 
     fn addr(&self, a: Addr) -> u64 {
@@ -401,10 +367,8 @@ impl CudaExecutor {
             'launches: for (i, l) in prog.launches.iter().enumerate() {
                 for st in &l.steps {
                     if let Err(e) = self.exec(st) {
-                        res = Err(format!(
-                            "{} ({program:?} launch {i}, capturing a CUDA graph; FUSEC_CUDA_GRAPHS=0 runs without): {e}",
-                            l.name
-                        ));
+                        res =
+                            Err(format!("{} ({program:?} launch {i}, capturing a CUDA graph; --no-cuda-graph runs without): {e}", l.name));
                         break 'launches;
                     }
                 }
@@ -513,14 +477,14 @@ impl Executor for CudaExecutor {
             for (i, l) in prog.launches.iter().enumerate() {
                 // SAFETY: both events were recorded and the stream is idle.
                 let ms = unsafe { cudarc::driver::result::event::elapsed(self.events[i].0, self.events[i].1) }.unwrap_or(0.0);
-                p.record_launch(&l.name, l.bytes, l.flops, Duration::from_secs_f64(ms.max(0.0) as f64 / 1e3));
+                p.record(&l.name, l.bytes, l.flops, Duration::from_secs_f64(ms.max(0.0) as f64 / 1e3));
             }
             self.profile = Some(p);
             self.peak = self.peak.max(self.dev.used_bytes());
         }
         self.take_index_error()?;
         let mut out = StepOutputs::default();
-        for (name, off) in &prog.scalars {
+        for (name, off, _) in &prog.io.scalars {
             let mut v = [0f32];
             self.dev.download(&mut v, self.dev.base + off)?;
             out.set(name, v[0] as f64);
@@ -530,7 +494,7 @@ impl Executor for CudaExecutor {
 
     fn output(&self, program: Program, name: &str) -> Result<Tensor, String> {
         let prog = self.programs.get(&program).ok_or_else(|| format!("program {program:?} was not compiled"))?;
-        let (off, dt, shape) = prog.outputs.get(name).ok_or_else(|| format!("{program:?} has no output `{name}`"))?;
+        let (off, dt, shape) = prog.io.outputs.get(name).ok_or_else(|| format!("{program:?} has no output `{name}`"))?;
         self.read(*off, *dt, shape.clone())
     }
 

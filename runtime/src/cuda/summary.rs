@@ -31,11 +31,14 @@ pub struct CudaOptions {
     /// Bias and bias + GELU epilogues inside cuBLASLt products (TF32 only); otherwise a cuBLAS
     /// product and an epilogue kernel.
     pub lt_epilogues: bool,
+    /// Capture each program into a CUDA graph on its first run and replay it; otherwise launch
+    /// one by one (`--no-cuda-graph`).
+    pub graphs: bool,
 }
 
 impl Default for CudaOptions {
     fn default() -> Self {
-        CudaOptions { profile: false, tf32: true, flash: true, lt_epilogues: true }
+        CudaOptions { profile: false, tf32: true, flash: true, lt_epilogues: true, graphs: true }
     }
 }
 

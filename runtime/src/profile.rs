@@ -3,9 +3,6 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use super::launch::Launch;
-use crate::executor::Program;
-
 /// Timing of one kernel name over a run.
 #[derive(Clone, Debug, Default)]
 pub struct Stat {
@@ -31,13 +28,8 @@ pub struct Profile {
 }
 
 impl Profile {
-    /// Adds one launch's time.
-    pub fn record(&mut self, _program: Program, _index: usize, l: &Launch, dt: Duration) {
-        self.record_launch(&l.name, l.bytes, l.flops, dt);
-    }
-
     /// Adds one launch's time by name, with its static byte and FLOP counts (any target).
-    pub fn record_launch(&mut self, name: &str, bytes: u64, flops: u64, dt: Duration) {
+    pub fn record(&mut self, name: &str, bytes: u64, flops: u64, dt: Duration) {
         if !self.stats.contains_key(name) {
             self.order.push(name.to_string());
             self.stats.insert(name.to_string(), Stat { min: dt, ..Stat::default() });

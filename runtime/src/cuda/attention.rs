@@ -1,0 +1,116 @@
+//! Causal attention launches on CUDA: the flash kernels (forward, `dq`, `dk/dv`) where a module
+//! was compiled for the head size, otherwise the score-matrix path — per (sequence, head)
+//! pointer-array cuBLAS products on `[B·H, T, T]` score matrices in scratch, with softmax
+//! kernels between them.
+
+use fusec_codegen_cuda::flash;
+use fusec_codegen_cuda::gemm::row_major;
+
+use super::launch::{blocks, Addr, Arg, Builder, Step};
+use crate::launches::Attention;
+
+/// A launch's steps, its profile name and its FLOPs.
+type Launch = (Vec<Step>, &'static str, u64);
+
+impl Builder<'_> {
+    /// The launches of one attention node.
+    pub(crate) fn attention(&mut self, a: &Attention) -> Result<Vec<Launch>, String> {
+        let (s, t, h, d) = (a.dims.s, a.dims.t, a.dims.h, a.dims.d);
+        let (qkv, out_v, lse) = (Addr::Plan(a.at.qkv), Addr::Plan(a.at.out), Addr::Plan(a.at.lse));
+        let grads = a.at.dout.zip(a.at.dqkv).map(|(o, q)| (Addr::Plan(o), Addr::Plan(q)));
+        let scale = a.scale;
+        if let Some(f) = self.native.flash.get(&d) {
+            let tiles = (t as u32).div_ceil(flash::TILE);
+            let (grid, block) = ([tiles, h as u32, s as u32], [flash::THREADS, 1, 1]);
+            // Products done, the causal half: 2 forward, 3 for dq and 4 for dk, dv.
+            let half = (s * h * t * t * d) as u64;
+            let (ti, hi) = (Arg::I32(t as i32), Arg::I32(h as i32));
+            let Some((dout, dqkv)) = grads.filter(|_| !a.forward) else {
+                let args = vec![Arg::Ptr(qkv), Arg::Ptr(out_v), Arg::Ptr(lse), ti, hi, Arg::F32(scale)];
+                return Ok(vec![(vec![Step::Kernel { f: f[0], grid, block, args }], "flash_attention", 2 * half)]);
+            };
+            self.need_scratch((s * h * t * 4) as u64);
+            let dsum = Arg::Ptr(Addr::Scratch(0));
+            let (q, o, l, dd, dq) = (Arg::Ptr(qkv), Arg::Ptr(out_v), Arg::Ptr(lse), Arg::Ptr(dout), Arg::Ptr(dqkv));
+            let args = vec![q, o, l, dd, dq, dsum, ti, hi, Arg::F32(scale)];
+            let grad_q = (vec![Step::Kernel { f: f[1], grid, block, args }], "flash_attention_grad_q", 3 * half);
+            let args = vec![q, l, dd, dsum, dq, ti, hi, Arg::F32(scale)];
+            let grad_kv = (vec![Step::Kernel { f: f[2], grid, block, args }], "flash_attention_grad_kv", 4 * half);
+            return Ok(vec![grad_q, grad_kv]);
+        }
+        let c = h * d;
+        let (bh, tt) = (s * h, (t * t) as u64);
+        let p_bytes = bh as u64 * tt * 4;
+        self.need_scratch(if a.forward { p_bytes } else { 2 * p_bytes });
+        let (p, dp) = (0u64, p_bytes);
+        let plan_off = |a: Addr| match a {
+            Addr::Plan(o) => o,
+            _ => unreachable!("planned"),
+        };
+        // Per (batch row, head): its q, k, v (row stride 3C), its score matrix, its output
+        // columns (row stride C).
+        let head = |base: Addr, stride: usize, part: usize| -> Vec<Addr> {
+            (0..bh)
+                .map(|b| {
+                    let (si, hi) = (b / h, b % h);
+                    Addr::Plan(plan_off(base) + 4 * (si * t * stride + part * c + hi * d) as u64)
+                })
+                .collect()
+        };
+        let scores = |o: u64| -> Vec<Addr> { (0..bh as u64).map(|b| Addr::Scratch(o + b * tt * 4)).collect() };
+        let (qs, ks, vs) = (head(qkv, 3 * c, 0), head(qkv, 3 * c, 1), head(qkv, 3 * c, 2));
+        let arrays = |this: &mut Self, a: Vec<Addr>, b: Vec<Addr>, cc: Vec<Addr>| this.table(a.into_iter().chain(b).chain(cc));
+        let flops = (2 * bh * t * t * d) as u64;
+        let nrows = (bh * t) as i64;
+        let rows_grid = blocks(nrows as u64, fusec_codegen_cuda::native::ATTN_ROWS_PER_BLOCK as u64);
+        let batch = bh as i32;
+        let mut out = vec![];
+        // scores = q k^T (cuBLAS A = k, B = q).
+        let sc = row_major(t, t, d, false, true, 3 * c, 3 * c, t)?;
+        let sc_arr = arrays(self, ks.clone(), qs.clone(), scores(p));
+        out.push((vec![Step::GemmArrays { call: sc, arrays: sc_arr, batch }], "gemm_attn_scores", flops));
+        let softmax_args = vec![Arg::Ptr(Addr::Scratch(p)), Arg::Ptr(lse), Arg::I32(t as i32), Arg::I64(nrows), Arg::F32(scale)];
+        let Some((dout, dqkv)) = grads.filter(|_| !a.forward) else {
+            let f = self.native.attn_softmax;
+            out.push((vec![Step::Kernel { f, grid: rows_grid, block: [256, 1, 1], args: softmax_args }], "attn_softmax", 0));
+            // out = p v (cuBLAS A = v, B = p).
+            let pv = row_major(t, d, t, false, false, t, 3 * c, c)?;
+            let pv_arr = arrays(self, vs, scores(p), head(out_v, c, 0));
+            out.push((vec![Step::GemmArrays { call: pv, arrays: pv_arr, batch }], "gemm_attn_values", flops));
+            return Ok(out);
+        };
+        let f = self.native.attn_probs;
+        out.push((vec![Step::Kernel { f, grid: rows_grid, block: [256, 1, 1], args: softmax_args }], "attn_softmax", 0));
+        // dp = dout v^T (cuBLAS A = v, B = dout).
+        let dpc = row_major(t, t, d, false, true, c, 3 * c, t)?;
+        let dp_arr = arrays(self, vs.clone(), head(dout, c, 0), scores(dp));
+        out.push((vec![Step::GemmArrays { call: dpc, arrays: dp_arr, batch }], "gemm_attn_dp", flops));
+        let args = vec![
+            Arg::Ptr(Addr::Scratch(p)),
+            Arg::Ptr(Addr::Scratch(dp)),
+            Arg::Ptr(out_v),
+            Arg::Ptr(dout),
+            Arg::I32(t as i32),
+            Arg::I32(h as i32),
+            Arg::I32(d as i32),
+            Arg::I64(nrows),
+            Arg::F32(scale),
+        ];
+        let f = self.native.attn_dscores;
+        out.push((vec![Step::Kernel { f, grid: rows_grid, block: [256, 1, 1], args }], "attn_softmax_grad", 0));
+        // dq = ds k, dk = ds^T q, dv = p^T dout.
+        let dq = row_major(t, d, t, false, false, t, 3 * c, 3 * c)?;
+        let dk = row_major(t, d, t, true, false, t, 3 * c, 3 * c)?;
+        let dv = row_major(t, d, t, true, false, t, c, 3 * c)?;
+        let dq_arr = arrays(self, ks, scores(dp), head(dqkv, 3 * c, 0));
+        let dk_arr = arrays(self, qs, scores(dp), head(dqkv, 3 * c, 1));
+        let dv_arr = arrays(self, head(dout, c, 0), scores(p), head(dqkv, 3 * c, 2));
+        let steps = vec![
+            Step::GemmArrays { call: dq, arrays: dq_arr, batch },
+            Step::GemmArrays { call: dk, arrays: dk_arr, batch },
+            Step::GemmArrays { call: dv, arrays: dv_arr, batch },
+        ];
+        out.push((steps, "gemm_attn_dqkv", 3 * flops));
+        Ok(out)
+    }
+}

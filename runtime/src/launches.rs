@@ -1,0 +1,355 @@
+//! The launch plan: every program of a run as a flat list of backend-neutral launches, built
+//! once from the memory plans. Each launch names what it runs, where its operands and results
+//! live (byte offsets in the [`SharedLayout`]), its concrete dims and its static byte and FLOP
+//! counts. The CPU and CUDA executors translate it into their own launch records; neither
+//! reads graphs or memory plans itself.
+
+use std::collections::HashMap;
+
+use fusec_codegen_cpu::gemm::GemmSpec;
+use fusec_ir::{Bindings, DType, Graph, Kernel, Node, Op, ValueId};
+use fusec_passes::memplan::{memplan, MemPlan, MemplanOptions};
+
+use crate::layout::SharedLayout;
+use crate::programs::{Program, RunPrograms};
+
+/// A matrix product and its epilogue (`matmul`, or a fused `gemm`).
+#[derive(Clone, Copy, Debug)]
+pub struct Product {
+    /// Shape, transposes and epilogue flags.
+    pub spec: GemmSpec,
+    /// Operands.
+    pub a: u64,
+    /// Second operand.
+    pub b: u64,
+    /// Bias vector, when `spec.bias`.
+    pub bias: Option<u64>,
+    /// The accumulator read when `spec.accumulate` (often the same buffer as `y`).
+    pub acc: Option<u64>,
+    /// Result.
+    pub y: u64,
+    /// GELU's pre-activation, when `spec.gelu`.
+    pub pre: Option<u64>,
+    /// Storage type of the operands.
+    pub operands: DType,
+    /// Storage type of the result.
+    pub out: DType,
+}
+
+/// Embedding lookup: `out[i] = table[idx[i]]`, rows of `cols` values.
+#[derive(Clone, Copy, Debug)]
+pub struct Gather {
+    /// The `[rows, cols]` table.
+    pub table: u64,
+    /// Rows of the table.
+    pub rows: usize,
+    /// Values per row.
+    pub cols: usize,
+    /// The `n` i32 indices.
+    pub idx: u64,
+    /// Number of indices.
+    pub n: usize,
+    /// The `[n, cols]` result.
+    pub out: u64,
+}
+
+/// Embedding gradient: `out[idx[i]] += src[i]`, deterministic.
+#[derive(Clone, Copy, Debug)]
+pub struct ScatterAdd {
+    /// The `[n, cols]` rows to add.
+    pub src: u64,
+    /// Values per row.
+    pub cols: usize,
+    /// The `n` i32 indices.
+    pub idx: u64,
+    /// Number of indices.
+    pub n: usize,
+    /// The `[rows, cols]` result.
+    pub out: u64,
+    /// Rows of the result.
+    pub rows: usize,
+}
+
+/// The sizes of one causal attention over packed `[S, T, 3C]` projections.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AttnDims {
+    /// Sequences (the product of the leading axes).
+    pub s: usize,
+    /// Sequence length.
+    pub t: usize,
+    /// Heads.
+    pub h: usize,
+    /// Head size (`C / h`).
+    pub d: usize,
+}
+
+/// Byte offsets of the tensors an attention launch touches.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct AttnOffsets {
+    /// Packed projections.
+    pub qkv: u64,
+    /// Forward output.
+    pub out: u64,
+    /// Log-sum-exp.
+    pub lse: u64,
+    /// Output gradient (backward).
+    pub dout: Option<u64>,
+    /// Projection gradient (backward).
+    pub dqkv: Option<u64>,
+}
+
+/// Causal attention, forward (`out`, `lse`) or backward (`dqkv`).
+#[derive(Clone, Copy, Debug)]
+pub struct Attention {
+    /// Forward (`attention`) or backward (`attention_grad`).
+    pub forward: bool,
+    /// Sizes.
+    pub dims: AttnDims,
+    /// Score scale.
+    pub scale: f32,
+    /// Where the tensors are.
+    pub at: AttnOffsets,
+}
+
+/// Index fill: each element is its index along `axis` of the concrete `shape`.
+#[derive(Clone, Debug)]
+pub struct Iota {
+    /// Concrete shape.
+    pub shape: Vec<usize>,
+    /// The axis whose index is stored.
+    pub axis: usize,
+    /// f32 or i32.
+    pub dtype: DType,
+    /// Result.
+    pub out: u64,
+}
+
+/// Constant fill of `n` elements.
+#[derive(Clone, Copy, Debug)]
+pub struct Fill {
+    /// The value (rounded to `dtype` by the target).
+    pub value: f64,
+    /// f32 or i32.
+    pub dtype: DType,
+    /// Elements.
+    pub n: usize,
+    /// Result.
+    pub out: u64,
+}
+
+/// What one launch runs.
+#[derive(Clone, Debug)]
+pub enum LaunchOp<'g> {
+    /// A matrix product with its epilogue.
+    Product(Product),
+    /// A fused kernel over its operands and results (in the node's order).
+    Kernel { kernel: &'g Kernel, ins: Vec<u64>, outs: Vec<u64> },
+    /// Embedding lookup.
+    Gather(Gather),
+    /// Embedding gradient.
+    ScatterAdd(ScatterAdd),
+    /// Causal attention.
+    Attention(Attention),
+    /// Index fill.
+    Iota(Iota),
+    /// Constant fill.
+    Fill(Fill),
+}
+
+/// One launch of a program.
+#[derive(Clone, Debug)]
+pub struct Launch<'g> {
+    /// The graph node it runs.
+    pub node: usize,
+    /// The name profiles show: the kernel's name, `gemm_bias_gelu`, `gather`, ...
+    pub name: String,
+    /// What it runs.
+    pub op: LaunchOp<'g>,
+    /// Storage types of the node's operands, then of its results.
+    pub dtypes: Vec<DType>,
+    /// Bytes of the operands and results (static).
+    pub bytes: u64,
+    /// Useful floating-point operations (static; 0 for kernels, which targets count).
+    pub flops: u64,
+}
+
+impl Launch<'_> {
+    /// An error about this launch: `node 12 (`gemm`): ...`.
+    pub fn err(&self, msg: impl std::fmt::Display) -> String {
+        format!("node {} (`{}`): {msg}", self.node, self.name)
+    }
+}
+
+/// Where a program's outputs land.
+#[derive(Clone, Debug, Default)]
+pub struct ProgramIo {
+    /// Scalar outputs (`loss`, `grad_norm`): name, byte offset, type.
+    pub scalars: Vec<(String, u64, DType)>,
+    /// Every output: name → (byte offset, type, concrete shape).
+    pub outputs: HashMap<String, (u64, DType, Vec<usize>)>,
+}
+
+/// The launch plan of a run: the shared layout and every program's launches.
+pub struct LaunchPlan<'g> {
+    /// Where persistent tensors live.
+    pub layout: SharedLayout,
+    /// The persistent prefix plus the largest program's arena: the planned bytes.
+    pub planned_bytes: u64,
+    /// Each program's launches and outputs, in [`Program`] order.
+    pub programs: Vec<(Program, Vec<Launch<'g>>, ProgramIo)>,
+    /// Type and concrete shape of every parameter and input, by name.
+    pub tensors: HashMap<String, (DType, Vec<usize>)>,
+    /// The Step program's memory plan (for summaries).
+    pub step_plan: MemPlan,
+}
+
+impl<'g> LaunchPlan<'g> {
+    /// Plans memory for every program (the Step program's persistent regions are shared) and
+    /// lists their launches.
+    pub fn new(run: &'g RunPrograms) -> Result<LaunchPlan<'g>, String> {
+        let bind = &run.bind;
+        let mut plans = vec![];
+        for (p, g) in run.in_order() {
+            plans.push((p, g, memplan(g, bind, &MemplanOptions::default()).map_err(|e| format!("memory plan of {p:?}: {e}"))?));
+        }
+        let (_, step, step_plan) = plans.iter().find(|(p, _, _)| *p == Program::Step).ok_or("the programs of a run must include Step")?;
+        let layout = SharedLayout::new(step, step_plan);
+        let arena = plans.iter().map(|(_, _, plan)| plan.arena_bytes).max().unwrap_or(0);
+        let planned_bytes = layout.persistent_bytes.checked_add(arena).ok_or("the memory plan overflows 64 bits")?;
+        let mut programs = vec![];
+        let mut tensors = HashMap::new();
+        for (p, g, plan) in &plans {
+            let launches = launches(g, plan, &layout, bind).map_err(|e| format!("{p:?} program: {e}"))?;
+            let mut io = ProgramIo::default();
+            for (name, v) in &g.outputs {
+                let (off, ty) = (layout.offset(g, plan, *v)?, g.ty(*v));
+                if ty.shape.rank() == 0 {
+                    io.scalars.push((name.clone(), off, ty.dtype));
+                }
+                io.outputs.insert(name.clone(), (off, ty.dtype, concrete(g, *v, bind)?));
+            }
+            for (name, v) in g.params().into_iter().chain(g.inputs()) {
+                tensors.insert(name.to_string(), (g.ty(v).dtype, concrete(g, v, bind)?));
+            }
+            programs.push((*p, launches, io));
+        }
+        let step_plan = plans.into_iter().find(|(p, _, _)| *p == Program::Step).map(|(_, _, plan)| plan).ok_or("no Step program")?;
+        Ok(LaunchPlan { layout, planned_bytes, programs, tensors, step_plan })
+    }
+}
+
+fn concrete(g: &Graph, v: ValueId, bind: &Bindings) -> Result<Vec<usize>, String> {
+    Ok(g.ty(v).shape.eval(bind)?.into_iter().collect())
+}
+
+/// The launches of `g` under `plan`: every node but parameters, inputs and views.
+fn launches<'g>(g: &'g Graph, plan: &MemPlan, layout: &SharedLayout, bind: &Bindings) -> Result<Vec<Launch<'g>>, String> {
+    let mut out = vec![];
+    for (i, n) in g.nodes.iter().enumerate() {
+        if matches!(n.op, Op::Param { .. } | Op::Input { .. } | Op::Reshape { .. }) {
+            continue;
+        }
+        let err = |m: String| format!("node {i} (`{}`): {m}", n.op.mnemonic());
+        let off = |v: ValueId| layout.offset(g, plan, v).map_err(err);
+        let dims = |v: ValueId| concrete(g, v, bind).map_err(err);
+        let values = || n.inputs.iter().chain(&n.results);
+        let bytes = values().map(|v| g.ty(*v).bytes(bind).map(|b| b as u64)).sum::<Result<u64, String>>().map_err(err)?;
+        let dtypes = values().map(|v| g.ty(*v).dtype).collect();
+        let (op, name, flops) = match &n.op {
+            Op::MatMul { .. } | Op::Gemm(_) => {
+                let p = product(g, n, bind, &off).map_err(err)?;
+                let name = if let Op::Gemm(gm) = &n.op { gm.launch_name() } else { "matmul".to_string() };
+                (LaunchOp::Product(p), name, p.spec.flops())
+            }
+            Op::Kernel(k) => {
+                let ins = n.inputs.iter().map(|v| off(*v)).collect::<Result<_, _>>()?;
+                let outs = n.results.iter().map(|v| off(*v)).collect::<Result<_, _>>()?;
+                (LaunchOp::Kernel { kernel: k, ins, outs }, k.name.clone(), 0)
+            }
+            Op::Gather => {
+                let t = dims(n.inputs[0])?;
+                let cnt = dims(n.inputs[1])?.iter().product();
+                let (table, idx, out) = (off(n.inputs[0])?, off(n.inputs[1])?, off(n.results[0])?);
+                (LaunchOp::Gather(Gather { table, rows: t[0], cols: t[1], idx, n: cnt, out }), "gather".into(), 0)
+            }
+            Op::ScatterAdd { .. } => {
+                let o = dims(n.results[0])?;
+                let cnt: usize = dims(n.inputs[1])?.iter().product();
+                let (src, idx, out) = (off(n.inputs[0])?, off(n.inputs[1])?, off(n.results[0])?);
+                let s = ScatterAdd { src, cols: o[1], idx, n: cnt, out, rows: o[0] };
+                (LaunchOp::ScatterAdd(s), "scatter_add".into(), (cnt * o[1]) as u64)
+            }
+            Op::Attention { heads, scale } | Op::AttentionGrad { heads, scale } => {
+                let q = dims(n.inputs[0])?;
+                let r = q.len();
+                let h = *heads as usize;
+                let dims = AttnDims { s: q[..r - 2].iter().product(), t: q[r - 2], h, d: q[r - 1] / 3 / h };
+                let forward = matches!(n.op, Op::Attention { .. });
+                let at = if forward {
+                    AttnOffsets { qkv: off(n.inputs[0])?, out: off(n.results[0])?, lse: off(n.results[1])?, dout: None, dqkv: None }
+                } else {
+                    let (dout, dqkv) = (Some(off(n.inputs[3])?), Some(off(n.results[0])?));
+                    AttnOffsets { qkv: off(n.inputs[0])?, out: off(n.inputs[1])?, lse: off(n.inputs[2])?, dout, dqkv }
+                };
+                let name = if forward { "attention" } else { "attention_grad" };
+                (LaunchOp::Attention(Attention { forward, dims, scale: *scale as f32, at }), name.into(), 0)
+            }
+            Op::Iota { axis, ty } => {
+                let iota = Iota { shape: dims(n.results[0])?, axis: *axis, dtype: ty.dtype, out: off(n.results[0])? };
+                (LaunchOp::Iota(iota), "iota".into(), 0)
+            }
+            Op::Const { value, ty } => {
+                let cnt = dims(n.results[0])?.iter().product();
+                (LaunchOp::Fill(Fill { value: *value, dtype: ty.dtype, n: cnt, out: off(n.results[0])? }), "fill".into(), 0)
+            }
+            other => return Err(err(format!("`{}` outside a fused kernel has no launch on a compiled target", other.mnemonic()))),
+        };
+        out.push(Launch { node: i, name, op, dtypes, bytes, flops });
+    }
+    Ok(out)
+}
+
+/// The product of a `matmul` or `gemm` node.
+fn product(g: &Graph, n: &Node, bind: &Bindings, off: &dyn Fn(ValueId) -> Result<u64, String>) -> Result<Product, String> {
+    let (ta, tb) = match &n.op {
+        Op::Gemm(gm) => (gm.trans_a, gm.trans_b),
+        Op::MatMul { trans_a, trans_b } => (*trans_a, *trans_b),
+        _ => unreachable!("called on products only"),
+    };
+    let mut spec = gemm_spec(g, bind, n.inputs[0], n.inputs[1], n.results[0], ta, tb)?;
+    let mut p = Product {
+        spec,
+        a: off(n.inputs[0])?,
+        b: off(n.inputs[1])?,
+        bias: None,
+        acc: None,
+        y: off(n.results[0])?,
+        pre: None,
+        operands: g.ty(n.inputs[0]).dtype,
+        out: g.ty(n.results[0]).dtype,
+    };
+    if let Op::Gemm(gm) = &n.op {
+        (spec.bias, spec.gelu, spec.accumulate) = (gm.bias, gm.gelu, gm.accumulate);
+        p.spec = spec;
+        p.bias = if gm.bias { Some(off(n.inputs[2])?) } else { None };
+        p.acc = match n.inputs.last() {
+            Some(acc) if gm.accumulate => Some(off(*acc)?),
+            _ => None,
+        };
+        p.pre = if gm.gelu { Some(off(n.results[1])?) } else { None };
+    }
+    Ok(p)
+}
+
+/// The GEMM shape of `y = op(a) op(b)`.
+fn gemm_spec(g: &Graph, bind: &Bindings, a: ValueId, b: ValueId, y: ValueId, ta: bool, tb: bool) -> Result<GemmSpec, String> {
+    let ev = |v: ValueId| g.ty(v).shape.eval(bind);
+    let (ad, bd, yd) = (ev(a)?, ev(b)?, ev(y)?);
+    let r = yd.len();
+    let k = if ta { ad[ad.len() - 2] } else { ad[ad.len() - 1] };
+    let mut spec = GemmSpec::new(yd[r - 2], yd[r - 1], k);
+    spec.batch = yd[..r - 2].iter().product();
+    (spec.trans_a, spec.trans_b) = (ta, tb);
+    spec.b_shared = bd.len() == 2 && ad.len() > 2;
+    Ok(spec)
+}

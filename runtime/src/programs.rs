@@ -1,0 +1,84 @@
+//! The programs of a run: the forward graph compiled once per program a training run needs,
+//! through one pipeline mode, for one binding of `B` and `T`. The CLI, the benchmarks and the
+//! tests all build them here ([`RunPrograms::compile`]); every target takes a [`RunPrograms`].
+
+use std::collections::HashMap;
+
+use fusec_ir::{Bindings, Graph};
+use fusec_models::logits_graph;
+use fusec_passes::pipeline::{compile, Mode, PassRun, PipelineOptions};
+
+/// One program of a training run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Program {
+    /// Forward + loss (validation).
+    Eval,
+    /// Forward + backward, accumulating into the `grad.P` tensors (a micro-step).
+    Grad,
+    /// Forward + backward + AdamW (the last micro-step of a step).
+    Step,
+    /// Forward to the logits (sampling).
+    Logits,
+}
+
+impl Program {
+    /// What the pass pipeline builds for this program.
+    pub fn mode(self) -> Mode {
+        match self {
+            Program::Eval | Program::Logits => Mode::Forward,
+            Program::Grad => Mode::Grad,
+            Program::Step => Mode::Step,
+        }
+    }
+}
+
+/// The scheduled programs of a run, with the pipeline options and binding they were built for.
+pub struct RunPrograms {
+    /// Each program's graph after `schedule`.
+    pub graphs: HashMap<Program, Graph>,
+    /// The binding of `B` and `T`.
+    pub bind: Bindings,
+    /// The pipeline options (precision, AdamW constants, fused or not).
+    pub opts: PipelineOptions,
+    /// The Step program's per-pass compile times.
+    pub pass_runs: Vec<PassRun>,
+}
+
+impl RunPrograms {
+    /// Compiles Eval, Grad and Step (and Logits when `logits`, for sampling) from a forward +
+    /// loss graph through `schedule` (targets plan memory themselves).
+    pub fn compile(fwd: &Graph, opts: &PipelineOptions, bind: &Bindings, logits: bool) -> Result<RunPrograms, String> {
+        let mut graphs = HashMap::new();
+        let mut pass_runs = vec![];
+        for p in [Program::Eval, Program::Grad, Program::Step] {
+            let c = compile(fwd, "schedule", p.mode(), opts, bind)?;
+            if p == Program::Step {
+                pass_runs = c.runs;
+            }
+            graphs.insert(p, c.graph);
+        }
+        if logits {
+            graphs.insert(Program::Logits, compile(&logits_graph(fwd)?, "schedule", Mode::Forward, opts, bind)?.graph);
+        }
+        Ok(RunPrograms { graphs, bind: bind.clone(), opts: opts.clone(), pass_runs })
+    }
+
+    /// `B` and `T` bound to `batch` and `seq`.
+    pub fn bindings(batch: usize, seq: usize) -> Bindings {
+        let mut bind = Bindings::default();
+        bind.set("B", batch as u64).set("T", seq as u64);
+        bind
+    }
+
+    /// The programs in a fixed order (Eval, Grad, Step, Logits).
+    pub fn in_order(&self) -> Vec<(Program, &Graph)> {
+        let mut v: Vec<(Program, &Graph)> = self.graphs.iter().map(|(p, g)| (*p, g)).collect();
+        v.sort_by_key(|(p, _)| *p);
+        v
+    }
+
+    /// The Step program's graph.
+    pub fn step(&self) -> Result<&Graph, String> {
+        self.graphs.get(&Program::Step).ok_or_else(|| "the programs of a run must include Step".to_string())
+    }
+}
