@@ -71,10 +71,7 @@ pub fn export(a: ExportArgs) -> CliResult {
     let text = fusec_ir::text::print(&build_gpt2(&cfg, &name));
     match &a.output {
         Some(path) => std::fs::write(path, text).map_err(|e| format!("{}: {e}", path.display())),
-        None => {
-            print!("{text}");
-            Ok(())
-        }
+        None => out!("{text}"),
     }
 }
 

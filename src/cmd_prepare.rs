@@ -55,9 +55,9 @@ pub fn prepare(a: PrepareArgs) -> CliResult {
     write_tokens(&train_path, train).map_err(|e| e.to_string())?;
     write_tokens(&val_path, val).map_err(|e| e.to_string())?;
 
-    println!("tokenized {} bytes into {} tokens (GPT-2 BPE, with a leading <|endoftext|>) in {ms:.0} ms", text.len(), tokens.len());
-    println!("train: {n_train} tokens -> {}", train_path.display());
-    println!("val:   {n_val} tokens -> {}", val_path.display());
+    outln!("tokenized {} bytes into {} tokens (GPT-2 BPE, with a leading <|endoftext|>) in {ms:.0} ms", text.len(), tokens.len())?;
+    outln!("train: {n_train} tokens -> {}", train_path.display())?;
+    outln!("val:   {n_val} tokens -> {}", val_path.display())?;
     Ok(())
 }
 

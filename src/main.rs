@@ -1,5 +1,7 @@
 //! The `fusec` command line: thin wrappers over the library crates.
 
+#[macro_use]
+mod out;
 mod cmd_dump;
 mod cmd_export;
 mod cmd_prepare;
@@ -43,8 +45,10 @@ fn main() -> ExitCode {
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
+        // The reader of a pipe stopped reading (`| head`): not an error of the run.
+        Err(e) if e == out::STDOUT_CLOSED => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {e}");
+            errln!("error: {e}");
             ExitCode::from(2)
         }
     }

@@ -1,6 +1,6 @@
 //! What `fusec run` prints: the progress bar, the summary table and the per-kernel profile.
 
-use std::io::{IsTerminal, Write};
+use std::io::IsTerminal;
 use std::time::Instant;
 
 use fusec_runtime::profile::Profile;
@@ -31,14 +31,13 @@ impl Progress {
             let width = 24;
             let filled = width * done / self.total.max(1);
             let bar: String = "#".repeat(filled) + &".".repeat(width - filled);
-            eprint!("\r[{bar}] step {done}/{} loss {:.4}{val} | {:.1} ms | {:.0} tok/s   ", self.total, r.loss, r.ms, tok_s);
+            err!("\r[{bar}] step {done}/{} loss {:.4}{val} | {:.1} ms | {:.0} tok/s   ", self.total, r.loss, r.ms, tok_s);
             if done == self.total {
-                eprintln!();
+                errln!();
             }
         } else if r.step % self.every == 0 || done == self.total || r.val_loss.is_some() {
-            eprintln!("step {done:>5}/{}: loss {:.6}{val}  {:.1} ms  {tok_s:.0} tok/s", self.total, r.loss, r.ms);
+            errln!("step {done:>5}/{}: loss {:.6}{val}  {:.1} ms  {tok_s:.0} tok/s", self.total, r.loss, r.ms);
         }
-        let _ = std::io::stderr().flush();
     }
 
     /// Seconds since the bar started.

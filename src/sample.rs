@@ -40,6 +40,5 @@ pub fn print_sample(
         temperature,
         seed,
     )?;
-    println!("── sample ({n} tokens, temperature {temperature}) ──\n{}", describe_tokens(&tokens, model.vocab));
-    Ok(())
+    outln!("── sample ({n} tokens, temperature {temperature}) ──\n{}", describe_tokens(&tokens, model.vocab))
 }

@@ -247,8 +247,9 @@ impl Checkpoint {
 
 /// GPT-2-style random initialisation, deterministic per seed: `wte`, `wpe`, `qkvw`, `fcw`
 /// normal with std 0.02; `attprojw`, `fcprojw` std 0.02/√(2L); biases 0; LayerNorm scales 1;
-/// `wte` padding rows (V..Vp) exactly 0. The config must be valid.
-pub fn random_init(cfg: &Gpt2Config, seed: u64) -> Checkpoint {
+/// `wte` padding rows (V..Vp) exactly 0. An invalid config is an error (nothing is allocated).
+pub fn random_init(cfg: &Gpt2Config, seed: u64) -> Result<Checkpoint, String> {
+    cfg.validate()?;
     let stream = Rng::new(seed);
     // Normals drawn so far; each takes two outputs of the one stream, so slices of it are
     // drawn in parallel with exactly the values of drawing them in order.
@@ -280,5 +281,5 @@ pub fn random_init(cfg: &Gpt2Config, seed: u64) -> Checkpoint {
             _ => params.extend(std::iter::repeat_n(0.0f32, n)),
         }
     }
-    Checkpoint { config: *cfg, params }
+    Ok(Checkpoint { config: *cfg, params })
 }

@@ -51,6 +51,11 @@ impl DataLoader {
         self.seq
     }
 
+    /// Whole batches the data holds (evaluating more would repeat tokens): (N - 1) / (B·T).
+    pub fn batches(&self) -> usize {
+        (self.tokens.len() - 1) / (self.batch * self.seq)
+    }
+
     /// The token offset at which step `step` starts: (step·B·T) mod N.
     pub fn offset(&self, step: usize) -> usize {
         let bt = (self.batch * self.seq) as u128;

@@ -238,6 +238,24 @@ impl<'g> LaunchPlan<'g> {
     }
 }
 
+impl LaunchPlan<'_> {
+    /// "The memory plan needs ... (persistent ..., activations ...)": the start of the error
+    /// when the plan does not fit the memory at hand.
+    pub fn too_large(&self) -> String {
+        format!(
+            "the memory plan needs {} ({} persistent: parameters, gradients, AdamW state; {} activations): lower --batch or --seq",
+            mib(self.planned_bytes),
+            mib(self.layout.persistent_bytes),
+            mib(self.planned_bytes - self.layout.persistent_bytes)
+        )
+    }
+}
+
+/// Bytes as MiB with one decimal.
+pub fn mib(bytes: u64) -> String {
+    format!("{:.1} MiB", bytes as f64 / 1048576.0)
+}
+
 fn concrete(g: &Graph, v: ValueId, bind: &Bindings) -> Result<Vec<usize>, String> {
     Ok(g.ty(v).shape.eval(bind)?.into_iter().collect())
 }

@@ -35,6 +35,8 @@ pub struct TrainConfig {
     pub val_batches: usize,
     /// Write one JSON object per step here.
     pub log_json: Option<PathBuf>,
+    /// Stop when a step's loss exceeds this many times the first step's loss, if set.
+    pub divergence_factor: Option<f64>,
 }
 
 impl TrainConfig {
@@ -52,6 +54,7 @@ impl TrainConfig {
             val_every: None,
             val_batches: 0,
             log_json: None,
+            divergence_factor: None,
         }
     }
 }
@@ -104,7 +107,8 @@ pub fn eval_loss(ex: &mut dyn Executor, loader: &DataLoader, n: usize, b: usize,
 }
 
 /// Trains for `cfg.steps` steps; `on_step` sees each record (progress display). Stops with an
-/// error naming the step when the loss is NaN or infinite.
+/// error naming the step (1-based, as the progress shows it) when the loss or the gradient norm
+/// is NaN or infinite, or when the loss exceeds `cfg.divergence_factor` times the first step's.
 pub fn train(
     ex: &mut dyn Executor,
     cfg: &TrainConfig,
@@ -140,10 +144,22 @@ pub fn train(
             let out = ex.run(program)?;
             let l = out.loss.ok_or("the training graph has no `loss` output")?;
             if !l.is_finite() {
-                return Err(format!("training diverged: loss is {l} at step {step} (micro-step {micro})"));
+                return Err(format!("training diverged: loss is {l} at step {} (micro-step {})", step + 1, micro + 1));
             }
             loss += l / k as f64;
             grad_norm = out.grad_norm;
+        }
+        if let Some(n) = grad_norm.filter(|n| !n.is_finite()) {
+            return Err(format!("training diverged: the gradient norm is {n} at step {}", step + 1));
+        }
+        if let (Some(f), Some(first)) = (cfg.divergence_factor, logs.first().map(|l: &StepLog| l.loss)) {
+            if loss > f * first {
+                return Err(format!(
+                    "training diverged: loss {loss:.4} at step {} is more than {f}x the first step's {first:.4} \
+                     (lower --lr, or --divergence-factor / --no-divergence-check)",
+                    step + 1
+                ));
+            }
         }
         ex.zero_grads()?;
         let rec = StepLog { step, loss, lr: cfg.lr, ms: t0.elapsed().as_secs_f64() * 1e3, val_loss, grad_norm };

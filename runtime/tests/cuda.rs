@@ -61,7 +61,7 @@ fn tiny_losses(ex: &mut dyn Executor, step: &Graph, cfg: &Gpt2Config, b: usize, 
 
 fn tiny_losses_with(ex: &mut dyn Executor, step: &Graph, cfg: &Gpt2Config, tc: &TrainConfig) -> Vec<f64> {
     let fwd = build_gpt2(cfg, "tiny");
-    let params = params_from_checkpoint(&fwd, &random_init(&cfg, 1337)).unwrap();
+    let params = params_from_checkpoint(&fwd, &random_init(&cfg, 1337).unwrap()).unwrap();
     init_state(ex, step, &params).unwrap();
     let data = DataLoader::new(fusec_runtime::corpus::markov_tokens(cfg.vocab, 20_000, 42, 1), tc.batch, tc.seq).unwrap();
     let mut out = vec![eval_loss(ex, &data, 2, tc.batch, tc.seq).unwrap()];
@@ -164,7 +164,7 @@ fn loss_and_grads(
     b: usize,
     t: usize,
 ) -> (f64, Vec<(String, Vec<f32>)>) {
-    init_state(ex, step, &params_from_checkpoint(fwd, &random_init(&*cfg, 7)).unwrap()).unwrap();
+    init_state(ex, step, &params_from_checkpoint(fwd, &random_init(&*cfg, 7).unwrap()).unwrap()).unwrap();
     let data = DataLoader::new(fusec_runtime::corpus::markov_tokens(cfg.vocab, 20_000, 42, 1), b, t).unwrap();
     let (x, y) = data.batch(0);
     ex.set("tokens", Tensor::from_i32(vec![b, t], &x)).unwrap();
@@ -305,7 +305,7 @@ fn gpt2_124m_training_step_time() {
         build.device_bytes as f64 / (1u64 << 30) as f64,
         build.compile_time.as_secs_f64()
     );
-    let params = params_from_checkpoint(&fwd, &random_init(&cfg, 1337)).unwrap();
+    let params = params_from_checkpoint(&fwd, &random_init(&cfg, 1337).unwrap()).unwrap();
     init_state(&mut ex, run.step().unwrap(), &params).unwrap();
     let data = DataLoader::new(fusec_runtime::corpus::markov_tokens(cfg.vocab, 400_000, 42, 1), b, t).unwrap();
     let logs = train(&mut ex, &train_config(b, t, steps), &data, None, |r| eprintln!("step {}: loss {:.4} {:.1} ms", r.step, r.loss, r.ms))

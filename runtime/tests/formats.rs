@@ -56,7 +56,7 @@ fn header(slots: &[i32]) -> Vec<u8> {
 #[test]
 fn checkpoint_round_trip() {
     let dir = temp_dir("ckpt_rt");
-    let ck = random_init(&tiny(), 7);
+    let ck = random_init(&tiny(), 7).unwrap();
     let p = dir.join("c.bin");
     ck.write(&p).unwrap();
     assert_eq!(std::fs::metadata(&p).unwrap().len(), 1024 + 4 * tiny().num_params() as u64);
@@ -82,7 +82,7 @@ fn tokens_round_trip() {
 fn checkpoint_errors() {
     let dir = temp_dir("ckpt_err");
     let good = dir.join("good.bin");
-    random_init(&tiny(), 1).write(&good).unwrap();
+    random_init(&tiny(), 1).unwrap().write(&good).unwrap();
     let bytes = std::fs::read(&good).unwrap();
     let write = |name: &str, b: &[u8]| {
         let p = dir.join(name);
@@ -146,7 +146,7 @@ fn checkpoint_errors() {
     }
 
     // Writing refuses a params array that does not match the config.
-    let mut ck = random_init(&tiny(), 1);
+    let mut ck = random_init(&tiny(), 1).unwrap();
     ck.params.pop();
     let p = dir.join("bad_write.bin");
     expect_err(ck.write(&p), &p, &["cannot write checkpoint", "parameters"]);
@@ -209,7 +209,7 @@ fn config_and_names() {
     assert_eq!(names[6], ("qkvw.0".to_string(), vec![12, 4]));
     assert_eq!(names.last().unwrap().0, "lnfb");
 
-    let ck = random_init(&c, 3);
+    let ck = random_init(&c, 3).unwrap();
     let named = ck.named_tensors();
     let lookup = |n: &str| named.iter().find(|t| t.0 == n).map(|t| t.2.to_vec());
     assert_eq!(Checkpoint::from_named(c, lookup).unwrap(), ck);
@@ -233,9 +233,9 @@ fn config_and_names() {
 #[test]
 fn random_init_properties() {
     let c = odd();
-    let a = random_init(&c, 42);
-    assert_eq!(a, random_init(&c, 42));
-    assert_ne!(a.params, random_init(&c, 43).params);
+    let a = random_init(&c, 42).unwrap();
+    assert_eq!(a, random_init(&c, 42).unwrap());
+    assert_ne!(a.params, random_init(&c, 43).unwrap().params);
     assert_eq!(a.params.len(), 56096);
     let wte = a.tensor("wte").unwrap();
     assert!(wte[500 * 32..].iter().all(|&v| v == 0.0));
@@ -346,7 +346,7 @@ fn llmc_odd_reference_files() {
 fn random_init_drawn_in_parallel_equals_drawing_in_order() {
     // Several 65536-value slices per tensor: the same values as one sequential stream.
     let cfg = Gpt2Config { max_seq: 256, vocab: 1000, padded_vocab: 1024, layers: 2, heads: 4, channels: 128 };
-    let got = random_init(&cfg, 42).params;
+    let got = random_init(&cfg, 42).unwrap().params;
     let mut rng = fusec_ir::rng::Rng::new(42);
     let proj_std = 0.02 / (2.0 * cfg.layers as f64).sqrt();
     let mut want = vec![];

@@ -48,7 +48,7 @@ fn cpu_training_steps_allocate_nothing() {
     let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
     pool.install(|| {
         let (mut ex, step) = common::cpu_executor(&fwd, b, t, 2);
-        init_state(&mut ex, &step, &params_from_checkpoint(&fwd, &random_init(&cfg, 1)).unwrap()).unwrap();
+        init_state(&mut ex, &step, &params_from_checkpoint(&fwd, &random_init(&cfg, 1).unwrap()).unwrap()).unwrap();
         let mut rng = Rng::new(3);
         let toks: Vec<i32> = (0..b * t).map(|_| rng.below(100) as i32).collect();
         let (x, y) = (Tensor::from_i32(vec![b, t], &toks), Tensor::from_i32(vec![b, t], &toks));

@@ -30,7 +30,7 @@ fn run(cfg: &TrainConfig, nan_param: bool) -> Result<(Vec<StepLog>, Vec<Vec<f32>
     let gcfg = model();
     let fwd = build_gpt2(&gcfg, "t");
     let (mut ex, step) = common::ref_executor(&fwd, &PipelineOptions::default(), cfg.batch, cfg.seq, Precision::F32);
-    let mut params = params_from_checkpoint(&fwd, &random_init(&gcfg, 7)).unwrap();
+    let mut params = params_from_checkpoint(&fwd, &random_init(&gcfg, 7).unwrap()).unwrap();
     if nan_param {
         params.get_mut("lnfw").unwrap().data[3] = f64::NAN;
     }
@@ -88,7 +88,7 @@ fn three_fused_steps_agree_with_unfused_steps() {
     let mut finals = vec![];
     for opts in [common::unfused(), PipelineOptions::default()] {
         let (mut ex, step) = common::ref_executor(&fwd, &opts, cfg.batch, cfg.seq, Precision::F32);
-        init_state(&mut ex, &step, &params_from_checkpoint(&fwd, &random_init(&gcfg, 9)).unwrap()).unwrap();
+        init_state(&mut ex, &step, &params_from_checkpoint(&fwd, &random_init(&gcfg, 9).unwrap()).unwrap()).unwrap();
         let logs = train(&mut ex, &cfg, &data, None, |_| {}).unwrap();
         let params: Vec<Vec<f32>> = fwd.params().iter().map(|(n, _)| ex.get(n).unwrap().to_f32()).collect();
         finals.push((logs, params));

@@ -34,7 +34,7 @@ fn arg(name: &str) -> Option<String> {
 fn prepare(ex: &mut dyn Executor, fwd: &Graph, step: &Graph, case: &Case) {
     let c = &case.cfg;
     let l = *c;
-    init_state(ex, step, &params_from_checkpoint(fwd, &random_init(&l, 1)).unwrap()).unwrap();
+    init_state(ex, step, &params_from_checkpoint(fwd, &random_init(&l, 1).unwrap()).unwrap()).unwrap();
     let mut rng = Rng::new(2);
     let toks: Vec<i32> = (0..case.b * case.t).map(|_| rng.below(c.vocab as u64) as i32).collect();
     ex.set("tokens", Tensor::from_i32(vec![case.b, case.t], &toks)).unwrap();

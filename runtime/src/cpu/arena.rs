@@ -41,6 +41,14 @@ impl Arena {
     }
 }
 
+/// Host memory available to a new allocation (`MemAvailable` of `/proc/meminfo`), where known.
+pub fn host_available_bytes() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
+}
+
 impl Drop for Arena {
     fn drop(&mut self) {
         // SAFETY: allocated in `new` with this layout.

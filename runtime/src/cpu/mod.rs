@@ -60,6 +60,9 @@ impl CpuExecutor {
     pub fn new(run: &RunPrograms, threads: usize, profile: bool) -> Result<(CpuExecutor, CpuBuild), String> {
         let t0 = Instant::now();
         let plan = LaunchPlan::new(run)?;
+        if let Some(free) = arena::host_available_bytes().filter(|&free| plan.planned_bytes > free) {
+            return Err(format!("{}; this host has {} available", plan.too_large(), crate::launches::mib(free)));
+        }
         let arena = Arena::new(plan.planned_bytes)?;
         let mut kc = KernelCompiler::new()?;
         let mut programs = HashMap::new();

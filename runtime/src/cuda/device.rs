@@ -248,7 +248,13 @@ impl Device {
         )
     }
 
-    /// Bytes of GPU memory in use by every process (total minus free).
+    /// Bytes of GPU memory free for a new allocation.
+    pub fn free_bytes(&self) -> Result<u64, String> {
+        self.bind()?;
+        cudarc::driver::result::mem_get_info().map(|(free, _)| free as u64).map_err(|e| format!("cuMemGetInfo: {e:?}"))
+    }
+
+    /// GPU memory in use (every process): total minus free.
     pub fn used_bytes(&self) -> u64 {
         let _ = self.bind();
         match cudarc::driver::result::mem_get_info() {

@@ -95,6 +95,10 @@ impl CudaExecutor {
             lap = Instant::now();
         };
         let plan = LaunchPlan::new(run)?;
+        let free = dev.free_bytes()?;
+        if plan.planned_bytes.saturating_add(CUBLAS_WORKSPACE) > free {
+            return Err(format!("{}; the GPU has {} free", plan.too_large(), crate::launches::mib(free)));
+        }
         phase("memplan");
 
         // Generate every kernel's source, then compile the distinct ones at once.
@@ -194,7 +198,6 @@ impl CudaExecutor {
             nvrtc: compiler.nvrtc_version(),
             device_bytes: dev.size,
             scratch_bytes: b.scratch,
-            device_used: used,
             step_plan: plan.step_plan,
             lt_epilogues: lt_launches,
             attention: match flash_dims.as_slice() {

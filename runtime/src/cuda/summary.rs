@@ -60,8 +60,6 @@ pub struct CudaBuild {
     pub device_bytes: u64,
     /// Bytes of it that are scratch shared by the launches.
     pub scratch_bytes: u64,
-    /// GPU memory in use after the build (every process; total minus free).
-    pub device_used: u64,
     /// The Step program's plan (for the summary).
     pub step_plan: MemPlan,
     /// How attention runs, e.g. `flash (TF32 tensor cores, head size 64)`.

@@ -1,0 +1,212 @@
+//! The arguments of `fusec run` and every check that can be made on them before the graph is
+//! compiled: ranges (in the parsers, so `--help` and the error name them), finiteness, flags that
+//! only one target reads, and output paths that must be writable. Checks that need the model
+//! (the sequence length, the checkpoint's header, the validation data's size) are in `mod.rs`.
+
+use std::path::{Path, PathBuf};
+
+use clap::builder::TypedValueParser;
+use clap::{Args, ValueEnum};
+use fusec_passes::amp::Precision;
+
+use crate::cmd_dump::precision_parser;
+
+/// Where the graph runs.
+#[derive(Clone, Copy, ValueEnum, PartialEq, Eq, Debug)]
+pub enum Target {
+    /// The reference interpreter on the unfused programs (slow, obviously correct: the oracle).
+    Ref,
+    /// Cranelift-compiled fused kernels and AVX-512 GEMMs on this CPU.
+    Cpu,
+    /// NVRTC-compiled fused kernels and cuBLAS on an NVIDIA GPU, replayed as a CUDA graph.
+    Cuda,
+}
+
+/// Arguments of `fusec run`.
+#[derive(Args)]
+pub struct RunArgs {
+    /// The `.graph` file (forward + loss, e.g. from `fusec export`).
+    pub file: PathBuf,
+    /// Where to run it.
+    #[arg(long, value_enum, default_value = "cpu")]
+    pub target: Target,
+    /// Initial parameters: an llm.c checkpoint file, or `random` (GPT-2 initialization).
+    #[arg(long, default_value = "random")]
+    pub init: String,
+    /// Seed for `--init random` and sampling.
+    #[arg(long, default_value_t = 1337)]
+    pub seed: u64,
+    /// Training tokens (llm.c token file); default: the embedded generated corpus.
+    #[arg(long)]
+    pub data: Option<PathBuf>,
+    /// Validation tokens (llm.c token file).
+    #[arg(long)]
+    pub val: Option<PathBuf>,
+    /// Compute the validation loss every N steps (needs --val, or the embedded corpus).
+    #[arg(long, default_value_t = 10, value_parser = in_range(1, u32::MAX as u64))]
+    pub val_every: usize,
+    /// Validation batches per evaluation, at most the batches the validation data holds
+    /// (default: 4, or all of them when it holds fewer).
+    #[arg(long, value_parser = in_range(1, 1 << 20))]
+    pub val_batches: Option<usize>,
+    /// Batch size B.
+    #[arg(long, default_value_t = 4, value_parser = in_range(1, 1 << 16))]
+    pub batch: usize,
+    /// Sequence length T (at most the model's maximum sequence length).
+    #[arg(long, default_value_t = 64, value_parser = in_range(1, 1 << 20))]
+    pub seq: usize,
+    /// Training steps; 0 evaluates the loss of the first batch.
+    #[arg(long, default_value_t = 50)]
+    pub steps: usize,
+    /// Learning rate (finite, at least 0).
+    #[arg(long, default_value_t = 1e-3, allow_negative_numbers = true)]
+    pub lr: f32,
+    /// AdamW weight decay (finite, at least 0).
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    pub weight_decay: f64,
+    /// Micro-steps accumulated per optimizer step.
+    #[arg(long, default_value_t = 1, value_parser = in_range(1, 4096))]
+    pub grad_accum: usize,
+    /// Clip the global gradient norm to this value (finite, above 0).
+    #[arg(long, allow_negative_numbers = true)]
+    pub grad_clip: Option<f32>,
+    /// Stop when a step's loss exceeds this many times the first step's loss (above 1).
+    #[arg(long, default_value_t = 10.0, allow_negative_numbers = true)]
+    pub divergence_factor: f64,
+    /// Do not stop on an exploding loss (a NaN or infinite loss or gradient norm still stops).
+    #[arg(long)]
+    pub no_divergence_check: bool,
+    /// Mixed precision: `bf16` casts matmul operands to bf16 (fp32 master weights, statistics,
+    /// softmax and loss); `--target cuda` or `ref`.
+    #[arg(long, default_value = "fp32", value_parser = precision_parser())]
+    pub precision: Precision,
+    /// Exact fp32 matmuls on CUDA (default: TF32 tensor cores, as PyTorch allows).
+    #[arg(long)]
+    pub no_tf32: bool,
+    /// Attention on CUDA through score matrices, cuBLAS and softmax kernels instead of the
+    /// flash kernels (which need TF32 and sm_80+).
+    #[arg(long)]
+    pub no_flash_attention: bool,
+    /// On CUDA, run bias and GELU epilogues as a kernel after each cuBLAS product instead of
+    /// inside cuBLASLt calls.
+    #[arg(long)]
+    pub no_cublaslt: bool,
+    /// Launch kernels one by one instead of replaying the step as a CUDA graph.
+    #[arg(long)]
+    pub no_cuda_graph: bool,
+    /// CPU threads (default: all cores).
+    #[arg(long, value_parser = in_range(1, 1024))]
+    pub threads: Option<usize>,
+    /// Time every launch and print a per-kernel table at the end (`cpu` and `cuda` targets).
+    #[arg(long)]
+    pub profile: bool,
+    /// Write the per-kernel profile as JSON.
+    #[arg(long)]
+    pub profile_json: Option<PathBuf>,
+    /// Print each CUDA module's compile or disk-cache time (hits and misses) after the build.
+    #[arg(long)]
+    pub timings: bool,
+    /// Generate this many tokens at the end (GPT-2 BPE text, or token ids for other vocabularies).
+    #[arg(long, default_value_t = 0, value_parser = in_range(0, 1 << 16))]
+    pub sample: usize,
+    /// Sampling temperature (0: greedy; finite, at most 100).
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
+    pub temperature: f32,
+    /// Write the parameters after training as an llm.c checkpoint.
+    #[arg(long)]
+    pub save: Option<PathBuf>,
+    /// Write one JSON object per step (step, loss, lr, ms, val_loss).
+    #[arg(long)]
+    pub log_json: Option<PathBuf>,
+}
+
+/// An integer flag parser that accepts `lo..=hi` and says so otherwise.
+fn in_range(lo: u64, hi: u64) -> impl TypedValueParser<Value = usize> {
+    clap::builder::RangedU64ValueParser::<u64>::new().range(lo..=hi).map(|v| v as usize)
+}
+
+impl RunArgs {
+    /// Checks the flags that need no model: finite hyper-parameters in range, flags that the
+    /// target reads, and writable output paths. Errors name the flag and the allowed range.
+    pub fn validate(&self) -> Result<(), String> {
+        let finite = |name: &str, v: f64, lo: f64, hi: f64, open: bool| -> Result<(), String> {
+            let ok = v.is_finite() && v <= hi && if open { v > lo } else { v >= lo };
+            let range = if open { format!("above {lo}") } else { format!("at least {lo}") };
+            let hi = if hi.is_finite() { format!(" and at most {hi}") } else { String::new() };
+            if ok {
+                Ok(())
+            } else {
+                Err(format!("{name} {v} is out of range: it must be finite, {range}{hi}"))
+            }
+        };
+        finite("--lr", self.lr as f64, 0.0, f64::INFINITY, false)?;
+        finite("--weight-decay", self.weight_decay, 0.0, f64::INFINITY, false)?;
+        if let Some(c) = self.grad_clip {
+            finite("--grad-clip", c as f64, 0.0, f64::INFINITY, true)?;
+        }
+        finite("--temperature", self.temperature as f64, 0.0, 100.0, false)?;
+        finite("--divergence-factor", self.divergence_factor, 1.0, f64::INFINITY, true)?;
+        if self.val.is_some() && self.data.is_none() {
+            return Err("--val needs --data (the embedded corpus brings its own validation split)".into());
+        }
+        let cuda_only = [
+            ("--no-tf32", self.no_tf32),
+            ("--no-flash-attention", self.no_flash_attention),
+            ("--no-cublaslt", self.no_cublaslt),
+            ("--no-cuda-graph", self.no_cuda_graph),
+            ("--timings", self.timings),
+        ];
+        if let Some((flag, _)) = cuda_only.iter().find(|(_, on)| *on).filter(|_| self.target != Target::Cuda) {
+            return Err(format!("{flag} applies to --target cuda only (this run is --target {})", self.target_name()));
+        }
+        if self.target == Target::Ref && (self.profile || self.profile_json.is_some()) {
+            return Err("--profile and --profile-json time compiled kernels: use --target cpu or --target cuda".into());
+        }
+        if self.precision == Precision::Bf16 && self.target == Target::Cpu {
+            return Err("--precision bf16 needs --target cuda or --target ref (the CPU target's products are fp32)".into());
+        }
+        for (flag, path) in [("--save", &self.save), ("--profile-json", &self.profile_json), ("--log-json", &self.log_json)] {
+            if let Some(p) = path {
+                writable(flag, p)?;
+            }
+        }
+        for (flag, path) in [("--data", &self.data), ("--val", &self.val)] {
+            if let Some(p) = path.as_ref().filter(|p| !p.is_file()) {
+                return Err(format!("{flag} {}: no such file", p.display()));
+            }
+        }
+        Ok(())
+    }
+
+    /// The target's name as on the command line.
+    pub fn target_name(&self) -> &'static str {
+        match self.target {
+            Target::Ref => "ref",
+            Target::Cpu => "cpu",
+            Target::Cuda => "cuda",
+        }
+    }
+}
+
+/// Checks that a file can be written at `path` (its folder exists and takes a new file) without
+/// touching `path` itself: an existing file there is only replaced when the run writes it.
+fn writable(flag: &str, path: &Path) -> Result<(), String> {
+    if path.is_dir() {
+        return Err(format!("{flag} {}: is a directory, not a file", path.display()));
+    }
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    if !dir.is_dir() {
+        return Err(format!("{flag} {}: the folder {} does not exist", path.display(), dir.display()));
+    }
+    let probe = dir.join(format!(".fusec-write-test-{}", std::process::id()));
+    match std::fs::File::create(&probe) {
+        Ok(_) => {
+            let _ = std::fs::remove_file(&probe);
+            Ok(())
+        }
+        Err(e) => Err(format!("{flag} {}: cannot write in {}: {e}", path.display(), dir.display())),
+    }
+}

@@ -1,0 +1,85 @@
+//! Building the executor of `fusec run` for its target, and the summary rows that describe the
+//! build (kernels, device, memory).
+
+use fusec_runtime::cpu::CpuExecutor;
+use fusec_runtime::cuda::{CudaExecutor, CudaOptions};
+use fusec_runtime::executor::{Executor, RefExecutor};
+use fusec_runtime::programs::RunPrograms;
+
+use super::args::{RunArgs, Target};
+use crate::report::mib;
+
+/// An executor and the summary rows of its build.
+pub struct Built {
+    /// The executor.
+    pub ex: Box<dyn Executor>,
+    /// Summary rows: (label, value).
+    pub summary: Vec<(String, String)>,
+}
+
+/// Builds the executor for `a.target` (memory planning, code generation, the one allocation,
+/// refused with both numbers when it does not fit the free memory).
+pub fn executor(a: &RunArgs, run: &RunPrograms, threads: usize) -> Result<Built, String> {
+    let profile = a.profile || a.profile_json.is_some();
+    let mut summary: Vec<(String, String)> = vec![];
+    let ex: Box<dyn Executor> = match a.target {
+        Target::Ref => Box::new(RefExecutor::new(run, fusec_ir::interp::Precision::F32)),
+        Target::Cpu => {
+            let (ex, build) = CpuExecutor::new(run, threads, profile)?;
+            let plan = &build.step_plan;
+            let (compiled, hits) = build.kernels;
+            summary.push(("kernels".into(), format!("{compiled} compiled, {hits} cache hits (identical kernels compile once)")));
+            summary.push((
+                "memory".into(),
+                format!(
+                    "one allocation of {} (persistent {}, activations {}; lower bound {}, naive {})",
+                    mib(build.arena_bytes),
+                    mib(plan.persistent_bytes),
+                    mib(build.arena_bytes - plan.persistent_bytes),
+                    mib(plan.peak_live_bytes),
+                    mib(plan.naive_bytes)
+                ),
+            ));
+            Box::new(ex)
+        }
+        Target::Cuda => {
+            let opts = CudaOptions {
+                profile,
+                tf32: !a.no_tf32,
+                flash: !a.no_flash_attention,
+                lt_epilogues: !a.no_cublaslt,
+                graphs: !a.no_cuda_graph,
+            };
+            let (ex, build) = CudaExecutor::new(run, &opts)?;
+            let k = &build.kernels;
+            let math = if a.no_tf32 { ", exact fp32" } else { ", TF32" };
+            summary.push(("device".into(), format!("{} (NVRTC {}.{}){math}", build.device, build.nvrtc.0, build.nvrtc.1)));
+            summary.push((
+                "kernels".into(),
+                format!("{} launches from {} modules: {} compiled, {} from the disk cache", k.kernels, k.modules, k.compiled, k.disk_hits),
+            ));
+            if a.timings {
+                outln!("CUDA modules, slowest first ({} compiled, {} from the disk cache):", k.compiled, k.disk_hits)?;
+                for (name, cached, t) in &build.modules {
+                    outln!("  {name:<40} {:<10} {:>8.1} ms", if *cached { "disk cache" } else { "NVRTC" }, t.as_secs_f64() * 1e3)?;
+                }
+            }
+            let phases: Vec<String> = build.phases.iter().map(|(n, d)| format!("{n} {:.0} ms", d.as_secs_f64() * 1e3)).collect();
+            summary.push(("gpu build".into(), format!("{:.0} ms: {}", build.compile_time.as_secs_f64() * 1e3, phases.join(" · "))));
+            summary.push(("attention".into(), build.attention.clone()));
+            summary.push(("products".into(), format!("{} with bias/GELU inside cuBLASLt", build.lt_epilogues)));
+            summary.push((
+                "memory".into(),
+                format!(
+                    "one device allocation of {} (persistent {}, activations {}, scratch {})",
+                    mib(build.device_bytes),
+                    mib(build.step_plan.persistent_bytes),
+                    mib(build.step_plan.arena_bytes),
+                    mib(build.scratch_bytes)
+                ),
+            ));
+            Box::new(ex)
+        }
+    };
+    Ok(Built { ex, summary })
+}
