@@ -3,10 +3,10 @@
 //! refuses what the code generator cannot do (i32 division and reductions, f16, a column
 //! reduction result used per row).
 
+use fusec_ir::rows::{Expr, Node, NodeId, Slot, Space, Ty, FINAL, UNI_PARTIAL_STRIDE};
 use fusec_ir::{BinaryOp, CmpOp, DType, ReduceOp, UnaryOp};
 
 use crate::lower::Lowerer;
-use crate::prog::{Expr, Node, NodeId, Slot, Space, Ty, FINAL, UNI_PARTIAL_STRIDE};
 
 impl Lowerer<'_, '_> {
     /// Adds (or finds) a node.

@@ -49,12 +49,12 @@ use cranelift_codegen::ir::condcodes::{FloatCC, IntCC};
 use cranelift_codegen::ir::{types, AbiParam, Function, InstBuilder, MemFlagsData, Signature, Type, UserFuncName, Value};
 use cranelift_codegen::isa::{CallConv, TargetFrontendConfig};
 use cranelift_frontend::{FunctionBuilder, FunctionBuilderContext, Variable};
+use fusec_ir::rows::{region, Expr, NodeId, Prog, Region, RowTerm, Space, Store, Ty, View, FINAL, UNI_PARTIAL_STRIDE};
 use fusec_ir::ReduceOp;
 
 use crate::math::Fx;
 use crate::ops;
-use crate::plan::{plan, region, Offload, Pass, Plan, Region};
-use crate::prog::{Expr, NodeId, Prog, RowTerm, Space, Store, Ty, View, FINAL, UNI_PARTIAL_STRIDE};
+use crate::plan::{plan, Offload, Pass, Plan};
 
 type R<T> = Result<T, String>;
 

@@ -22,9 +22,9 @@ use cranelift_codegen::Context;
 use cranelift_frontend::FunctionBuilderContext;
 use cranelift_jit::{JITBuilder, JITModule};
 use cranelift_module::{default_libcall_names, Linkage, Module};
+use fusec_ir::rows::{Prog, Slot};
 use sha2::{Digest, Sha256};
 
-use crate::prog::{Prog, Slot};
 use crate::run::{CompiledKernel, RunState, SegmentRun, SlotRef};
 use crate::{clif, lower};
 

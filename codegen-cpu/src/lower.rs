@@ -20,10 +20,10 @@
 use std::collections::HashMap;
 
 use fusec_ir::interp::round_to;
+use fusec_ir::rows::{Expr, Mem, NodeId, Prog, RowTerm, Slot, Store, Ty, View, FINAL};
 use fusec_ir::{Bindings, DType, Kernel, Op, ReduceOp, ValueId};
 
 use crate::expand;
-use crate::prog::{Expr, Mem, NodeId, Prog, RowTerm, Slot, Store, Ty, View, FINAL};
 use crate::segment::{Body, Seg};
 
 /// For each axis of a value, the domain axis it indexes (`None`: a size-1 axis, index 0).

@@ -9,10 +9,10 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
+use fusec_ir::rows::chunk_bounds;
 use rayon::prelude::*;
 
 use crate::jit::Code;
-use crate::prog::chunk_bounds;
 
 /// What an argument-array slot points at when a segment runs.
 #[derive(Clone, Copy, Debug)]

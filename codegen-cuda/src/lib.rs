@@ -46,7 +46,7 @@ pub mod prelude;
 use std::fmt::Write;
 
 use fusec_codegen_cpu::lower::lower_kernel;
-use fusec_codegen_cpu::prog::Slot;
+use fusec_ir::rows::Slot;
 use fusec_ir::{Bindings, DType, Kernel, Op};
 
 pub use emit::LaunchRule;
