@@ -1,8 +1,8 @@
 //! Running a compiled kernel: argument arrays, chunks over rayon, the finalize step.
 //!
 //! Each segment's rows are cut into a fixed number of chunks (a function of the segment's shape,
-//! see [`crate::lower::chunk_count`]); with `threads > 1` the chunks run on a rayon pool of that
-//! many threads, otherwise in order on the calling thread. A chunk writes only its own rows and
+//! see [`fusec_passes::lower_rows::chunk_count`]); with `threads > 1` the chunks run on a rayon
+//! pool of that many threads, otherwise in order on the calling thread. A chunk writes only its own rows and
 //! its own column-reduction partials, and the finalize function combines partials in chunk
 //! order, so the results are the same bits for every thread count.
 

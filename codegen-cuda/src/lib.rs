@@ -45,9 +45,9 @@ pub mod prelude;
 
 use std::fmt::Write;
 
-use fusec_codegen_cpu::lower::lower_kernel;
 use fusec_ir::rows::Slot;
 use fusec_ir::{Bindings, DType, Kernel, Op};
+use fusec_passes::lower_rows::lower_kernel;
 
 pub use emit::LaunchRule;
 use emit::Seg;

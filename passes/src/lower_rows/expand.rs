@@ -10,7 +10,7 @@
 use fusec_ir::rows::NodeId;
 use fusec_ir::{BinaryOp, CmpOp, Op, ReduceOp, UnaryOp};
 
-use crate::lower::Lowerer;
+use super::Lowerer;
 
 type R<T> = Result<T, String>;
 
