@@ -2,7 +2,7 @@
 //!
 //! - the op graph: dtypes, symbolic shapes, ops with their type rules, the graph, its canonical
 //!   `.graph` text form, the verifier and the reference interpreter (the oracle every pass and
-//!   backend is tested against);
+//!   backend is tested against), and [`GemmSpec`], the concrete shape of one matrix product;
 //! - the row programs ([`rows`]): what one fused kernel computes, as the backends want it (a
 //!   domain of rows and columns, values per element / row / column / kernel, reduction levels),
 //!   with their text form and the analyses every backend runs first. `fusec_passes::lower_rows`
@@ -13,6 +13,7 @@
 //! [`rows::Prog::native_maxes`]).
 
 mod dtype;
+mod gemm_spec;
 pub mod gen;
 mod graph;
 pub mod infer;
@@ -25,6 +26,7 @@ pub mod text;
 pub mod verify;
 
 pub use dtype::DType;
+pub use gemm_spec::GemmSpec;
 pub use graph::{Graph, Node, NodeId, ValueId, ValueInfo};
 pub use op::{BinaryOp, CmpOp, Gemm, Kernel, Op, ReduceOp, UnaryOp};
 pub use shape::{Bindings, Dim, Shape, Type};

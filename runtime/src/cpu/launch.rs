@@ -3,9 +3,8 @@
 
 use std::sync::Arc;
 
-use fusec_codegen_cpu::gemm::GemmSpec;
 use fusec_codegen_cpu::{CompiledKernel, KernelCompiler};
-use fusec_ir::{Bindings, DType, Graph, Op, ValueId};
+use fusec_ir::{Bindings, DType, GemmSpec, Graph, Op, ValueId};
 use fusec_passes::memplan::MemPlan;
 
 use super::layout::SharedLayout;
