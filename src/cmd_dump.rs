@@ -28,7 +28,7 @@ pub struct DumpArgs {
     /// The `.graph` file.
     file: PathBuf,
     /// Print the graph after this pass (`parse`: the canonical input; `fuse`: after the last fusion pass).
-    #[arg(long, default_value = "parse", value_parser = clap::builder::PossibleValuesParser::new(PASSES.iter().copied().chain([LOWER_CPU, LOWER_CUDA])))]
+    #[arg(long, default_value = "parse", value_parser = clap::builder::PossibleValuesParser::new(PASSES.iter().copied().chain([LOWER_ROWS, LOWER_CPU, LOWER_CUDA])))]
     pass: String,
     /// Which program the passes build.
     #[arg(long, value_enum, default_value = "step")]
@@ -62,6 +62,8 @@ pub fn precision_parser() -> impl clap::builder::TypedValueParser<Value = Precis
     clap::builder::PossibleValuesParser::new(Precision::NAMES).try_map(|s| s.parse::<Precision>())
 }
 
+/// The code generation step after `memplan`: each kernel's row programs (both backends' input).
+const LOWER_ROWS: &str = "lower-rows";
 /// The code generation step after `memplan`: each kernel's Cranelift IR.
 const LOWER_CPU: &str = "lower-cpu";
 /// The code generation step after `memplan`: each kernel's CUDA C source.
@@ -85,10 +87,11 @@ pub fn dump(a: DumpArgs) -> CliResult {
     };
     let mut bind = Bindings::default();
     bind.set("B", a.batch).set("T", a.seq);
-    let lower = a.pass == LOWER_CPU || a.pass == LOWER_CUDA;
+    let lower = a.pass == LOWER_ROWS || a.pass == LOWER_CPU || a.pass == LOWER_CUDA;
     let out = compile(&g, if lower { "memplan" } else { &a.pass }, mode, &opts, &bind)?;
     let t_lower = std::time::Instant::now();
     match &out.plan {
+        _ if a.pass == LOWER_ROWS => print!("{}", fusec_passes::lower_rows::print(&out.graph, &bind)?),
         _ if a.pass == LOWER_CUDA => print!("{}", lower_cuda(&out.graph, &bind)?),
         _ if lower => print!("{}", lower_cpu(&out.graph, &bind)?),
         Some(plan) => print!("{}", plan.annotate(&out.graph)),

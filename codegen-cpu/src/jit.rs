@@ -22,11 +22,12 @@ use cranelift_codegen::Context;
 use cranelift_frontend::FunctionBuilderContext;
 use cranelift_jit::{JITBuilder, JITModule};
 use cranelift_module::{default_libcall_names, Linkage, Module};
+use fusec_ir::rows::{Prog, Slot};
+use fusec_passes::lower_rows::lower_kernel;
 use sha2::{Digest, Sha256};
 
-use crate::prog::{Prog, Slot};
+use crate::clif;
 use crate::run::{CompiledKernel, RunState, SegmentRun, SlotRef};
-use crate::{clif, lower};
 
 /// Bumped whenever generated code changes for the same input (part of every cache key).
 const CODEGEN_REVISION: &str = "fusec-codegen-cpu/2";
@@ -103,7 +104,7 @@ impl KernelCompiler {
     }
 
     /// Compiles (or fetches from the cache) one kernel for concrete symbolic-dim values. An
-    /// `Err` names what the CPU compiler does not support (the runtime then falls back).
+    /// `Err` names what the lowering or the CPU compiler does not support.
     pub fn compile(&mut self, k: &fusec_ir::Kernel, bind: &fusec_ir::Bindings) -> Result<Arc<CompiledKernel>, String> {
         let binds: String = bind.0.iter().map(|(s, v)| format!("{s}={v};")).collect();
         let native = if self.native_math { "native" } else { "" };
@@ -112,7 +113,7 @@ impl KernelCompiler {
             self.hits += 1;
             return Ok(c.clone());
         }
-        let mut progs = lower::lower_kernel(k, bind)?;
+        let mut progs = lower_kernel(k, bind)?;
         if self.native_math {
             progs.iter_mut().for_each(crate::vmath::assign);
         }

@@ -4,17 +4,18 @@
 //!
 //! [`KernelCompiler::compile`] turns a `kernel` node's body (as `fuse-elementwise` builds it:
 //! pointwise, reduction with prologue/epilogue, one row composite with prologue/epilogue, or the
-//! multi-tensor AdamW update) into native code through three steps, one module each:
+//! multi-tensor AdamW update) into native code through three steps:
 //!
-//! 1. [`lower`] (+ `expand` for composites): the body becomes one or more *row programs*
-//!    ([`prog`]): the kernel's domain viewed as `[R, C]`, values classified as per-element,
-//!    per-row, per-column or kernel-wide, scheduled into passes over each row (a value that
-//!    depends on a row reduction is computed in a later pass; earlier element values are
-//!    recomputed, except `exp`/`log`/`tanh` results, which are stashed in a per-chunk row
-//!    buffer), with column reductions as per-chunk partials. The row sum of a one-hot
-//!    selection (the target logit of cross-entropy) becomes a pick of one column.
-//! 2. [`clif`] (+ `plan`, `ops`, `math`): each program becomes a Cranelift function over a chunk of
-//!    rows (unrolled f32x4 column loops with independent reduction accumulators, a scalar tail)
+//! 1. [`fusec_passes::lower_rows`] (the backend-neutral step this crate consumes, shared with
+//!    the CUDA backend): the body becomes one or more *row programs* ([`fusec_ir::rows`]): the
+//!    kernel's domain viewed as `[R, C]`, values classified as per-element, per-row, per-column
+//!    or kernel-wide, scheduled into passes over each row (a value that depends on a row
+//!    reduction is computed in a later pass; earlier element values are recomputed, except
+//!    `exp`/`log`/`tanh` results, which are stashed in a per-chunk row buffer), with column
+//!    reductions as per-chunk partials. The row sum of a one-hot selection (the target logit of
+//!    cross-entropy) becomes a pick of one column.
+//! 2. [`clif`] (+ `plan`, `ops`, `math`): each program becomes a Cranelift function over a chunk
+//!    of rows (unrolled f32x4 column loops with independent reduction accumulators, a scalar tail)
 //!    and, when it has column results, a finalize function; `exp`/`log`/`tanh` are inline
 //!    polynomial routines (≤ 1.4 ulp measured). On AVX-512F hosts, element `exp`/`tanh` of rows
 //!    of at least 64 columns and the row max of an operand row run in native 16-lane routines
@@ -25,25 +26,19 @@
 //!    ([`CompiledKernel::run`]) invokes it over rayon, allocating nothing per call.
 //!
 //! A body outside this model (an op other than the elementwise, reduction, composite and AdamW
-//! ops, a reduction over middle axes, a strided column access, f16) is an `Err` naming it; the
-//! runtime can then run the kernel another way.
+//! ops, a reduction over middle axes, a strided column access, f16) is an `Err` naming it.
 //!
 //! Numerics follow the interpreter: one f32 rounding per IR op (no FMA contraction), bf16
 //! rounded to nearest even at every bf16 result, NaN-propagating max/min, deterministic
 //! reduction orders independent of the thread count.
 
-mod builder;
 pub mod clif;
-mod expand;
 pub mod gemm;
 mod jit;
-pub mod lower;
 mod math;
 mod ops;
-pub mod plan;
-pub mod prog;
+mod plan;
 mod run;
-mod segment;
 mod vmath;
 
 pub use jit::KernelCompiler;

@@ -9,11 +9,11 @@
 
 use cranelift_codegen::ir::condcodes::{FloatCC, IntCC};
 use cranelift_codegen::ir::{types, InstBuilder, MemFlagsData, Value};
+use fusec_ir::rows::{Expr, Mem, NodeId, Ty, UNI_PARTIAL_STRIDE};
 use fusec_ir::{BinaryOp, CmpOp, UnaryOp};
 
 use crate::clif::{ColPos, Gen};
 use crate::math::{self, lane_flags};
-use crate::prog::{Expr, Mem, NodeId, Ty, UNI_PARTIAL_STRIDE};
 
 type R<T> = Result<T, String>;
 

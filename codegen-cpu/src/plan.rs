@@ -1,11 +1,11 @@
 //! Which nodes each generated function computes, and where.
 //!
-//! A node's *region* says where its code goes: once at function entry (kernel-wide values), once
-//! per row (row values, after the pass that produces their level), per column inside a column
-//! loop (element and column values), or in the finalize function (column-reduction results).
-//! The plan splits the stores between the chunk function (element and row results) and the
-//! finalize function (column and scalar results, written once), finds what each needs (liveness),
-//! and groups the chunk function's column work into passes by level: pass `L` finishes the row
+//! A node's [`Region`] says where its code goes: once at function entry (kernel-wide values),
+//! once per row (row values, after the pass that produces their level), per column inside a
+//! column loop (element and column values), or in the finalize function (column-reduction
+//! results). The plan takes the split of the stores between the chunk function (element and row
+//! results) and the finalize function (column and scalar results, written once) and what each
+//! needs from [`liveness`] (both in `fusec_ir::rows`), and groups the chunk function's column work into passes by level: pass `L` finishes the row
 //! reductions of level-`L` values, accumulates the column reductions of level-`L` values, writes
 //! the stashed values of level `L` to their row buffers (later passes read them back), and — if
 //! it is the last pass — computes and stores every element result.
@@ -20,36 +20,8 @@
 //! cross-entropy gradient's `p - 1` at the target) computes `b` in the column loop and writes
 //! the stores' values at column `t` separately.
 
+use fusec_ir::rows::{liveness, region, Expr, Liveness, Mem, NodeId, Prog, Region, Ty, View};
 use fusec_ir::{BinaryOp, ReduceOp};
-
-use crate::prog::{Expr, Mem, NodeId, Prog, Space, Ty, View, FINAL};
-
-/// Where a node is computed (both backends schedule row programs by it).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Region {
-    /// Once, at function entry (kernel-wide values).
-    Entry,
-    /// Once per row, after the pass producing its level.
-    Row,
-    /// Per column, inside a column loop.
-    Col,
-    /// In the finalize function (column-reduction results and what depends on them).
-    Final,
-}
-
-/// The region of node `id` of `p`.
-pub fn region(p: &Prog, id: NodeId) -> Region {
-    let n = p.node(id);
-    if n.level == FINAL {
-        Region::Final
-    } else if n.space.has_col() {
-        Region::Col
-    } else if n.space == Space::Uni && n.level == 0 {
-        Region::Entry
-    } else {
-        Region::Row
-    }
-}
 
 /// The work of one pass over the columns of a row.
 pub(crate) struct Pass {
@@ -69,7 +41,7 @@ pub(crate) struct Pass {
     /// of its own, just before the level's other pass.
     pub(crate) offload: Vec<Offload>,
     /// Row maxima computed by native calls before this pass's loop: `(node, operand row,
-    /// columns read)` (see [`Prog::native_maxes`](crate::prog::Prog::native_maxes)).
+    /// columns read)` (see [`Prog::native_maxes`]).
     pub(crate) native_maxes: Vec<(NodeId, View, u64)>,
     /// One-hot selects `select(c == t, a, b)` (`t` per row) that only the pass's stores read:
     /// the column loop computes `b` everywhere, and the stores' values at column `t` (computed
@@ -77,7 +49,7 @@ pub(crate) struct Pass {
     pub(crate) one_hot: Option<(NodeId, Vec<NodeId>)>,
 }
 
-/// One offloaded value (see [`Prog::offloads`](crate::prog::Prog::offloads)).
+/// One offloaded value (see [`Prog::offloads`]).
 #[derive(Clone, Debug)]
 pub(crate) struct Offload {
     /// The `exp` / `tanh` node.
@@ -107,7 +79,7 @@ pub(crate) fn one_hot_index(p: &Prog, id: NodeId) -> Option<NodeId> {
         (_, Expr::ColIota) => x,
         _ => return None,
     };
-    (p.node(t).ty == crate::prog::Ty::I32 && !p.node(t).space.has_col()).then_some(t)
+    (p.node(t).ty == Ty::I32 && !p.node(t).space.has_col()).then_some(t)
 }
 
 /// What the two functions compute.
@@ -129,68 +101,6 @@ pub(crate) struct Plan {
     pub(crate) stashes: Vec<(NodeId, u32)>,
     /// Live offloaded values.
     pub(crate) offloads: Vec<Offload>,
-}
-
-/// What every backend derives first from a row program: which stores the row loop and which the
-/// finalize step writes, the values each of them needs, and the column reductions.
-pub struct Liveness {
-    /// Values the row loop computes.
-    pub main_live: Vec<bool>,
-    /// Values the finalize step computes.
-    pub fin_live: Vec<bool>,
-    /// Stores of per-row values.
-    pub row_stores: Vec<usize>,
-    /// Stores of per-element values.
-    pub elem_stores: Vec<usize>,
-    /// Stores of the finalize step (column-reduction results, results without a row axis).
-    pub fin_stores: Vec<usize>,
-    /// Every column reduction the finalize step combines.
-    pub colreds: Vec<NodeId>,
-}
-
-fn mark(p: &Prog, live: &mut [bool], root: NodeId, stop_at_colred: bool) {
-    let mut stack = vec![root];
-    while let Some(id) = stack.pop() {
-        if std::mem::replace(&mut live[id as usize], true) {
-            continue;
-        }
-        let e = &p.node(id).expr;
-        if stop_at_colred && matches!(e, Expr::ColReduce(..)) {
-            continue;
-        }
-        stack.extend(e.args());
-    }
-}
-
-/// The stores and live values of `p`; see [`Liveness`].
-pub fn liveness(p: &Prog) -> Liveness {
-    let n = p.nodes.len();
-    let (mut main_live, mut fin_live) = (vec![false; n], vec![false; n]);
-    let (mut row_stores, mut elem_stores, mut fin_stores) = (vec![], vec![], vec![]);
-    for (i, s) in p.stores.iter().enumerate() {
-        // Column results and scalars are written once, by the finalize step; with a single
-        // row (all row axes of size 1) every non-final result is written by the row loop.
-        let once = !s.view.space().has_row() && p.rows > 1;
-        if p.node(s.value).level == FINAL || once {
-            fin_stores.push(i);
-        } else if s.view.col {
-            elem_stores.push(i);
-        } else {
-            row_stores.push(i);
-        }
-    }
-    for &i in &fin_stores {
-        mark(p, &mut fin_live, p.stores[i].value, true);
-    }
-    let colreds: Vec<NodeId> =
-        (0..n as NodeId).filter(|&i| fin_live[i as usize] && matches!(p.node(i).expr, Expr::ColReduce(..))).collect();
-    for &i in row_stores.iter().chain(&elem_stores) {
-        mark(p, &mut main_live, p.stores[i].value, false);
-    }
-    for &c in &colreds {
-        mark(p, &mut main_live, p.node(c).expr.args()[0], false);
-    }
-    Liveness { main_live, fin_live, row_stores, elem_stores, fin_stores, colreds }
 }
 
 pub(crate) fn plan(p: &Prog) -> Plan {

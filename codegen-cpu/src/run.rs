@@ -1,18 +1,18 @@
 //! Running a compiled kernel: argument arrays, chunks over rayon, the finalize step.
 //!
 //! Each segment's rows are cut into a fixed number of chunks (a function of the segment's shape,
-//! see [`crate::lower::chunk_count`]); with `threads > 1` the chunks run on a rayon pool of that
-//! many threads, otherwise in order on the calling thread. A chunk writes only its own rows and
+//! see [`fusec_passes::lower_rows::chunk_count`]); with `threads > 1` the chunks run on a rayon
+//! pool of that many threads, otherwise in order on the calling thread. A chunk writes only its own rows and
 //! its own column-reduction partials, and the finalize function combines partials in chunk
 //! order, so the results are the same bits for every thread count.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
+use fusec_ir::rows::chunk_bounds;
 use rayon::prelude::*;
 
 use crate::jit::Code;
-use crate::prog::chunk_bounds;
 
 /// What an argument-array slot points at when a segment runs.
 #[derive(Clone, Copy, Debug)]

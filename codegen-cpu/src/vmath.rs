@@ -19,9 +19,8 @@
 //! sign of a zero maximum (it runs four chains where the loop runs one per lane), which no
 //! use of it in softmax or cross-entropy can see (`x - m`, `m + log(s)` with `s ≥ 1`).
 
+use fusec_ir::rows::{Expr, Mem, NodeId, Prog, Slot, View, FINAL};
 use fusec_ir::{CmpOp, ReduceOp, UnaryOp};
-
-use crate::prog::{Expr, Mem, NodeId, Prog, Slot, View, FINAL};
 
 /// `fn(dst, n, src, shift, a, a_bytes, b, b_bytes, c, c_bytes) -> sum`: `dst[i] = f(src[i] -
 /// shift)` for `i < n` (`src` may be `dst`, with `shift` 0: in place; `dst` null: the results

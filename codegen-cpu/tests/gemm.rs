@@ -1,7 +1,8 @@
 //! `gemm_f32` / `gemm_bf16` against a naive f64 triple loop, over every transpose, batch,
 //! shared-`b` and epilogue combination, at odd sizes and sizes crossing tile boundaries.
 
-use fusec_codegen_cpu::gemm::{gelu, gemm_bf16, gemm_f32, Bf16Out, GemmSpec};
+use fusec_codegen_cpu::gemm::{gelu, gemm_bf16, gemm_f32, Bf16Out};
+use fusec_ir::GemmSpec;
 use half::bf16;
 
 /// A small deterministic generator (xorshift64*), so failures reproduce.

@@ -5,7 +5,7 @@
 //! `C = op(A) op(B)` (row-major) is computed as `C^T = op(B)^T op(A)^T` (column-major): swap
 //! the operands, swap `m` and `n`, keep each operand's transpose flag and stride. No data moves.
 
-use fusec_codegen_cpu::gemm::GemmSpec;
+use fusec_ir::GemmSpec;
 
 /// The arguments of `cublasSgemm`-style calls (column-major, `transa`/`transb` as booleans).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

@@ -6,8 +6,8 @@
 //!
 //! [`kernel_source`] turns a `kernel` node's body into one CUDA C module, a pure function of the
 //! body and the bindings (same body, same text: the twelve identical LayerNorms of GPT-2 124M
-//! compile once). It reuses the CPU backend's backend-neutral lowering — decision: this crate
-//! depends on `fusec-codegen-cpu` for its `lower` and `prog` modules only (the *row program*: the
+//! compile once). It consumes the backend-neutral kernel-level IR that the CPU backend consumes
+//! too: [`fusec_passes::lower_rows`] lowers the body into *row programs* ([`fusec_ir::rows`]: the
 //! kernel's domain as `[R, C]`, values per element / row / column / kernel, reduction levels),
 //! so both backends agree on what a kernel computes and differ only in how it is scheduled.
 //! `plan` picks the thread layout (flat, one team per row, one thread per column) and `emit`
@@ -45,9 +45,9 @@ pub mod prelude;
 
 use std::fmt::Write;
 
-use fusec_codegen_cpu::lower::lower_kernel;
-use fusec_codegen_cpu::prog::Slot;
+use fusec_ir::rows::Slot;
 use fusec_ir::{Bindings, DType, Kernel, Op};
+use fusec_passes::lower_rows::lower_kernel;
 
 pub use emit::LaunchRule;
 use emit::Seg;
@@ -120,7 +120,7 @@ fn io_types(k: &Kernel) -> Result<(Vec<&'static str>, Vec<&'static str>), String
 pub const MAX_PARAM_BYTES: usize = 2048;
 
 /// The CUDA C source of a fused kernel under concrete bindings (see the crate docs). An `Err`
-/// names what the generator does not support (the same limits as the CPU lowering).
+/// names what the generator does not support (the limits of `fusec_passes::lower_rows`).
 pub fn kernel_source(k: &Kernel, bind: &Bindings) -> Result<KernelSource, String> {
     let progs = lower_kernel(k, bind)?;
     if progs.is_empty() {

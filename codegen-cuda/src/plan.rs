@@ -25,9 +25,7 @@
 //! Unlike the CPU backend nothing is stashed between passes: element values a later pass needs
 //! are recomputed from the inputs (GPU arithmetic is cheap next to the loads it saves).
 
-use fusec_codegen_cpu::plan::{liveness, Liveness};
-pub(crate) use fusec_codegen_cpu::plan::{region, Region};
-use fusec_codegen_cpu::prog::{Expr, NodeId, Prog};
+use fusec_ir::rows::{liveness, Expr, Liveness, NodeId, Prog};
 
 /// Threads per block of the flat, column and finalize kernels, and of row kernels with
 /// warp-wide teams.

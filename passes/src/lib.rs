@@ -1,5 +1,9 @@
 //! Graph-to-graph passes, one per file, each named as on the command line
 //! (`fusec dump --pass NAME`). See [`pipeline`] for the order.
+//!
+//! One step leaves the graph: [`lower_rows`] (`--pass lower-rows`, after `memplan`) lowers each
+//! `kernel` node's body into row programs ([`fusec_ir::rows`]), the kernel-level IR that both
+//! backends generate code from.
 
 pub mod amp;
 pub mod autodiff;
@@ -9,6 +13,7 @@ pub mod fuse_elementwise;
 pub mod fuse_epilogue;
 pub mod fuse_grad_accum;
 pub mod fuse_layernorm;
+pub mod lower_rows;
 pub mod memplan;
 pub mod optimizer;
 mod pattern;

@@ -7,7 +7,8 @@
 //! [--config small|124m|both] [--secs S] [--only SUBSTR]`. `--plain` drops the forward epilogues
 //! (pure products); `--only` keeps the shapes whose name contains `SUBSTR`.
 
-use fusec_codegen_cpu::gemm::{gemm_f32, GemmSpec};
+use fusec_codegen_cpu::gemm::gemm_f32;
+use fusec_ir::GemmSpec;
 use std::time::{Duration, Instant};
 
 /// A GPT-2 shape: layers, channels, padded vocabulary, batch and sequence length.

@@ -1,7 +1,8 @@
 //! bf16 products: operands widened to f32 in thread-local scratch, multiplied by
 //! [`gemm_f32`](super::gemm_f32), results narrowed.
 
-use super::{gemm_f32, GemmSpec};
+use super::{check, gemm_f32};
+use fusec_ir::GemmSpec;
 use half::bf16;
 use half::slice::HalfFloatSliceExt;
 use rayon::prelude::*;
@@ -81,7 +82,7 @@ pub fn gemm_bf16(
         Bf16Out::F32(v) => v.len(),
         Bf16Out::Bf16(v) => v.len(),
     };
-    spec.check(a.len(), b.len(), bias.map(<[bf16]>::len), y_len, pre_gelu.as_deref().map(<[bf16]>::len));
+    check(spec, a.len(), b.len(), bias.map(<[bf16]>::len), y_len, pre_gelu.as_deref().map(<[bf16]>::len));
     SCRATCH.with(|cell| {
         let mut guard = cell.borrow_mut();
         let s = &mut *guard;

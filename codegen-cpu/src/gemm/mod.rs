@@ -46,89 +46,30 @@ fn count_crate_call() {
     CRATE_CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
 }
 
+use fusec_ir::GemmSpec;
 use gemm::Parallelism;
 use rayon::prelude::*;
 use std::cell::RefCell;
 
-/// The shape and flags of one batched matrix product with its epilogue.
-///
-/// Storage is row-major: `a` is `[batch, m, k]` (`[batch, k, m]` if `trans_a`), `b` is
-/// `[batch, k, n]` (`[batch, n, k]` if `trans_b`; without the batch axis if `b_shared`), and
-/// `y` (and `pre_gelu`) is `[batch, m, n]`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct GemmSpec {
-    /// Number of independent products (the product of the leading axes; 1 for plain 2-D).
-    pub batch: usize,
-    /// Rows of `op(a)` and of the result.
-    pub m: usize,
-    /// Columns of `op(b)` and of the result.
-    pub n: usize,
-    /// The contracted dimension.
-    pub k: usize,
-    /// `a` is stored transposed (`[k, m]` per batch).
-    pub trans_a: bool,
-    /// `b` is stored transposed (`[n, k]`).
-    pub trans_b: bool,
-    /// `b` has no batch axis: one `b` shared by every batch of `a`.
-    pub b_shared: bool,
-    /// Add a bias vector of length `n` over the last axis.
-    pub bias: bool,
-    /// Apply GELU (tanh form) after the bias; the pre-activation goes to `pre_gelu`.
-    pub gelu: bool,
-    /// Add the result into the existing contents of `y` (beta = 1) instead of overwriting.
-    pub accumulate: bool,
+/// Whether anything happens after the product besides plain accumulation.
+fn has_epilogue(spec: &GemmSpec) -> bool {
+    spec.bias || spec.gelu
 }
 
-impl GemmSpec {
-    /// A plain 2-D `y = a @ b` with `a: [m, k]`, `b: [k, n]` and no epilogue.
-    pub fn new(m: usize, n: usize, k: usize) -> Self {
-        GemmSpec { batch: 1, m, n, k, trans_a: false, trans_b: false, b_shared: true, bias: false, gelu: false, accumulate: false }
+/// Panics unless the slice lengths fit the spec.
+fn check(spec: &GemmSpec, a: usize, b: usize, bias: Option<usize>, y: usize, pre: Option<usize>) {
+    assert_eq!(a, spec.a_len(), "gemm: `a` has {a} elements, the spec needs {}", spec.a_len());
+    assert_eq!(b, spec.b_len(), "gemm: `b` has {b} elements, the spec needs {}", spec.b_len());
+    assert_eq!(y, spec.y_len(), "gemm: `y` has {y} elements, the spec needs {}", spec.y_len());
+    match (spec.bias, bias) {
+        (true, Some(len)) => assert_eq!(len, spec.n, "gemm: bias has {len} elements, the spec needs {}", spec.n),
+        (false, None) => {}
+        (want, _) => panic!("gemm: spec.bias is {want} but a bias was{} given", if want { " not" } else { "" }),
     }
-
-    /// Elements `a` must hold.
-    pub fn a_len(&self) -> usize {
-        self.batch * self.m * self.k
-    }
-
-    /// Elements `b` must hold.
-    pub fn b_len(&self) -> usize {
-        if self.b_shared {
-            self.k * self.n
-        } else {
-            self.batch * self.k * self.n
-        }
-    }
-
-    /// Elements `y` (and `pre_gelu`) must hold.
-    pub fn y_len(&self) -> usize {
-        self.batch * self.m * self.n
-    }
-
-    /// Floating-point operations of the product (`2 batch m n k`), for GFLOP/s figures.
-    pub fn flops(&self) -> u64 {
-        2 * (self.batch * self.m * self.n) as u64 * self.k as u64
-    }
-
-    /// Whether anything happens after the product besides plain accumulation.
-    fn has_epilogue(&self) -> bool {
-        self.bias || self.gelu
-    }
-
-    /// Panics unless the slices fit the spec.
-    fn check(&self, a: usize, b: usize, bias: Option<usize>, y: usize, pre: Option<usize>) {
-        assert_eq!(a, self.a_len(), "gemm: `a` has {a} elements, the spec needs {}", self.a_len());
-        assert_eq!(b, self.b_len(), "gemm: `b` has {b} elements, the spec needs {}", self.b_len());
-        assert_eq!(y, self.y_len(), "gemm: `y` has {y} elements, the spec needs {}", self.y_len());
-        match (self.bias, bias) {
-            (true, Some(len)) => assert_eq!(len, self.n, "gemm: bias has {len} elements, the spec needs {}", self.n),
-            (false, None) => {}
-            (want, _) => panic!("gemm: spec.bias is {want} but a bias was{} given", if want { " not" } else { "" }),
-        }
-        match (self.gelu, pre) {
-            (true, Some(len)) => assert_eq!(len, self.y_len(), "gemm: pre_gelu has {len} elements, the spec needs {}", self.y_len()),
-            (false, None) => {}
-            (want, _) => panic!("gemm: spec.gelu is {want} but pre_gelu was{} given", if want { " not" } else { "" }),
-        }
+    match (spec.gelu, pre) {
+        (true, Some(len)) => assert_eq!(len, spec.y_len(), "gemm: pre_gelu has {len} elements, the spec needs {}", spec.y_len()),
+        (false, None) => {}
+        (want, _) => panic!("gemm: spec.gelu is {want} but pre_gelu was{} given", if want { " not" } else { "" }),
     }
 }
 
@@ -143,7 +84,7 @@ impl GemmSpec {
 /// # Panics
 /// If a slice length does not match the spec.
 pub fn gemm_f32(spec: &GemmSpec, a: &[f32], b: &[f32], bias: Option<&[f32]>, y: &mut [f32], pre_gelu: Option<&mut [f32]>, threads: usize) {
-    spec.check(a.len(), b.len(), bias.map(<[f32]>::len), y.len(), pre_gelu.as_deref().map(<[f32]>::len));
+    check(spec, a.len(), b.len(), bias.map(<[f32]>::len), y.len(), pre_gelu.as_deref().map(<[f32]>::len));
     if spec.y_len() == 0 {
         return;
     }
@@ -296,7 +237,7 @@ impl Plan {
                 Parallelism::None,
             )
         };
-        if !s.has_epilogue() {
+        if !has_epilogue(s) {
             product(y, n, s.accumulate);
             return;
         }

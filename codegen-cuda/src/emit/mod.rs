@@ -11,10 +11,10 @@
 use std::collections::BTreeSet;
 use std::fmt::Write;
 
-use fusec_codegen_cpu::prog::{Expr, Mem, NodeId, Prog, RowTerm, Slot, Store, Ty, View};
+use fusec_ir::rows::{region, Expr, Mem, NodeId, Prog, Region, RowTerm, Slot, Store, Ty, View};
 use fusec_ir::{BinaryOp, CmpOp, ReduceOp, UnaryOp};
 
-use crate::plan::{arg, region, Mapping, Plan, Region, BLOCK};
+use crate::plan::{arg, Mapping, Plan, BLOCK};
 
 type R<T> = Result<T, String>;
 

@@ -4,11 +4,11 @@
 
 use std::fmt::Write;
 
-use fusec_codegen_cpu::prog::{Expr, Mem, NodeId, Store, View};
+use fusec_ir::rows::{region, Expr, Mem, NodeId, Region, Store, View, FINAL};
 use fusec_ir::ReduceOp;
 
 use super::{op_of, red_fn, red_init, Seg, R};
-use crate::plan::{arg, region, Region, MAX_REG_PARTIALS};
+use crate::plan::{arg, MAX_REG_PARTIALS};
 
 /// Indentation and the scope that places a 4-wide row loop's first column.
 const COLS: (&str, &str) = ("      ", "const int c = c0;");
@@ -56,11 +56,7 @@ impl Seg<'_> {
                 .collect()
         };
         self.lines(out, "    ", &row_nodes(0))?;
-        let max_level = (0..p.nodes.len())
-            .filter(|&i| live[i] && p.nodes[i].level != fusec_codegen_cpu::prog::FINAL)
-            .map(|i| p.nodes[i].level)
-            .max()
-            .unwrap_or(0);
+        let max_level = (0..p.nodes.len()).filter(|&i| live[i] && p.nodes[i].level != FINAL).map(|i| p.nodes[i].level).max().unwrap_or(0);
         let mut next = 0;
         for level in 0..=max_level {
             if next < plan.passes.len() && plan.passes[next].level == level {

@@ -1,12 +1,12 @@
 //! Constructors of row-program nodes: each computes the node's space and level from its
 //! arguments, shares identical nodes (hash-consing, so a value needed twice is one node), and
-//! refuses what the code generator cannot do (i32 division and reductions, f16, a column
+//! refuses what the code generators cannot do (i32 division and reductions, f16, a column
 //! reduction result used per row).
 
+use fusec_ir::rows::{Expr, Node, NodeId, Slot, Space, Ty, FINAL, UNI_PARTIAL_STRIDE};
 use fusec_ir::{BinaryOp, CmpOp, DType, ReduceOp, UnaryOp};
 
-use crate::lower::Lowerer;
-use crate::prog::{Expr, Node, NodeId, Slot, Space, Ty, FINAL, UNI_PARTIAL_STRIDE};
+use super::Lowerer;
 
 impl Lowerer<'_, '_> {
     /// Adds (or finds) a node.
@@ -163,7 +163,7 @@ impl Lowerer<'_, '_> {
     pub fn round(&mut self, x: NodeId, d: DType) -> Result<NodeId, String> {
         match d {
             DType::BF16 => self.node(Expr::RoundBf16(x), Ty::F32),
-            DType::F16 => Err("f16 values are not supported by the CPU kernel compiler".into()),
+            DType::F16 => Err("f16 values are not supported in row programs".into()),
             _ => Ok(x),
         }
     }

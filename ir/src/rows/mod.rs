@@ -1,11 +1,15 @@
-//! The row program: what a fused kernel computes, in the shape the code generator wants.
+//! Row programs: the kernel-level IR. A [`Prog`] says what one segment of a fused kernel
+//! computes, in the shape every code generator wants; `fusec_passes::lower_rows` builds them
+//! from a `kernel` node's body and both backends (Cranelift, CUDA C) consume them, so they
+//! agree on what a kernel computes and differ only in how it is scheduled. [`region`] and
+//! [`liveness`] are the analyses every backend runs first.
 //!
 //! A kernel's domain is viewed as a matrix `[R, C]`: the domain's axes are split at `split`
 //! into row axes (their product is `R`) and column axes (their product is `C`; usually just the
 //! last axis). Every value of the program lives in one [`Space`]:
 //!
-//! - `Elem`: one value per element `(r, c)` — computed in a loop over the columns of a row,
-//!   four columns at a time (`f32x4`) plus a scalar tail;
+//! - `Elem`: one value per element `(r, c)` — computed in a loop over the columns of a row
+//!   (on the CPU four columns at a time, `f32x4`, plus a scalar tail);
 //! - `Row`: one value per row (`mean`, `rstd`, targets, row sums) — computed once per row;
 //! - `Col`: one value per column (LayerNorm weights, column sums) — loaded per column inside the
 //!   loops, or computed once per column in the *finalize* function (column-reduction results);
@@ -22,8 +26,9 @@
 //!
 //! The one exception to recomputation: an `exp`, `log` or `tanh` element value needed by a later
 //! pass (softmax and cross-entropy gradients: `exp(x - max)` feeds the row sum, then the output)
-//! is *stashed* in a per-chunk row buffer (`C` floats, so it stays in L2) and read back, because
-//! recomputing it costs far more than a store and a load.
+//! is *stashed* ([`Prog::stashes`]) in a per-chunk row buffer (`C` floats, so it stays in L2) and
+//! read back, because recomputing it costs far more than a store and a load (the CUDA backend
+//! ignores stashes and recomputes).
 //!
 //! Column reductions (`dw`, `db`, bias gradients: sums over all rows) have level
 //! [`FINAL`]: each chunk of rows accumulates its own partial sums (rows in order) into scratch
@@ -33,15 +38,18 @@
 //!
 //! The CPU code generator may further run element `exp` / `tanh` values and row maxima of
 //! operand rows in native routines over whole rows ([`Prog::offloads`],
-//! [`Prog::native_maxes`]); [`crate::lower::lower_kernel`] leaves those lists empty.
+//! [`Prog::native_maxes`]); the lowering leaves those lists empty.
 //!
 //! The printed program (see [`Prog::text`]) refers to memory only through *slots* (operands,
 //! results, scratch) in first-use order, so identical segments of different kernels print the
 //! same and share one compiled function.
 
-use std::fmt::Write;
+mod analysis;
+mod text;
 
-use fusec_ir::{BinaryOp, CmpOp, ReduceOp, UnaryOp};
+pub use analysis::{liveness, region, Liveness, Region};
+
+use crate::{BinaryOp, CmpOp, ReduceOp, UnaryOp};
 
 /// A node of a [`Prog`], by index.
 pub type NodeId = u32;
@@ -268,13 +276,13 @@ pub struct Prog {
     pub stashes: Vec<(NodeId, u32)>,
     /// Element `exp` / `tanh` values the CPU code generator computes with a native routine into
     /// a per-chunk row buffer (in the given scratch slot), from an operand row or from the
-    /// arguments a column loop wrote there; every later read loads them back. Empty as
-    /// [`crate::lower::lower_kernel`] returns a program; the CPU compiler fills it in when its
-    /// host has such routines (they give the same bits as the generated code).
+    /// arguments a column loop wrote there; every later read loads them back. Empty as the
+    /// lowering (`fusec_passes::lower_rows`) returns a program; the CPU compiler fills it in
+    /// when its host has such routines (they give the same bits as the generated code).
     pub offloads: Vec<(NodeId, u32)>,
     /// Row maxima of an f32 operand row (or of its first `k` columns, the others masked to
     /// `-inf`) that the CPU code generator computes with a native routine (the column loop's
-    /// value). Empty from [`crate::lower::lower_kernel`]; filled in with [`Prog::offloads`].
+    /// value). Empty from the lowering; filled in with [`Prog::offloads`].
     pub native_maxes: Vec<NodeId>,
 }
 
@@ -292,7 +300,7 @@ impl Prog {
         &self.nodes[id as usize]
     }
 
-    /// Rows `[begin, end)` of chunk `k` (how [`crate::CompiledKernel::run`] cuts the rows).
+    /// Rows `[begin, end)` of chunk `k` (how the CPU backend cuts the rows; see [`chunk_bounds`]).
     pub fn chunk_rows(&self, k: u64) -> (u64, u64) {
         chunk_bounds(self.rows, self.chunks, k)
     }
@@ -316,77 +324,5 @@ impl Prog {
                 _ => size(n.space),
             })
             .sum()
-    }
-
-    /// The canonical text of the program (no operand indices: identical segments print the
-    /// same). It is the key of the compiled-function cache.
-    pub fn text(&self) -> String {
-        let mut s = String::new();
-        let _ = writeln!(s, "prog {} rows={} cols={} chunks={}", self.name, self.rows, self.cols, self.chunks);
-        for (i, sl) in self.slots.iter().enumerate() {
-            let what = match sl {
-                Slot::Operand(_) => "in".to_string(),
-                Slot::Result(_) => "out".to_string(),
-                Slot::Scratch(n) => format!("scratch[{n}]"),
-            };
-            let _ = writeln!(s, "  s{i}: {what}");
-        }
-        for (i, n) in self.nodes.iter().enumerate() {
-            let lvl = if n.level == FINAL { "final".to_string() } else { n.level.to_string() };
-            let _ = writeln!(s, "  %{i} = {} : {:?} {:?} L{lvl}", expr_text(&n.expr), n.ty, n.space);
-        }
-        for st in &self.stores {
-            let _ = writeln!(s, "  store {}, %{}", view_text(&st.view), st.value);
-        }
-        for (id, slot) in &self.stashes {
-            let _ = writeln!(s, "  stash %{id} s{slot}");
-        }
-        for (id, slot) in &self.offloads {
-            let _ = writeln!(s, "  offload %{id} s{slot}");
-        }
-        for id in &self.native_maxes {
-            let _ = writeln!(s, "  native_max %{id}");
-        }
-        s
-    }
-}
-
-fn view_text(v: &View) -> String {
-    let mut s = format!("s{} {:?} [", v.slot, v.mem);
-    for (i, t) in v.row.iter().enumerate() {
-        if i > 0 {
-            s.push_str(" + ");
-        }
-        let _ = write!(s, "(r/{}", t.div);
-        if t.modulo != 0 {
-            let _ = write!(s, "%{}", t.modulo);
-        }
-        let _ = write!(s, ")*{}", t.stride);
-    }
-    if v.col {
-        s.push_str(if v.row.is_empty() { "c" } else { " + c" });
-    }
-    s.push(']');
-    s
-}
-
-fn expr_text(e: &Expr) -> String {
-    use Expr::*;
-    match e {
-        ConstF(b) => format!("constf {:?}", f32::from_bits(*b)),
-        ConstI(i) => format!("consti {i}"),
-        Load(v) => format!("load {}", view_text(v)),
-        ColIota => "col_iota".to_string(),
-        RowIota { div, modulo } => format!("row_iota /{div} %{modulo}"),
-        Unary(u, a) => format!("{u:?} %{a}").to_lowercase(),
-        Binary(b, x, y) => format!("{} %{x}, %{y}", format!("{b:?}").to_lowercase()),
-        Cmp(c, x, y) => format!("{} %{x}, %{y}", format!("{c:?}").to_lowercase()),
-        Select(c, a, b) => format!("select %{c}, %{a}, %{b}"),
-        RoundBf16(a) => format!("round_bf16 %{a}"),
-        FToI(a) => format!("f2i %{a}"),
-        IToF(a) => format!("i2f %{a}"),
-        RowReduce(op, a) => format!("row_{} %{a}", format!("{op:?}").to_lowercase()),
-        Pick(a, t) => format!("pick %{a}, col %{t}"),
-        ColReduce(op, a, s) => format!("col_{} %{a} s{s}", format!("{op:?}").to_lowercase()),
     }
 }

@@ -7,10 +7,10 @@
 //! comparison against the column index, and picks the target's logit with a masked row sum
 //! (exact: every other term is zero).
 
+use fusec_ir::rows::NodeId;
 use fusec_ir::{BinaryOp, CmpOp, Op, ReduceOp, UnaryOp};
 
-use crate::lower::Lowerer;
-use crate::prog::NodeId;
+use super::Lowerer;
 
 type R<T> = Result<T, String>;
 

@@ -1,4 +1,7 @@
-//! Kernel body → row programs ([`Prog`]).
+//! `lower-rows`: a kernel body → row programs ([`Prog`], the kernel-level IR of
+//! [`fusec_ir::rows`]), the code generation step both backends start from. It runs on the graph
+//! after `memplan` (`fusec dump --pass lower-rows` prints the programs, see [`print()`]); the CPU
+//! backend compiles each program with Cranelift, the CUDA backend prints it as CUDA C.
 //!
 //! The body is first split into *segments* (module `segment`), each lowered on its own.
 //!
@@ -13,18 +16,23 @@
 //! context becomes a load through a [`View`] (per-row offset terms plus a contiguous or absent
 //! column part); `broadcast` and `reshape` of operands only change the context or the view, so
 //! they cost nothing. Composites are expanded into primitive row operations by
-//! `expand`. Anything that does not fit (an unsupported op, a strided column access, a
-//! reduction over middle axes, f16 storage, i32 reductions or division) is an `Err` naming it; the
-//! runtime then runs the kernel another way.
+//! `expand`, and module `builder` makes the nodes. A body that does not fit (an unsupported op,
+//! a strided column access, a reduction over middle axes, f16 storage, i32 reductions or
+//! division) is an `Err` naming what does not fit.
+
+mod builder;
+mod expand;
+mod print;
+mod segment;
 
 use std::collections::HashMap;
 
 use fusec_ir::interp::round_to;
+use fusec_ir::rows::{Expr, Mem, NodeId, Prog, RowTerm, Slot, Store, Ty, View, FINAL};
 use fusec_ir::{Bindings, DType, Kernel, Op, ReduceOp, ValueId};
 
-use crate::expand;
-use crate::prog::{Expr, Mem, NodeId, Prog, RowTerm, Slot, Store, Ty, View, FINAL};
-use crate::segment::{Body, Seg};
+pub use print::print;
+use segment::{Body, Seg};
 
 /// For each axis of a value, the domain axis it indexes (`None`: a size-1 axis, index 0).
 pub(crate) type Ctx = Vec<Option<u8>>;
@@ -186,28 +194,39 @@ fn row_major(shape: &[usize]) -> Vec<u64> {
     s
 }
 
+/// How elements of dtype `d` are stored (f16 is an `Err`).
 pub(crate) fn mem_of(d: DType) -> Result<Mem, String> {
     match d {
         DType::F32 => Ok(Mem::F32),
         DType::BF16 => Ok(Mem::Bf16),
         DType::I32 => Ok(Mem::I32),
-        DType::F16 => Err("f16 storage is not supported by the CPU kernel compiler".into()),
+        DType::F16 => Err("f16 storage is not supported in row programs".into()),
     }
 }
 
 /// Lowers one segment.
 pub(crate) struct Lowerer<'b, 'g> {
+    /// The kernel body being lowered.
     pub b: &'b Body<'g>,
+    /// The segment's domain (concrete shape).
     pub(crate) dom: Vec<usize>,
+    /// Domain axes before `split` are row axes, the others column axes.
     pub(crate) split: usize,
+    /// Rows of the domain.
     rows: u64,
     /// Columns of the domain.
     pub cols: u64,
+    /// The program built so far.
     pub prog: Prog,
+    /// Existing nodes by expression and type (hash-consing).
     pub(crate) cse: HashMap<(Expr, Ty), NodeId>,
+    /// Lowered values by (value, context).
     memo: HashMap<(ValueId, Ctx), NodeId>,
+    /// The lowered results of each composite node.
     comp: HashMap<usize, Vec<NodeId>>,
+    /// Column reductions by (op, argument) (each gets its own scratch slot once).
     pub(crate) colred: HashMap<(ReduceOp, NodeId), NodeId>,
+    /// Slot index of each operand and result.
     slot_of: HashMap<Slot, u32>,
 }
 
@@ -280,11 +299,12 @@ impl Lowerer<'_, '_> {
             Op::LayerNorm { .. } | Op::LayerNormGrad | Op::Softmax | Op::SoftmaxGrad | Op::CrossEntropyGrad { .. } | Op::AdamW { .. } => {
                 self.elem_ctx()
             }
-            op => return Err(format!("`{}` cannot be compiled into a CPU kernel", op.mnemonic())),
+            op => return Err(format!("`{}` cannot be lowered into a row program", op.mnemonic())),
         };
         Ok(Some(self.norm(&ctx, self.b.shape(v))))
     }
 
+    /// The index of slot `s` (a new slot on first use; every scratch request is a new slot).
     pub(crate) fn slot(&mut self, s: Slot) -> u32 {
         if let Some(&i) = self.slot_of.get(&s) {
             return i;
@@ -514,7 +534,7 @@ impl Lowerer<'_, '_> {
                 }
                 Ok(self.comp[&ni][idx])
             }
-            op => Err(format!("`{}` cannot be compiled into a CPU kernel", op.mnemonic())),
+            op => Err(format!("`{}` cannot be lowered into a row program", op.mnemonic())),
         }
     }
 
@@ -554,7 +574,7 @@ impl Lowerer<'_, '_> {
     fn cast_node(&mut self, a: NodeId, from: DType, to: DType) -> Result<NodeId, String> {
         use DType::*;
         match (from, to) {
-            (F16, _) | (_, F16) => Err("f16 casts are not supported by the CPU kernel compiler".into()),
+            (F16, _) | (_, F16) => Err("f16 casts are not supported in row programs".into()),
             (I32, I32) | (F32 | BF16, F32) | (BF16, BF16) => Ok(a),
             (F32, BF16) => self.node(Expr::RoundBf16(a), Ty::F32),
             (F32 | BF16, I32) => self.node(Expr::FToI(a), Ty::I32),
