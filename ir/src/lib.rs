@@ -3,13 +3,14 @@
 //! pass and backend is tested against). Nothing here knows that a backend exists.
 
 mod dtype;
-pub mod gen;
 mod graph;
 pub mod infer;
 pub mod interp;
 mod op;
 pub mod rng;
 mod shape;
+#[cfg(feature = "testkit")]
+pub mod testkit;
 pub mod text;
 pub mod verify;
 

@@ -4,9 +4,9 @@
 
 use std::collections::HashMap;
 
-use fusec_ir::gen::{random_graph_with, GenOpts};
 use fusec_ir::interp::{self, Precision, Tensor};
 use fusec_ir::rng::Rng;
+use fusec_ir::testkit::gen::{random_graph_with, GenOpts};
 use fusec_ir::text::print;
 use fusec_ir::verify::verify;
 use fusec_ir::{BinaryOp, Bindings, CmpOp, DType, Dim, Graph, Op, ReduceOp, Shape, Type, UnaryOp, ValueId};
