@@ -2,6 +2,7 @@
 //! shared-`b` and epilogue combination, at odd sizes and sizes crossing tile boundaries.
 
 use fusec_codegen_cpu::gemm::{gelu, gemm_bf16, gemm_f32, Bf16Out};
+use fusec_ir::testkit::assert_close_slice;
 use fusec_ir::GemmSpec;
 use half::bf16;
 
@@ -61,15 +62,6 @@ fn reference(s: &GemmSpec, a: &[f32], b: &[f32], bias: Option<&[f32]>, y0: &[f32
     (y, pre)
 }
 
-/// Panics at the first element outside `atol + rtol |ref|` (or NaN).
-fn assert_close(what: &str, got: &[f32], want: &[f64], atol: f64, rtol: f64) {
-    assert_eq!(got.len(), want.len(), "{what}: length");
-    for (i, (g, w)) in got.iter().zip(want).enumerate() {
-        let err = (*g as f64 - w).abs();
-        assert!(err <= atol + rtol * w.abs(), "{what}: element {i}: got {g}, want {w} (err {err:e})");
-    }
-}
-
 /// Inputs for `s`: `a`, `b` (scaled so sums stay O(1)), bias, and the initial `y`.
 fn inputs(s: &GemmSpec, seed: u64) -> (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>) {
     let mut r = Rng(seed | 1);
@@ -95,9 +87,9 @@ fn check(s: GemmSpec, seed: u64) {
     let (want_y, want_pre) = reference(&s, &a, &b, s.bias.then_some(&bias[..]), &y0);
     let (y1, pre1) = run(&s, &a, &b, &bias, &y0, 1);
     let what = format!("{s:?}");
-    assert_close(&format!("y, 1 thread, {what}"), &y1, &want_y, 1e-5, 1e-5);
+    assert_close_slice(&format!("y, 1 thread, {what}"), &y1, &want_y, 1e-5, 1e-5);
     if s.gelu {
-        assert_close(&format!("pre_gelu, {what}"), &pre1, &want_pre, 1e-5, 1e-5);
+        assert_close_slice(&format!("pre_gelu, {what}"), &pre1, &want_pre, 1e-5, 1e-5);
         // `y` is exactly the f32 GELU of the stored pre-activation (plus the accumulator).
         for (i, (yv, p)) in y1.iter().zip(&pre1).enumerate() {
             let want = if s.accumulate { y0[i] + gelu(*p) } else { gelu(*p) };
@@ -266,11 +258,11 @@ fn bf16_operands_both_outputs() {
             let mut pre = vec![bf16::NAN; s.y_len()];
             let mut y = wide(&y016);
             gemm_bf16(&s, &a16, &b16, Some(&bias16), Bf16Out::F32(&mut y), Some(&mut pre), threads);
-            assert_close("bf16 -> f32 y", &y, &want_y, 1e-2, 1e-2);
-            assert_close("bf16 pre_gelu", &wide(&pre), &want_pre, 1e-2, 1e-2);
+            assert_close_slice("bf16 -> f32 y", &y, &want_y, 1e-2, 1e-2);
+            assert_close_slice("bf16 pre_gelu", &wide(&pre), &want_pre, 1e-2, 1e-2);
             let mut y = y016.clone();
             gemm_bf16(&s, &a16, &b16, Some(&bias16), Bf16Out::Bf16(&mut y), Some(&mut pre), threads);
-            assert_close("bf16 -> bf16 y", &wide(&y), &want_y, 1e-2, 1e-2);
+            assert_close_slice("bf16 -> bf16 y", &wide(&y), &want_y, 1e-2, 1e-2);
         }
     }
 }

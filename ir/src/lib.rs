@@ -14,7 +14,6 @@
 
 mod dtype;
 mod gemm_spec;
-pub mod gen;
 mod graph;
 pub mod infer;
 pub mod interp;
@@ -22,6 +21,8 @@ mod op;
 pub mod rng;
 pub mod rows;
 mod shape;
+#[cfg(feature = "testkit")]
+pub mod testkit;
 pub mod text;
 pub mod verify;
 

@@ -5,8 +5,10 @@
 
 use std::collections::HashMap;
 
-use fusec_ir::interp::{random_feeds, run, Precision, Tensor};
+use fusec_ir::interp::{run, Precision, Tensor};
 use fusec_ir::rng::Rng;
+use fusec_ir::testkit::gen::random_graph;
+use fusec_ir::testkit::{assert_same_bits, random_feeds};
 use fusec_ir::verify::verify;
 use fusec_ir::{BinaryOp, Bindings, DType, Dim, Gemm, Graph, Kernel, Op, Shape, Type, ValueId};
 
@@ -73,18 +75,6 @@ fn unfuse(g: &Graph) -> Graph {
     h
 }
 
-/// Whether two runs gave the same tensors bit for bit (any NaN equals any NaN).
-#[track_caller]
-fn assert_same(a: &[Tensor], b: &[Tensor], what: &str) {
-    assert_eq!(a.len(), b.len(), "{what}: output counts differ");
-    for (k, (x, y)) in a.iter().zip(b).enumerate() {
-        assert_eq!((x.dtype, &x.shape), (y.dtype, &y.shape), "{what}: output {k} types differ");
-        for (i, (p, q)) in x.data.iter().zip(&y.data).enumerate() {
-            assert!(p.to_bits() == q.to_bits() || (p.is_nan() && q.is_nan()), "{what}: output {k} element {i}: fused {p:e}, unfused {q:e}");
-        }
-    }
-}
-
 /// A graph with one input per type (`x0`, `x1`, ..) feeding `op`; every result is an output.
 fn graph_of(op: Op, tys: &[Type]) -> Graph {
     let mut g = Graph::new("t", &["B"]);
@@ -103,7 +93,7 @@ fn check_against_unfused(g: &Graph, b: &Bindings, feeds: &HashMap<String, Tensor
     for prec in [F32, F64] {
         let fused = run(g, b, feeds, prec).unwrap_or_else(|e| panic!("{what}: {e}"));
         let plain = run(&h, b, feeds, prec).unwrap_or_else(|e| panic!("{what}: unfused: {e}"));
-        assert_same(&fused, &plain, &format!("{what} ({prec:?})"));
+        assert_same_bits(&format!("{what} ({prec:?})"), &fused, &plain);
     }
     run(g, b, feeds, F32).unwrap()
 }
@@ -254,7 +244,7 @@ fn generated_graphs_equal_their_unfused_form() {
     b.set("B", 2).set("T", 3).set("N", 2);
     let (mut fused, mut compared) = (0, 0);
     for seed in 0..1500 {
-        let g = fusec_ir::gen::random_graph(&mut Rng::new(seed));
+        let g = random_graph(&mut Rng::new(seed));
         if !g.nodes.iter().any(|n| matches!(n.op, Op::Gemm(_) | Op::Kernel(_))) {
             continue;
         }
@@ -268,7 +258,7 @@ fn generated_graphs_equal_their_unfused_form() {
             // Both fail (e.g. an i32 division by zero) or both give the same bits.
             match (run(&g, &b, &feeds, prec), run(&h, &b, &feeds, prec)) {
                 (Ok(x), Ok(y)) => {
-                    assert_same(&x, &y, &format!("seed {seed} ({prec:?})"));
+                    assert_same_bits(&format!("seed {seed} ({prec:?})"), &x, &y);
                     compared += 1;
                 }
                 (Err(_), Err(_)) => {}

@@ -5,8 +5,9 @@
 
 use std::collections::HashMap;
 
-use fusec_ir::interp::{random_feeds, round_to, run, run_all, InterpError, Precision, Tensor};
+use fusec_ir::interp::{round_to, run, run_all, InterpError, Precision, Tensor};
 use fusec_ir::rng::Rng;
+use fusec_ir::testkit::{assert_close_slice, random_feeds};
 use fusec_ir::{BinaryOp, Bindings, CmpOp, DType, Dim, Graph, Op, ReduceOp, Shape, Type, UnaryOp};
 
 use Precision::{F32, F64};
@@ -48,14 +49,6 @@ fn rnd(rng: &mut Rng, shape: &[usize]) -> Tensor {
 
 fn ints(shape: &[usize], v: &[i32]) -> Tensor {
     Tensor::from_i32(shape.to_vec(), v)
-}
-
-#[track_caller]
-fn assert_close(got: &[f64], want: &[f64], tol: f64) {
-    assert_eq!(got.len(), want.len(), "lengths differ");
-    for (i, (g, w)) in got.iter().zip(want).enumerate() {
-        assert!((g - w).abs() <= tol * (1.0 + w.abs()), "element {i}: got {g}, want {w}");
-    }
 }
 
 fn dot(a: &[f64], b: &[f64]) -> f64 {
@@ -126,7 +119,7 @@ fn unary_ops_match_formulas() {
     ];
     for (u, f) in cases {
         let want: Vec<f64> = x.data.iter().map(|&v| f(v)).collect();
-        assert_close(&eval1(Op::Unary(u), &[&x]).data, &want, 1e-15);
+        assert_close_slice("unary_ops_match_formulas", &eval1(Op::Unary(u), &[&x]).data, &want, 1e-15, 1e-15);
         // F32 rounds each result to f32.
         let want32: Vec<f64> = want.iter().map(|&v| v as f32 as f64).collect();
         assert_eq!(eval(Op::Unary(u), &[&x], F32)[0].data, want32, "{u:?}");
@@ -147,7 +140,7 @@ fn binary_float_and_int() {
     ];
     for (op, f) in cases {
         let want: Vec<f64> = a.data.iter().zip(&b.data).map(|(&x, &y)| f(x, y)).collect();
-        assert_close(&eval1(Op::Binary(op), &[&a, &b]).data, &want, 1e-15);
+        assert_close_slice("binary_float_and_int", &eval1(Op::Binary(op), &[&a, &b]).data, &want, 1e-15, 1e-15);
     }
     // NaN propagates through max and min, on either side.
     let n = Tensor::from_f32(vec![2], &[f32::NAN, 1.0]);
@@ -223,9 +216,15 @@ fn gelu_matches_formula_and_grad_matches_fd() {
     let (x, dy) = (rnd(&mut rng, &[3, 7]), rnd(&mut rng, &[3, 7]));
     let k = (2.0 / std::f64::consts::PI).sqrt();
     let want: Vec<f64> = x.data.iter().map(|&v| 0.5 * v * (1.0 + (k * (v + 0.044715 * v.powi(3))).tanh())).collect();
-    assert_close(&eval1(Op::Gelu, &[&x]).data, &want, 1e-15);
+    assert_close_slice("gelu_matches_formula_and_grad_matches_fd", &eval1(Op::Gelu, &[&x]).data, &want, 1e-15, 1e-15);
     let f = |t: &[Tensor]| dot(&eval1(Op::Gelu, &[&t[0]]).data, &dy.data);
-    assert_close(&eval1(Op::GeluGrad, &[&x, &dy]).data, &fd(&f, std::slice::from_ref(&x), 0), 1e-6);
+    assert_close_slice(
+        "gelu_matches_formula_and_grad_matches_fd",
+        &eval1(Op::GeluGrad, &[&x, &dy]).data,
+        &fd(&f, std::slice::from_ref(&x), 0),
+        1e-6,
+        1e-6,
+    );
 }
 
 // ---- layout ----------------------------------------------------------------------------------
@@ -292,10 +291,16 @@ fn gather_and_scatter_add_are_adjoint() {
     let y = rnd(&mut rng, &[2, 3, 3]);
     let sc = eval1(Op::ScatterAdd { rows: Dim::lit(5) }, &[&y, &idx]);
     assert_eq!(sc.shape, vec![5, 3]);
-    assert_close(&[dot(&g.data, &y.data)], &[dot(&table.data, &sc.data)], 1e-14);
+    assert_close_slice("gather_and_scatter_add_are_adjoint", &[dot(&g.data, &y.data)], &[dot(&table.data, &sc.data)], 1e-14, 1e-14);
     // Row 4 gets three contributions, row 3 none.
     for c in 0..3 {
-        assert_close(&[sc.data[4 * 3 + c]], &[y.data[c] + y.data[2 * 3 + c] + y.data[5 * 3 + c]], 1e-15);
+        assert_close_slice(
+            "gather_and_scatter_add_are_adjoint",
+            &[sc.data[4 * 3 + c]],
+            &[y.data[c] + y.data[2 * 3 + c] + y.data[5 * 3 + c]],
+            1e-15,
+            1e-15,
+        );
         assert_eq!(sc.data[3 * 3 + c], 0.0);
     }
 }
@@ -311,12 +316,12 @@ fn reduce_sum_and_max() {
     assert_eq!(s.shape, vec![4]);
     for j in 0..4 {
         let vals: Vec<f64> = (0..3).flat_map(|i| (0..5).map(move |k| (i, k))).map(|(i, k)| x.data[(i * 4 + j) * 5 + k]).collect();
-        assert_close(&[s.data[j]], &[vals.iter().sum()], 1e-14);
+        assert_close_slice("reduce_sum_and_max", &[s.data[j]], &[vals.iter().sum()], 1e-14, 1e-14);
         assert_eq!(m.data[j], vals.iter().cloned().fold(f64::MIN, f64::max));
     }
     let all = eval1(Op::Reduce { op: ReduceOp::Sum, axes: vec![0, 1, 2] }, &[&x]);
     assert_eq!(all.shape, Vec::<usize>::new());
-    assert_close(&all.data, &[x.data.iter().sum()], 1e-14);
+    assert_close_slice("reduce_sum_and_max", &all.data, &[x.data.iter().sum()], 1e-14, 1e-14);
     let n = Tensor::from_f32(vec![3], &[1.0, f32::NAN, 2.0]);
     assert!(eval1(Op::Reduce { op: ReduceOp::Max, axes: vec![0] }, &[&n]).data[0].is_nan());
     let i = ints(&[2, 2], &[1, -5, 3, 4]);
@@ -347,7 +352,7 @@ fn matmul_all_transposes_batched_and_shared() {
                             let bv = if tb { b.data[bz * n * k + j * k + p] } else { b.data[bz * k * n + p * n + j] };
                             s += av * bv;
                         }
-                        assert_close(&[r.data[(z * m + i) * n + j]], &[s], 1e-14);
+                        assert_close_slice("matmul_all_transposes_batched_and_shared", &[r.data[(z * m + i) * n + j]], &[s], 1e-14, 1e-14);
                     }
                 }
             }
@@ -367,10 +372,10 @@ fn layernorm_forward_and_grad() {
         let row = &x.data[r * 6..r * 6 + 6];
         let mean = row.iter().sum::<f64>() / 6.0;
         let var = row.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / 6.0;
-        assert_close(&[o[1].data[r], o[2].data[r]], &[mean, 1.0 / (var + eps).sqrt()], 1e-14);
+        assert_close_slice("layernorm_forward_and_grad", &[o[1].data[r], o[2].data[r]], &[mean, 1.0 / (var + eps).sqrt()], 1e-14, 1e-14);
         for c in 0..6 {
             let want = (row[c] - mean) / (var + eps).sqrt() * w.data[c] + b.data[c];
-            assert_close(&[o[0].data[r * 6 + c]], &[want], 1e-14);
+            assert_close_slice("layernorm_forward_and_grad", &[o[0].data[r * 6 + c]], &[want], 1e-14, 1e-14);
         }
     }
     assert_eq!((o[1].shape.clone(), o[2].shape.clone()), (vec![2, 3], vec![2, 3]));
@@ -379,7 +384,7 @@ fn layernorm_forward_and_grad() {
     let f = |t: &[Tensor]| dot(&eval1(Op::LayerNorm { eps }, &[&t[0], &t[1], &t[2]]).data, &dy.data);
     let ins = [x.clone(), w.clone(), b.clone()];
     for k in 0..3 {
-        assert_close(&g[k].data, &fd(&f, &ins, k), 1e-6);
+        assert_close_slice("layernorm_forward_and_grad", &g[k].data, &fd(&f, &ins, k), 1e-6, 1e-6);
     }
 }
 
@@ -392,11 +397,17 @@ fn softmax_forward_and_grad() {
         let row = &x.data[r * 5..r * 5 + 5];
         let z: f64 = row.iter().map(|v| v.exp()).sum();
         let want: Vec<f64> = row.iter().map(|v| v.exp() / z).collect();
-        assert_close(&y.data[r * 5..r * 5 + 5], &want, 1e-14);
+        assert_close_slice("softmax_forward_and_grad", &y.data[r * 5..r * 5 + 5], &want, 1e-14, 1e-14);
     }
     let dy = rnd(&mut rng, &[2, 2, 5]);
     let f = |t: &[Tensor]| dot(&eval1(Op::Softmax, &[&t[0]]).data, &dy.data);
-    assert_close(&eval1(Op::SoftmaxGrad, &[&y, &dy]).data, &fd(&f, std::slice::from_ref(&x), 0), 1e-6);
+    assert_close_slice(
+        "softmax_forward_and_grad",
+        &eval1(Op::SoftmaxGrad, &[&y, &dy]).data,
+        &fd(&f, std::slice::from_ref(&x), 0),
+        1e-6,
+        1e-6,
+    );
     // Large inputs do not overflow (max subtraction).
     let big = Tensor::from_f32(vec![2], &[1000.0, 1000.0]);
     assert_eq!(eval1(Op::Softmax, &[&big]).data, vec![0.5, 0.5]);
@@ -414,12 +425,12 @@ fn cross_entropy_forward_and_grad() {
         let row = &logits.data[r * vp..r * vp + vocab];
         let z: f64 = row.iter().map(|v| v.exp()).sum();
         let want = -(row[targets.data[r] as usize].exp() / z).ln();
-        assert_close(&[loss.data[r]], &[want], 1e-14);
+        assert_close_slice("cross_entropy_forward_and_grad", &[loss.data[r]], &[want], 1e-14, 1e-14);
     }
     let dloss = rnd(&mut rng, &[2, 3]);
     let d = eval1(Op::CrossEntropyGrad { vocab: vocab as u64 }, &[&logits, &targets, &dloss]);
     let f = |t: &[Tensor]| dot(&eval1(Op::CrossEntropy { vocab: vocab as u64 }, &[&t[0], &targets]).data, &dloss.data);
-    assert_close(&d.data, &fd(&f, std::slice::from_ref(&logits), 0), 1e-6);
+    assert_close_slice("cross_entropy_forward_and_grad", &d.data, &fd(&f, std::slice::from_ref(&logits), 0), 1e-6, 1e-6);
     for r in 0..6 {
         assert!(d.data[r * vp + vocab..(r + 1) * vp].iter().all(|&v| v == 0.0), "padding columns are zero");
     }
@@ -470,14 +481,14 @@ fn attention_forward_and_grad() {
     let op = Op::Attention { heads: heads as u64, scale };
     let o = eval(op.clone(), &[&qkv], F64);
     let (out, lse) = attention_ref(&qkv, heads, scale);
-    assert_close(&o[0].data, &out, 1e-13);
-    assert_close(&o[1].data, &lse, 1e-13);
+    assert_close_slice("attention_forward_and_grad", &o[0].data, &out, 1e-13, 1e-13);
+    assert_close_slice("attention_forward_and_grad", &o[1].data, &lse, 1e-13, 1e-13);
     assert_eq!(o[0].shape, vec![2, 5, 6]);
     assert_eq!(o[1].shape, vec![2, 2, 5]);
     let dout = rnd(&mut rng, &[2, 5, 6]);
     let g = eval1(Op::AttentionGrad { heads: heads as u64, scale }, &[&qkv, &o[0], &o[1], &dout]);
     let f = |t: &[Tensor]| dot(&eval(op.clone(), &[&t[0]], F64)[0].data, &dout.data);
-    assert_close(&g.data, &fd(&f, std::slice::from_ref(&qkv), 0), 1e-6);
+    assert_close_slice("attention_forward_and_grad", &g.data, &fd(&f, std::slice::from_ref(&qkv), 0), 1e-6, 1e-6);
 }
 
 #[test]
@@ -494,13 +505,13 @@ fn adamw_matches_formula() {
         let m2 = b1 * m.data[i] + (1.0 - b1) * g.data[i];
         let v2 = b2 * v.data[i] + (1.0 - b2) * g.data[i] * g.data[i];
         let p2 = p.data[i] - lr * ((m2 / bc1) / ((v2 / bc2).sqrt() + eps) + wd * p.data[i]);
-        assert_close(&[o[0].data[i], o[1].data[i], o[2].data[i]], &[p2, m2, v2], 1e-14);
+        assert_close_slice("adamw_matches_formula", &[o[0].data[i], o[1].data[i], o[2].data[i]], &[p2, m2, v2], 1e-14, 1e-14);
     }
     // F32: every result is an f32 value close to the f64 one.
     let o32 = eval(op, &[&p, &g, &m, &v, &s(lr), &s(bc1), &s(bc2)], F32);
     for (a, b) in o32.iter().zip(&o) {
         assert!(a.data.iter().all(|&x| x == x as f32 as f64));
-        assert_close(&a.data, &b.data, 1e-6);
+        assert_close_slice("adamw_matches_formula", &a.data, &b.data, 1e-6, 1e-6);
     }
 }
 
@@ -529,7 +540,7 @@ fn symbolic_shapes_and_run_vs_run_all() {
     let xs = &feeds["x"].data;
     for r in 0..3 {
         let want: f64 = (0..4).map(|c| xs[r * 4 + c].exp() * xs[r * 4 + c]).sum();
-        assert_close(&[out[0].data[r]], &[want], 1e-14);
+        assert_close_slice("symbolic_shapes_and_run_vs_run_all", &[out[0].data[r]], &[want], 1e-14, 1e-14);
     }
     // A missing binding is an error, and so is a binding that makes a tensor empty.
     assert!(run(&g, &Bindings::default(), &feeds, F64).is_err());

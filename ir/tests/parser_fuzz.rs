@@ -5,8 +5,8 @@
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::time::Instant;
 
-use fusec_ir::gen::{random_graph_with, GenOpts};
 use fusec_ir::rng::Rng;
+use fusec_ir::testkit::gen::{random_graph_with, GenOpts};
 use fusec_ir::text::{parse, print};
 
 /// Inputs per run; `FUSEC_FUZZ_INPUTS` overrides (and `FUSEC_FUZZ_SEED` picks another stream)

@@ -4,8 +4,8 @@
 
 use std::collections::BTreeSet;
 
-use fusec_ir::gen::random_graph;
 use fusec_ir::rng::Rng;
+use fusec_ir::testkit::gen::random_graph;
 use fusec_ir::text::{parse, print, Diagnostic, MAX_KERNEL_DEPTH};
 use fusec_ir::verify::verify;
 use fusec_ir::{BinaryOp, DType, Dim, Gemm, Graph, Kernel, Op, Shape, Type, UnaryOp};

@@ -3,8 +3,8 @@
 
 use std::collections::BTreeSet;
 
-use fusec_ir::gen::random_graph;
 use fusec_ir::rng::Rng;
+use fusec_ir::testkit::gen::random_graph;
 use fusec_ir::text::{parse, print, Diagnostic};
 use fusec_ir::{DType, Graph, Op, Shape, Type};
 

@@ -98,30 +98,44 @@ pub fn compile(g: &Graph, last: &str, mode: Mode, opts: &PipelineOptions, bind: 
             continue;
         }
         let t0 = Instant::now();
-        let g = &out.graph;
-        let log = &mut out.log;
-        out.graph = match name {
-            "canonicalize" => crate::canonicalize::canonicalize(g)?,
-            "fuse-layernorm" => crate::fuse_layernorm::fuse_layernorm(g, log)?,
-            "autodiff" => crate::autodiff::autodiff(g)?,
-            "optimizer" => crate::optimizer::optimizer(g, &opts.adamw)?,
-            "amp" => crate::amp::amp(g, opts.precision)?,
-            "fuse-epilogue" => crate::fuse_epilogue::fuse_epilogue(g, log)?,
-            "fuse-grad-accum" => crate::fuse_grad_accum::fuse_grad_accum(g, log)?,
-            "fuse-elementwise" => crate::fuse_elementwise::fuse_elementwise(g, log)?,
-            "schedule" => crate::schedule::schedule_with(g, bind)?,
-            "memplan" => {
-                out.plan = Some(crate::memplan::memplan(g, bind, &opts.memplan)?);
-                g.clone()
-            }
-            _ => unreachable!("every name in PASSES has a case"),
-        };
+        let (graph, plan) = run_pass(name, &out.graph, opts, bind, &mut out.log)?;
+        out.graph = graph;
+        if plan.is_some() {
+            out.plan = plan;
+        }
         out.runs.push(PassRun { name, time: t0.elapsed() });
         if cfg!(debug_assertions) {
             fusec_ir::verify::verify(&out.graph).map_err(|e| format!("after pass `{name}`: {e}"))?;
         }
     }
     Ok(out)
+}
+
+/// Runs the one pass `name` (a name from [`PASSES`] other than `parse` and `fuse`) on `g`, with
+/// no skipping and no verification: the graph after it, and the plan when the pass is
+/// `memplan` (whose graph is `g` unchanged). Fusion refusals go to `log`. [`compile`] runs
+/// every pass through this; the filetests (`passes/tests/filetests`) run one.
+pub fn run_pass(
+    name: &str,
+    g: &Graph,
+    opts: &PipelineOptions,
+    bind: &Bindings,
+    log: &mut FusionLog,
+) -> Result<(Graph, Option<MemPlan>), String> {
+    let graph = match name {
+        "canonicalize" => crate::canonicalize::canonicalize(g)?,
+        "fuse-layernorm" => crate::fuse_layernorm::fuse_layernorm(g, log)?,
+        "autodiff" => crate::autodiff::autodiff(g)?,
+        "optimizer" => crate::optimizer::optimizer(g, &opts.adamw)?,
+        "amp" => crate::amp::amp(g, opts.precision)?,
+        "fuse-epilogue" => crate::fuse_epilogue::fuse_epilogue(g, log)?,
+        "fuse-grad-accum" => crate::fuse_grad_accum::fuse_grad_accum(g, log)?,
+        "fuse-elementwise" => crate::fuse_elementwise::fuse_elementwise(g, log)?,
+        "schedule" => crate::schedule::schedule_with(g, bind)?,
+        "memplan" => return Ok((g.clone(), Some(crate::memplan::memplan(g, bind, &opts.memplan)?))),
+        _ => return Err(format!("unknown pass `{name}` (`parse` and `fuse` name no pass of their own)")),
+    };
+    Ok((graph, None))
 }
 
 /// Launch counts of a program: what a backend runs per step.

@@ -6,8 +6,7 @@
 
 use std::collections::HashMap;
 
-use fusec_codegen_cpu::gemm::GemmSpec;
-use fusec_ir::{Bindings, DType, Graph, Kernel, Node, Op, ValueId};
+use fusec_ir::{Bindings, DType, GemmSpec, Graph, Kernel, Node, Op, ValueId};
 use fusec_passes::memplan::{memplan, MemPlan, MemplanOptions};
 
 use crate::layout::SharedLayout;

@@ -3,6 +3,7 @@
 
 mod common;
 
+use fusec_ir::testkit::max_abs_diff;
 use fusec_models::build_gpt2;
 use fusec_runtime::checkpoint::Checkpoint;
 use fusec_runtime::data::DataLoader;
@@ -38,12 +39,10 @@ fn cpu_matches_llmc_for_ten_steps() {
             assert!((log.loss - want).abs() <= 1e-5, "threads {threads}, step {}: loss {} vs llm.c {want}", log.step, log.loss);
         }
         let reference = common::read_f32s(&dir.join("params_step10.f32"));
-        let (mut offset, mut worst) = (0, 0f32);
+        let (mut offset, mut worst) = (0, 0f64);
         for (name, shape, _) in ckpt.named_tensors() {
             let n: usize = shape.iter().product();
-            for (a, b) in ex.get(&name).unwrap().to_f32().iter().zip(&reference[offset..offset + n]) {
-                worst = worst.max((a - b).abs());
-            }
+            worst = worst.max(max_abs_diff(&ex.get(&name).unwrap().to_f32(), &reference[offset..offset + n]));
             offset += n;
         }
         eprintln!("cpu, {threads} thread(s): worst loss difference {worst_loss:e}, params after 10 steps max abs difference {worst:e}");

@@ -5,6 +5,7 @@
 mod common;
 
 use fusec_ir::interp::{Precision, Tensor};
+use fusec_ir::testkit::{max_abs_diff, rel_l2};
 use fusec_ir::DType;
 use fusec_models::build_gpt2;
 use fusec_passes::pipeline::PipelineOptions;
@@ -79,9 +80,7 @@ fn step0_gradients_match_llmc() {
             let got = s.ex.get(&format!("grad.{name}")).unwrap().to_f32();
             let want = &reference[offset..offset + n];
             offset += n;
-            let diff: f64 = got.iter().zip(want).map(|(a, b)| (*a as f64 - *b as f64).powi(2)).sum::<f64>().sqrt();
-            let norm: f64 = want.iter().map(|b| (*b as f64).powi(2)).sum::<f64>().sqrt();
-            let rel = diff / norm;
+            let rel = rel_l2(&got, want);
             assert!(rel <= 3e-6, "grad of {name}: relative L2 error {rel:e}");
             if rel > worst.0 {
                 worst = (rel, name);
@@ -107,13 +106,11 @@ fn ten_steps_match_llmc_losses_and_parameters() {
         }
         let reference = common::read_f32s(&s.dir.join("params_step10.f32"));
         let mut offset = 0;
-        let mut worst = 0.0f32;
+        let mut worst = 0.0f64;
         for (name, shape, _) in s.ckpt.named_tensors() {
             let n: usize = shape.iter().product();
             let got = s.ex.get(&name).unwrap().to_f32();
-            for (a, b) in got.iter().zip(&reference[offset..offset + n]) {
-                worst = worst.max((a - b).abs());
-            }
+            worst = worst.max(max_abs_diff(&got, &reference[offset..offset + n]));
             offset += n;
         }
         eprintln!("params after 10 steps: max abs difference {worst:e}");

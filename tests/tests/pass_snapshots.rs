@@ -23,9 +23,11 @@ fn dump(pass: &str, opts: &PipelineOptions) -> String {
 
 #[test]
 fn every_pass_on_one_block() {
-    for pass in PASSES.iter().filter(|p| **p != "parse" && **p != "fuse") {
+    // `amp` at the default fp32 policy changes nothing: its snapshot would repeat `optimizer`'s.
+    for pass in PASSES.iter().filter(|p| !["parse", "fuse", "amp"].contains(p)) {
         insta::assert_snapshot!(format!("block_{pass}"), dump(pass, &PipelineOptions::default()));
     }
+    assert_eq!(dump("amp", &PipelineOptions::default()), dump("optimizer", &PipelineOptions::default()));
 }
 
 #[test]
