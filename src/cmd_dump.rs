@@ -34,10 +34,10 @@ pub struct DumpArgs {
     #[arg(long, value_enum, default_value = "step")]
     program: Program,
     /// Batch size B (binds the symbolic dim for memory planning).
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u64).range(1..=1 << 24))]
     batch: u64,
     /// Sequence length T (binds the symbolic dim for memory planning).
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..=1 << 24))]
     seq: u64,
     /// Mixed precision: `bf16` casts matmul operands to bf16.
     #[arg(long, default_value = "fp32", value_parser = precision_parser())]
@@ -91,40 +91,43 @@ pub fn dump(a: DumpArgs) -> CliResult {
     let out = compile(&g, if lower { "memplan" } else { &a.pass }, mode, &opts, &bind)?;
     let t_lower = std::time::Instant::now();
     match &out.plan {
-        _ if a.pass == LOWER_ROWS => print!("{}", fusec_passes::lower_rows::print(&out.graph, &bind)?),
-        _ if a.pass == LOWER_CUDA => print!("{}", lower_cuda(&out.graph, &bind)?),
-        _ if lower => print!("{}", lower_cpu(&out.graph, &bind)?),
-        Some(plan) => print!("{}", plan.annotate(&out.graph)),
-        None => print!("{}", fusec_ir::text::print(&out.graph)),
-    }
+        _ if a.pass == LOWER_ROWS => out!("{}", fusec_passes::lower_rows::print(&out.graph, &bind)?),
+        _ if a.pass == LOWER_CUDA => out!("{}", lower_cuda(&out.graph, &bind)?),
+        _ if lower => out!("{}", lower_cpu(&out.graph, &bind)?),
+        Some(plan) => out!("{}", plan.annotate(&out.graph)),
+        None => out!("{}", fusec_ir::text::print(&out.graph)),
+    }?;
     let lower_time = t_lower.elapsed();
     if a.explain_fusion {
-        eprintln!("# {} fusion candidate(s) refused", out.log.refusals.len());
+        errln!("# {} fusion candidate(s) refused", out.log.refusals.len());
         for r in &out.log.refusals {
-            eprintln!("{r}");
+            errln!("{r}");
         }
     }
     if a.timings {
-        eprintln!("{:<18} {:>9.3} ms", "parse", parse_time.as_secs_f64() * 1e3);
+        errln!("{:<18} {:>9.3} ms", "parse", parse_time.as_secs_f64() * 1e3);
         let mut total = parse_time;
         for r in &out.runs {
-            eprintln!("{:<18} {:>9.3} ms", r.name, r.time.as_secs_f64() * 1e3);
+            errln!("{:<18} {:>9.3} ms", r.name, r.time.as_secs_f64() * 1e3);
             total += r.time;
         }
         if lower {
-            eprintln!("{:<18} {:>9.3} ms", a.pass, lower_time.as_secs_f64() * 1e3);
+            errln!("{:<18} {:>9.3} ms", a.pass, lower_time.as_secs_f64() * 1e3);
             total += lower_time;
         }
-        eprintln!("{:<18} {:>9.3} ms", "total", total.as_secs_f64() * 1e3);
+        errln!("{:<18} {:>9.3} ms", "total", total.as_secs_f64() * 1e3);
     }
     let fused_at = PASSES.iter().position(|p| *p == "fuse-elementwise");
     if lower || PASSES.iter().position(|p| *p == a.pass) >= fused_at {
         let unfused =
             compile(&g, if lower { "memplan" } else { &a.pass }, mode, &PipelineOptions { no_fusion: true, ..opts.clone() }, &bind)?;
         let (before, after) = (launches(&unfused.graph), launches(&out.graph));
-        eprintln!(
+        errln!(
             "kernels per step: {} non-matmul + {} matmul before fusion, {} + {} after",
-            before.other, before.matmul, after.other, after.matmul
+            before.other,
+            before.matmul,
+            after.other,
+            after.matmul
         );
     }
     Ok(())

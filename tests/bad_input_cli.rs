@@ -120,7 +120,8 @@ fn closed_stdout_ends_the_run_cleanly_after_saving() {
     assert_eq!(status.code(), Some(0), "{err}");
     assert!(save.exists(), "the checkpoint was lost: {err}");
     for args in [vec!["export", "gpt2", "--preset", "tiny"], vec!["dump", TINY, "--pass", "fuse"]] {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_fusec")).args(&args).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+        let mut child =
+            Command::new(env!("CARGO_BIN_EXE_fusec")).args(&args).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
         drop(child.stdout.take());
         let mut err = String::new();
         child.stderr.take().unwrap().read_to_string(&mut err).unwrap();
@@ -180,8 +181,19 @@ fn fuzzed_run_flags_never_panic() {
     // Random values (huge, negative, NaN, zero, garbage) for each flag of `run --steps 1`: every
     // run exits 0 or 2 without a panic, within a bound.
     let flags = [
-        "--batch", "--seq", "--lr", "--weight-decay", "--grad-accum", "--grad-clip", "--val-every", "--val-batches",
-        "--threads", "--sample", "--temperature", "--seed", "--divergence-factor",
+        "--batch",
+        "--seq",
+        "--lr",
+        "--weight-decay",
+        "--grad-accum",
+        "--grad-clip",
+        "--val-every",
+        "--val-batches",
+        "--threads",
+        "--sample",
+        "--temperature",
+        "--seed",
+        "--divergence-factor",
     ];
     let values = ["0", "1", "-1", "nan", "inf", "-inf", "1e38", "4611686018427387904", "18446744073709551616", "0.5", "abc", "", "3"];
     let mut state = 0x2545f4914f6cdd1du64;

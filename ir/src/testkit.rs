@@ -157,3 +157,16 @@ mod tests {
         assert_eq!(max_abs(&[-3.0, 2.0]), 3.0);
     }
 }
+
+/// Says that a test skips and why: one `SKIPPED: ...` line on standard error, and a line
+/// appended to the file `$FUSEC_SKIP_LOG` names when it is set (`.ci/run` fails on any, since
+/// CI has everything the skipping tests need).
+pub fn skip(test: &str, reason: &str) {
+    eprintln!("SKIPPED: {test}: {reason}");
+    if let Some(path) = std::env::var_os("FUSEC_SKIP_LOG") {
+        use std::io::Write;
+        if let Ok(mut f) = std::fs::OpenOptions::new().create(true).append(true).open(path) {
+            let _ = writeln!(f, "{test}: {reason}");
+        }
+    }
+}

@@ -40,7 +40,9 @@ fn without_a_gpu_new_is_an_error_naming_what_is_missing() {
     let cfg = Gpt2Config::preset("tiny").unwrap();
     let run = programs(&build_gpt2(&cfg, "tiny"), 2, 8);
     match check_libraries() {
-        Ok(()) => eprintln!("SKIPPED: the CUDA libraries are present here (this test is for machines without a GPU)"),
+        Ok(()) => {
+            fusec_ir::testkit::skip("cuda without a GPU", "the CUDA libraries are present here (this test is for machines without a GPU)")
+        }
         Err(e) => {
             let err = CudaExecutor::new(&run, &cuda(false, true)).err().expect("no GPU: an error");
             assert_eq!(err, e);
@@ -237,7 +239,7 @@ fn llmc_odd() -> Option<PathBuf> {
     }
     let found = c.into_iter().find(|p| p.join("reference.json").exists());
     if found.is_none() {
-        eprintln!("SKIPPED: no llmc-odd reference (../shared/refs/llmc-odd, .dev/refs/llmc-odd or $FUSEC_LLMC_REFS)");
+        fusec_ir::testkit::skip("cuda llmc-odd", "no llmc-odd reference (../shared/refs/llmc-odd, .dev/refs/llmc-odd or $FUSEC_LLMC_REFS)");
     }
     found
 }

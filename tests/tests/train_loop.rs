@@ -59,7 +59,8 @@ fn k_micro_steps_of_batch_b_equal_one_step_of_batch_kb() {
 #[test]
 fn nan_loss_stops_the_run_naming_the_step() {
     let err = run(&config(2, 3, 1), true).unwrap_err();
-    assert!(err.contains("step 0") && err.contains("NaN"), "{err}");
+    // 1-based, as the progress shows steps: the first step diverged.
+    assert!(err.contains("at step 1 ") && err.contains("NaN"), "{err}");
 }
 
 #[test]
