@@ -5,7 +5,8 @@
 //!       → fuse-grad-accum → fuse-elementwise → schedule → memplan
 //! ```
 //!
-//! Decision (differs from DESIGN.md, which runs `fuse-elementwise` before the matmul fusions):
+//! Decision (differs from the original design notes, which ran `fuse-elementwise` before the
+//! matmul fusions; see `docs/design.md`):
 //! the matmul epilogue passes run first, so that a bias add, GELU or gradient accumulation is
 //! claimed by the matmul that produces it (a cuBLASLt epilogue, or a block-wise CPU epilogue)
 //! instead of becoming a separate elementwise kernel that re-reads the product from memory.
@@ -158,10 +159,4 @@ pub fn launches(g: &Graph) -> Launches {
         }
     }
     l
-}
-
-/// The forward, gradient and training-step programs of a forward graph, compiled through
-/// `schedule` (the runtime plans memory itself).
-pub fn programs(g: &Graph, opts: &PipelineOptions, bind: &Bindings) -> Result<Vec<(Mode, Compiled)>, String> {
-    [Mode::Forward, Mode::Grad, Mode::Step].into_iter().map(|m| Ok((m, compile(g, "schedule", m, opts, bind)?))).collect()
 }

@@ -1,5 +1,15 @@
-//! Executes compiled plans and everything around them: llm.c checkpoints and token files, the
-//! data loader, parameter binding, executors and the training loop.
+//! Runs the programs of a run and everything around them.
+//!
+//! - [`programs`]: the programs a training run needs (Eval, Grad, Step, Logits), compiled once
+//!   through the pass pipeline ([`programs::RunPrograms`]);
+//! - [`launches`]: the launch plan, every program as a backend-neutral list of launches over
+//!   one [`layout::SharedLayout`] (the memory plans of all programs, persistent tensors shared);
+//! - [`executor`]: the interface the training loop drives, and the interpreter's executor;
+//!   [`cpu`] and [`cuda`] translate the launch plan into their own launch records;
+//! - [`profile`]: per-launch timings by kernel name (any executor);
+//! - [`train`]: the training loop; [`data`], [`tokens`], [`checkpoint`], [`params`]: llm.c's
+//!   token files and checkpoints and the data loader; [`tokenizer`], [`sample`]: GPT-2 BPE and
+//!   sampling; [`corpus`]: the embedded demo corpus.
 
 pub mod checkpoint;
 pub mod corpus;
