@@ -13,10 +13,9 @@ use fusec_ir::rng::Rng;
 pub use fusec_models::Gpt2Config;
 use rayon::prelude::*;
 
-use crate::file_error::{self, FileError, HEADER_BYTES};
+pub use crate::file_error::CHECKPOINT_MAGIC;
+use crate::file_error::{self, FileError, HEADER_BYTES, TOKENS_MAGIC};
 
-/// Magic number in slot 0 of a checkpoint header.
-pub const CHECKPOINT_MAGIC: i32 = 20240326;
 /// The only supported checkpoint version (fp32 weights).
 pub const CHECKPOINT_VERSION: i32 = 3;
 
@@ -120,7 +119,7 @@ fn open_checkpoint(path: &Path) -> Result<(std::fs::File, Gpt2Config, usize), Fi
     let (mut file, len) = file_error::open_with_len(path)?;
     let h = file_error::read_header(path, &mut file, len, "checkpoint")?;
     if h[0] != CHECKPOINT_MAGIC {
-        let hint = if h[0] == crate::tokens::TOKENS_MAGIC { " (that is the magic of a token file, not a checkpoint)" } else { "" };
+        let hint = if h[0] == TOKENS_MAGIC { " (that is the magic of a token file, not a checkpoint)" } else { "" };
         return Err(FileError::new(
             path,
             format!(

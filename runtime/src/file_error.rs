@@ -9,6 +9,11 @@ use std::fs::File;
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 
+/// Magic number in slot 0 of an llm.c checkpoint header.
+pub const CHECKPOINT_MAGIC: i32 = 20240326;
+/// Magic number in slot 0 of an llm.c token file header.
+pub const TOKENS_MAGIC: i32 = 20240520;
+
 /// Size in bytes of the llm.c file header: 256 little-endian int32 values.
 pub const HEADER_BYTES: usize = 1024;
 

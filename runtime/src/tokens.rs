@@ -5,10 +5,9 @@
 
 use std::path::Path;
 
-use crate::file_error::{self, FileError, HEADER_BYTES};
+pub use crate::file_error::TOKENS_MAGIC;
+use crate::file_error::{self, FileError, CHECKPOINT_MAGIC, HEADER_BYTES};
 
-/// Magic number in slot 0 of a token file header.
-pub const TOKENS_MAGIC: i32 = 20240520;
 /// The only supported token file version (uint16 ids).
 pub const TOKENS_VERSION: i32 = 1;
 
@@ -18,7 +17,7 @@ pub fn read_tokens(path: &Path) -> Result<Vec<u16>, FileError> {
     let (mut file, len) = file_error::open_with_len(path)?;
     let h = file_error::read_header(path, &mut file, len, "token file")?;
     if h[0] != TOKENS_MAGIC {
-        let hint = if h[0] == crate::checkpoint::CHECKPOINT_MAGIC { " (that is the magic of a checkpoint, not a token file)" } else { "" };
+        let hint = if h[0] == CHECKPOINT_MAGIC { " (that is the magic of a checkpoint, not a token file)" } else { "" };
         return Err(FileError::new(path, format!("wrong magic number: expected {TOKENS_MAGIC} (llm.c token file), found {}{hint}", h[0])));
     }
     if h[1] != TOKENS_VERSION {
