@@ -5,14 +5,14 @@
 
 use std::collections::HashMap;
 
-use fusec_ir::interp::{run, Precision, Tensor};
+use fusec_ir::interp::{run, Rounding, Tensor};
 use fusec_ir::rng::Rng;
 use fusec_ir::testkit::gen::random_graph;
 use fusec_ir::testkit::{assert_same_bits, random_feeds};
 use fusec_ir::verify::verify;
 use fusec_ir::{BinaryOp, Bindings, DType, Dim, Gemm, Graph, Kernel, Op, Shape, Type, ValueId};
 
-use Precision::{F32, F64};
+use Rounding::{F32, F64};
 
 /// The unfused ops a gemm stands for: matmul, add of the broadcast bias, GELU, cast, add of
 /// the accumulator. Returns the results `[y]` or `[y, pre_gelu]`.

@@ -5,12 +5,12 @@
 
 use std::collections::HashMap;
 
-use fusec_ir::interp::{round_to, run, run_all, InterpError, Precision, Tensor};
+use fusec_ir::interp::{round_to, run, run_all, InterpError, Rounding, Tensor};
 use fusec_ir::rng::Rng;
 use fusec_ir::testkit::{assert_close_slice, random_feeds};
 use fusec_ir::{BinaryOp, Bindings, CmpOp, DType, Dim, Graph, Op, ReduceOp, Shape, Type, UnaryOp};
 
-use Precision::{F32, F64};
+use Rounding::{F32, F64};
 
 /// A graph with one `Input` per operand (`x0`, `x1`, ..) feeding `op`; every result is an output.
 fn graph_of(op: Op, ins: &[&Tensor]) -> Graph {
@@ -29,13 +29,13 @@ fn graph_of(op: Op, ins: &[&Tensor]) -> Graph {
     g
 }
 
-fn try_eval(op: Op, ins: &[&Tensor], prec: Precision) -> Result<Vec<Tensor>, InterpError> {
+fn try_eval(op: Op, ins: &[&Tensor], prec: Rounding) -> Result<Vec<Tensor>, InterpError> {
     let g = graph_of(op, ins);
     let feeds: HashMap<String, Tensor> = ins.iter().enumerate().map(|(i, t)| (format!("x{i}"), (*t).clone())).collect();
     run(&g, &Bindings::default(), &feeds, prec)
 }
 
-fn eval(op: Op, ins: &[&Tensor], prec: Precision) -> Vec<Tensor> {
+fn eval(op: Op, ins: &[&Tensor], prec: Rounding) -> Vec<Tensor> {
     try_eval(op, ins, prec).unwrap_or_else(|e| panic!("{e}"))
 }
 

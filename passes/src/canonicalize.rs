@@ -1,7 +1,7 @@
 //! `canonicalize`: constant folding, algebraic identities, common-subexpression elimination and
 //! dead-code elimination, in one walk over the graph in program order followed by DCE.
 //!
-//! Every rewrite is exact under the interpreter's f32 semantics ([`Precision::F32`]): folded
+//! Every rewrite is exact under the interpreter's f32 semantics ([`Rounding::F32`]): folded
 //! constants are computed by the interpreter itself on scalars (so they round exactly as it
 //! does), and identities are only applied where IEEE arithmetic guarantees them bit for bit.
 //! Nothing is reassociated and nothing that changes rounding is introduced (no `x * (1/c)` for
@@ -17,7 +17,7 @@
 
 use std::collections::HashMap;
 
-use fusec_ir::interp::{self, round_to, Precision};
+use fusec_ir::interp::{self, round_to, Rounding};
 use fusec_ir::{BinaryOp, Bindings, DType, Graph, Op, ReduceOp, Type, UnaryOp, ValueId};
 
 use crate::pattern::splat;
@@ -175,7 +175,7 @@ fn eval_scalar(op: &Op, vals: &[f64], dtypes: &[DType]) -> Option<f64> {
     let ins: Vec<ValueId> = vals.iter().zip(dtypes).map(|(&value, &dt)| g.add1(Op::Const { value, ty: Type::scalar(dt) }, &[])).collect();
     let r = g.try_add(op.clone(), &ins).ok()?;
     g.output("r", r[0]);
-    let t = interp::run(&g, &Bindings::default(), &HashMap::new(), Precision::F32).ok()?;
+    let t = interp::run(&g, &Bindings::default(), &HashMap::new(), Rounding::F32).ok()?;
     t.first()?.data.first().copied()
 }
 

@@ -5,7 +5,7 @@
 
 use std::collections::HashMap;
 
-use fusec_ir::interp::{self, Precision, Tensor};
+use fusec_ir::interp::{self, Rounding, Tensor};
 use fusec_ir::rng::Rng;
 use fusec_ir::testkit::gen::{random_graph_with, GenOpts};
 use fusec_ir::testkit::{assert_same_bits, check_tensor, random_feeds, read_graphs};
@@ -28,8 +28,8 @@ fn run_pair(g: &Graph, h: &Graph, seed: u64, extra: &[(&str, Tensor)]) -> Result
     for (k, t) in extra {
         feeds.insert(k.to_string(), t.clone());
     }
-    let before = interp::run(g, &b, &feeds, Precision::F32).map_err(|e| format!("before: {e}"))?;
-    let after = interp::run(h, &b, &feeds, Precision::F32).map_err(|e| format!("after: {e}\n{}", print(h)))?;
+    let before = interp::run(g, &b, &feeds, Rounding::F32).map_err(|e| format!("before: {e}"))?;
+    let after = interp::run(h, &b, &feeds, Rounding::F32).map_err(|e| format!("after: {e}\n{}", print(h)))?;
     Ok((before, after))
 }
 
@@ -55,10 +55,10 @@ fn every_filetest_input_keeps_its_bits() {
     let b = bindings();
     for (name, g) in &files {
         let feeds = random_feeds(g, &b, &mut Rng::new(7), 2).unwrap();
-        if interp::run(g, &b, &feeds, Precision::F32).is_err() {
+        if interp::run(g, &b, &feeds, Rounding::F32).is_err() {
             // What the interpreter rejects (i32 division by zero) stays rejected.
             let h = canonicalize(g).unwrap();
-            assert!(interp::run(&h, &b, &feeds, Precision::F32).is_err(), "{name}: canonicalize removed a run-time error");
+            assert!(interp::run(&h, &b, &feeds, Rounding::F32).is_err(), "{name}: canonicalize removed a run-time error");
             continue;
         }
         canon_exact(g, &[]);
@@ -91,10 +91,10 @@ fn random_graphs_verify_keep_their_values_and_are_idempotent() {
         let Ok(feeds) = random_feeds(&g, &b, &mut Rng::new(seed), 2) else {
             continue;
         };
-        let Ok(before) = interp::run(&g, &b, &feeds, Precision::F32) else {
+        let Ok(before) = interp::run(&g, &b, &feeds, Rounding::F32) else {
             continue;
         };
-        let after = interp::run(&h, &b, &feeds, Precision::F32).unwrap_or_else(|e| panic!("seed {seed}: {e}\n{}", print(&h)));
+        let after = interp::run(&h, &b, &feeds, Rounding::F32).unwrap_or_else(|e| panic!("seed {seed}: {e}\n{}", print(&h)));
         for (i, (x, y)) in after.iter().zip(&before).enumerate() {
             if let Err(e) = check_tensor(x, y, 1e-30, 1e-6) {
                 panic!("seed {seed}, output {i}: {e}\n{}\n{}", print(&g), print(&h));
@@ -115,7 +115,7 @@ fn gpt2_tiny_is_canonical_after_one_run() {
     let mut b = Bindings::default();
     b.set("B", 2).set("T", 4);
     let feeds: HashMap<String, Tensor> = random_feeds(&g, &b, &mut Rng::new(1), 250).unwrap();
-    let x = interp::run(&g, &b, &feeds, Precision::F32).unwrap();
-    let y = interp::run(&h, &b, &feeds, Precision::F32).unwrap();
+    let x = interp::run(&g, &b, &feeds, Rounding::F32).unwrap();
+    let y = interp::run(&h, &b, &feeds, Rounding::F32).unwrap();
     assert_eq!(x[0].data[0].to_bits(), y[0].data[0].to_bits());
 }

@@ -4,7 +4,7 @@
 
 use std::collections::HashMap;
 
-use fusec_ir::interp::{self, Precision, Tensor};
+use fusec_ir::interp::{self, Rounding, Tensor};
 use fusec_ir::rng::Rng;
 use fusec_ir::testkit::{assert_outputs_close, random_feeds, read_graphs};
 use fusec_ir::{Bindings, DType, Graph, Op};
@@ -38,7 +38,7 @@ fn feeds(g: &Graph, seed: u64, int_hi: u64) -> HashMap<String, Tensor> {
 }
 
 fn outputs(g: &Graph, f: &HashMap<String, Tensor>) -> Vec<Tensor> {
-    interp::run(g, &bind(), f, Precision::F32).unwrap()
+    interp::run(g, &bind(), f, Rounding::F32).unwrap()
 }
 
 fn count(g: &Graph, pred: impl Fn(&Op) -> bool) -> usize {

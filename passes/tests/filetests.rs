@@ -287,7 +287,18 @@ fn every_refusal_rule_has_a_near_miss_file() {
     let src_dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
     let mut sources = String::new();
     let mut files = vec![src_dir.join("fuse_layernorm.rs"), src_dir.join("fuse_epilogue.rs"), src_dir.join("fuse_grad_accum.rs")];
-    files.extend(std::fs::read_dir(src_dir.join("fuse_elementwise")).unwrap().map(|e| e.unwrap().path()));
+    // Every file under fuse_elementwise/, folders included.
+    let mut dirs = vec![src_dir.join("fuse_elementwise")];
+    while let Some(d) = dirs.pop() {
+        for e in std::fs::read_dir(d).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                dirs.push(p);
+            } else {
+                files.push(p);
+            }
+        }
+    }
     files.push(src_dir.join("fuse_elementwise.rs"));
     for f in &files {
         sources.push_str(&std::fs::read_to_string(f).unwrap());

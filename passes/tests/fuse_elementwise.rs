@@ -5,7 +5,7 @@
 
 use std::collections::HashMap;
 
-use fusec_ir::interp::{self, Precision, Tensor};
+use fusec_ir::interp::{self, Rounding, Tensor};
 use fusec_ir::rng::Rng;
 use fusec_ir::testkit::gen::{random_graph_with, GenOpts};
 use fusec_ir::testkit::{check_tensor, random_feeds, read_graphs};
@@ -61,8 +61,8 @@ fn launch_list(g: &Graph) -> String {
 
 /// Runs both graphs on the same feeds (F32) and compares every output.
 fn assert_same_values(g: &Graph, f: &Graph, b: &Bindings, feeds: &HashMap<String, Tensor>) {
-    let x = interp::run(g, b, feeds, Precision::F32).unwrap_or_else(|e| panic!("before: {e}"));
-    let y = interp::run(f, b, feeds, Precision::F32).unwrap_or_else(|e| panic!("after: {e}\n{}", print(f)));
+    let x = interp::run(g, b, feeds, Rounding::F32).unwrap_or_else(|e| panic!("before: {e}"));
+    let y = interp::run(f, b, feeds, Rounding::F32).unwrap_or_else(|e| panic!("after: {e}\n{}", print(f)));
     for (i, (p, q)) in y.iter().zip(&x).enumerate() {
         if let Err(e) = check_tensor(p, q, 0.0, 1e-6) {
             panic!("output {} ({i}) differs: {e}\n{}", g.outputs[i].0, print(f));
@@ -165,11 +165,10 @@ fn random_graphs_verify_and_keep_their_values() {
         let Ok(feeds) = random_feeds(&g, &b, &mut Rng::new(seed), 2) else {
             continue;
         };
-        let Ok(before) = interp::run(&g, &b, &feeds, Precision::F32) else {
+        let Ok(before) = interp::run(&g, &b, &feeds, Rounding::F32) else {
             continue;
         };
-        let after =
-            interp::run(&f, &b, &feeds, Precision::F32).unwrap_or_else(|e| panic!("seed {seed}: {e}\n{}\n{}", print(&g), print(&f)));
+        let after = interp::run(&f, &b, &feeds, Rounding::F32).unwrap_or_else(|e| panic!("seed {seed}: {e}\n{}\n{}", print(&g), print(&f)));
         for (i, (x, y)) in after.iter().zip(&before).enumerate() {
             if let Err(e) = check_tensor(x, y, 0.0, 1e-6) {
                 panic!("seed {seed}, output {i}: {e}\n{}\n{}", print(&g), print(&f));

@@ -6,7 +6,7 @@
 
 use std::collections::HashMap;
 
-use fusec_ir::interp::{self, round_to, Precision, Tensor};
+use fusec_ir::interp::{self, round_to, Rounding, Tensor};
 use fusec_ir::rng::Rng;
 use fusec_ir::testkit::gen::{random_graph_with, GenOpts};
 use fusec_ir::testkit::{assert_close, max_abs, random_feeds, read_graphs};
@@ -70,8 +70,8 @@ fn gpt2_tiny_fuses_every_layernorm_and_the_loss() {
         assert_eq!((count(&h, "cross_entropy"), count(&h, "rsqrt"), count(&h, "softmax")), (1, 0, 0), "{label}");
         assert!(log.of(PASS).is_empty(), "{label}: {:?}", log.refusals);
         let f = feeds(&g, &b, cfg.vocab as u64, 3);
-        let want = interp::run(&src, &b, &f, Precision::F32).unwrap();
-        let got = interp::run(&h, &b, &f, Precision::F32).unwrap();
+        let want = interp::run(&src, &b, &f, Rounding::F32).unwrap();
+        let got = interp::run(&h, &b, &f, Rounding::F32).unwrap();
         assert_close(&format!("{label} loss"), &got[0], &want[0], 0.0, 1e-6);
         // Fusing again finds nothing: the pass is idempotent.
         assert_eq!(print(&fuse(&h).0), print(&h));
@@ -85,7 +85,7 @@ fn gpt2_tiny_training_step_gradients_match() {
     let (ref_step, step) = (autodiff(&g).unwrap(), autodiff(&fused).unwrap());
     assert_eq!((count(&step, "layernorm_grad"), count(&step, "cross_entropy_grad")), (2 * cfg.layers + 1, 1));
     let f = feeds(&ref_step, &b, cfg.vocab as u64, 11);
-    for (prec, rtol) in [(Precision::F32, 1e-5), (Precision::F64, 1e-9)] {
+    for (prec, rtol) in [(Rounding::F32, 1e-5), (Rounding::F64, 1e-9)] {
         let want = interp::run(&ref_step, &b, &f, prec).unwrap();
         let got = interp::run(&step, &b, &f, prec).unwrap();
         for (((name, _), x), y) in ref_step.outputs.iter().zip(&got).zip(&want) {
@@ -112,8 +112,8 @@ fn every_filetest_input_keeps_its_values() {
         if let Some(e) = f.get_mut("eps") {
             e.data.iter_mut().for_each(|x| *x = 1e-5);
         }
-        let want = interp::run(g, &b, &f, Precision::F32).unwrap();
-        let got = interp::run(&h, &b, &f, Precision::F32).unwrap();
+        let want = interp::run(g, &b, &f, Rounding::F32).unwrap();
+        let got = interp::run(&h, &b, &f, Rounding::F32).unwrap();
         for (i, (x, y)) in got.iter().zip(&want).enumerate() {
             // An element that is a difference of larger terms (`norm * w + b` near 0) carries
             // their rounding error, so the absolute slack scales with the largest element.
@@ -212,9 +212,9 @@ fn random_layernorm_variants_fuse_only_when_legal_and_keep_values() {
         // primitive f32 chain loses digits to cancellation in `x - mean` (relative error
         // ulp(x)/|x - mean|), while the composite computes the row in f64 and rounds once.
         let f = random_feeds(&g, &b, &mut rng, 2).unwrap();
-        let want = interp::run(&g, &b, &f, Precision::F64).unwrap();
+        let want = interp::run(&g, &b, &f, Rounding::F64).unwrap();
         let scale = max_abs(&want[0].data);
-        for (prec, tol) in [(Precision::F32, 1e-6), (Precision::F64, 1e-12)] {
+        for (prec, tol) in [(Rounding::F32, 1e-6), (Rounding::F64, 1e-12)] {
             let got = interp::run(&h, &b, &f, prec).unwrap();
             assert_close(&format!("seed {seed} {prec:?}"), &got[0], &want[0], tol * scale, tol);
         }

@@ -1,5 +1,5 @@
 //! Gradient checks of every backward rule of `autodiff` against central finite differences,
-//! both computed with the reference interpreter in `Precision::F64`.
+//! both computed with the reference interpreter in `Rounding::F64`.
 //!
 //! Each case builds a small forward graph: the differentiable operands are `Param`s, the op's
 //! result is reduced to the scalar `loss = reduce_sum(result * loss_weights)`, where
@@ -11,7 +11,7 @@
 use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
-use fusec_ir::interp::{self, concrete_shape, Precision, Tensor};
+use fusec_ir::interp::{self, concrete_shape, Rounding, Tensor};
 use fusec_ir::rng::Rng;
 use fusec_ir::{BinaryOp, Bindings, CmpOp, DType, Dim, Graph, Op, ReduceOp, Shape, Type, UnaryOp, ValueId};
 use fusec_models::{build_gpt2, Gpt2Config};
@@ -142,7 +142,7 @@ impl Case {
 
 /// Runs `g` and returns its outputs by name.
 fn run_named(g: &Graph, b: &Bindings, feeds: &HashMap<String, Tensor>) -> HashMap<String, Tensor> {
-    let outs = interp::run(g, b, feeds, Precision::F64).unwrap_or_else(|e| panic!("graph `{}` failed to run: {e}", g.name));
+    let outs = interp::run(g, b, feeds, Rounding::F64).unwrap_or_else(|e| panic!("graph `{}` failed to run: {e}", g.name));
     g.outputs.iter().map(|(n, _)| n.clone()).zip(outs).collect()
 }
 

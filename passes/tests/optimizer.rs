@@ -5,7 +5,7 @@
 
 use std::collections::HashMap;
 
-use fusec_ir::interp::{self, Precision, Tensor};
+use fusec_ir::interp::{self, Rounding, Tensor};
 use fusec_ir::rng::Rng;
 use fusec_ir::{BinaryOp, Bindings, DType, Graph, Op, ReduceOp, Shape, Type, UnaryOp};
 use fusec_passes::autodiff::{autodiff, grad_name, DLOSS};
@@ -58,7 +58,7 @@ fn ad_feeds(seed: u64) -> HashMap<String, Tensor> {
 }
 
 fn run_named(g: &Graph, feeds: &HashMap<String, Tensor>) -> HashMap<String, Tensor> {
-    let outs = interp::run(g, &Bindings::default(), feeds, Precision::F64).unwrap_or_else(|e| panic!("`{}` failed: {e}", g.name));
+    let outs = interp::run(g, &Bindings::default(), feeds, Rounding::F64).unwrap_or_else(|e| panic!("`{}` failed: {e}", g.name));
     g.outputs.iter().map(|(n, _)| n.clone()).zip(outs).collect()
 }
 

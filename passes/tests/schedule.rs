@@ -4,7 +4,7 @@
 
 use std::collections::HashMap;
 
-use fusec_ir::interp::{self, random_feeds, Precision, Tensor};
+use fusec_ir::interp::{self, random_feeds, Rounding, Tensor};
 use fusec_ir::rng::Rng;
 use fusec_ir::text::print;
 use fusec_ir::verify::verify;
@@ -98,8 +98,8 @@ fn tiny_training_step_is_reordered_without_changing_results() {
     let s = check_schedule(&g);
     let vocab = Gpt2Config::preset("tiny").unwrap().vocab as u64;
     let f = feeds(&g, 7, vocab);
-    let before = interp::run(&g, &bind(), &f, Precision::F32).unwrap();
-    let after = interp::run(&s, &bind(), &f, Precision::F32).unwrap();
+    let before = interp::run(&g, &bind(), &f, Rounding::F32).unwrap();
+    let after = interp::run(&s, &bind(), &f, Rounding::F32).unwrap();
     assert_eq!(g.outputs.iter().map(|o| &o.0).collect::<Vec<_>>(), s.outputs.iter().map(|o| &o.0).collect::<Vec<_>>());
     for ((name, _), (x, y)) in g.outputs.iter().zip(before.iter().zip(&after)) {
         let bits = |t: &Tensor| t.data.iter().map(|v| v.to_bits()).collect::<Vec<_>>();

@@ -2,7 +2,7 @@
 
 use std::collections::HashMap;
 
-use fusec_ir::interp::{self, Precision, Tensor};
+use fusec_ir::interp::{self, Rounding, Tensor};
 use fusec_ir::{Bindings, DType, Graph};
 
 use crate::profile::Profile;
@@ -61,16 +61,16 @@ impl StepOutputs {
 pub struct RefExecutor {
     graphs: HashMap<Program, Graph>,
     bindings: Bindings,
-    precision: Precision,
+    rounding: Rounding,
     tensors: HashMap<String, Tensor>,
     last: HashMap<(Program, String), Tensor>,
 }
 
 impl RefExecutor {
-    /// An executor for the programs of a run, computing in `precision`.
-    pub fn new(run: &RunPrograms, precision: Precision) -> RefExecutor {
+    /// An executor for the programs of a run, rounding as `rounding` says.
+    pub fn new(run: &RunPrograms, rounding: Rounding) -> RefExecutor {
         let (graphs, bindings) = (run.graphs.clone(), run.bind.clone());
-        RefExecutor { graphs, bindings, precision, tensors: HashMap::new(), last: HashMap::new() }
+        RefExecutor { graphs, bindings, rounding, tensors: HashMap::new(), last: HashMap::new() }
     }
 }
 
@@ -104,7 +104,7 @@ impl Executor for RefExecutor {
             let t = self.tensors.get(name).ok_or_else(|| format!("nothing was set for `{name}`"))?;
             feeds.insert(name.to_string(), t.clone());
         }
-        let outs = interp::run(g, &self.bindings, &feeds, self.precision).map_err(|e| e.to_string())?;
+        let outs = interp::run(g, &self.bindings, &feeds, self.rounding).map_err(|e| e.to_string())?;
         let mut scalars = StepOutputs::default();
         for ((name, _), t) in g.outputs.iter().zip(outs) {
             if t.shape.is_empty() {

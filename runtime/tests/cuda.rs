@@ -144,7 +144,7 @@ fn tiny_gpt2_with_bf16_products_trains_like_the_interpreter() {
     let fwd = build_gpt2(&cfg, "tiny");
     let bf16 = PipelineOptions { precision: fusec_passes::amp::Precision::Bf16, ..PipelineOptions::default() };
     let ref_run = programs_with(&fwd, b, t, &PipelineOptions { no_fusion: true, ..bf16.clone() });
-    let mut reference = RefExecutor::new(&ref_run, fusec_ir::interp::Precision::F32);
+    let mut reference = RefExecutor::new(&ref_run, fusec_ir::interp::Rounding::F32);
     let want = tiny_losses(&mut reference, ref_run.step().unwrap(), &cfg, b, t, steps);
     let run = programs_with(&fwd, b, t, &bf16);
     for tf32 in [true, false] {

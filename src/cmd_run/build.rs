@@ -23,7 +23,7 @@ pub fn executor(a: &RunArgs, run: &RunPrograms, threads: usize) -> Result<Built,
     let profile = a.profile || a.profile_json.is_some();
     let mut summary: Vec<(String, String)> = vec![];
     let ex: Box<dyn Executor> = match a.target {
-        Target::Ref => Box::new(RefExecutor::new(run, fusec_ir::interp::Precision::F32)),
+        Target::Ref => Box::new(RefExecutor::new(run, fusec_ir::interp::Rounding::F32)),
         Target::Cpu => {
             let (ex, build) = CpuExecutor::new(run, threads, profile)?;
             let plan = &build.step_plan;

@@ -4,7 +4,7 @@
 
 mod common;
 
-use fusec_ir::interp::{Precision, Tensor};
+use fusec_ir::interp::{Rounding, Tensor};
 use fusec_ir::testkit::{max_abs_diff, rel_l2};
 use fusec_ir::DType;
 use fusec_models::build_gpt2;
@@ -38,7 +38,7 @@ fn setup(opts: &PipelineOptions) -> Option<Setup> {
     let ckpt = Checkpoint::read(&dir.join("gpt2_odd_s4242.bin")).unwrap();
     let cfg = ckpt.config;
     let fwd = build_gpt2(&cfg, "gpt2_odd");
-    let (mut ex, step) = common::ref_executor(&fwd, opts, B, T, Precision::F32);
+    let (mut ex, step) = common::ref_executor(&fwd, opts, B, T, Rounding::F32);
     init_state(&mut ex, &step, &params_from_checkpoint(&fwd, &ckpt).unwrap()).unwrap();
     Some(Setup { dir, json, ckpt, ex })
 }

@@ -2,7 +2,7 @@
 
 mod common;
 
-use fusec_ir::interp::Precision;
+use fusec_ir::interp::Rounding;
 use fusec_ir::rng::Rng;
 use fusec_models::{build_gpt2, Gpt2Config};
 use fusec_passes::pipeline::PipelineOptions;
@@ -29,7 +29,7 @@ fn config(batch: usize, steps: usize, grad_accum: usize) -> TrainConfig {
 fn run(cfg: &TrainConfig, nan_param: bool) -> Result<(Vec<StepLog>, Vec<Vec<f32>>), String> {
     let gcfg = model();
     let fwd = build_gpt2(&gcfg, "t");
-    let (mut ex, step) = common::ref_executor(&fwd, &PipelineOptions::default(), cfg.batch, cfg.seq, Precision::F32);
+    let (mut ex, step) = common::ref_executor(&fwd, &PipelineOptions::default(), cfg.batch, cfg.seq, Rounding::F32);
     let mut params = params_from_checkpoint(&fwd, &random_init(&gcfg, 7).unwrap()).unwrap();
     if nan_param {
         params.get_mut("lnfw").unwrap().data[3] = f64::NAN;
@@ -88,7 +88,7 @@ fn three_fused_steps_agree_with_unfused_steps() {
     let data = DataLoader::new(tokens(4000, 5), cfg.batch, cfg.seq).unwrap();
     let mut finals = vec![];
     for opts in [common::unfused(), PipelineOptions::default()] {
-        let (mut ex, step) = common::ref_executor(&fwd, &opts, cfg.batch, cfg.seq, Precision::F32);
+        let (mut ex, step) = common::ref_executor(&fwd, &opts, cfg.batch, cfg.seq, Rounding::F32);
         init_state(&mut ex, &step, &params_from_checkpoint(&fwd, &random_init(&gcfg, 9).unwrap()).unwrap()).unwrap();
         let logs = train(&mut ex, &cfg, &data, None, |_| {}).unwrap();
         let params: Vec<Vec<f32>> = fwd.params().iter().map(|(n, _)| ex.get(n).unwrap().to_f32()).collect();

@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 
 use fusec_codegen_cpu::{CompiledKernel, KernelCompiler};
-use fusec_ir::interp::{self, Precision, Tensor};
+use fusec_ir::interp::{self, Rounding, Tensor};
 use fusec_ir::rng::Rng;
 use fusec_ir::{BinaryOp, Bindings, DType, Dim, Graph, Kernel, Op, Shape, Type, UnaryOp, ValueId};
 
@@ -34,7 +34,7 @@ pub fn reference(k: &Kernel, b: &Bindings, ins: &[Tensor]) -> Vec<Tensor> {
     for (i, o) in outs.iter().enumerate() {
         g.output(&format!("y{i}"), *o);
     }
-    interp::run(&g, b, &feeds, Precision::F32).unwrap_or_else(|e| panic!("interpreter on `{}`: {e}", k.name))
+    interp::run(&g, b, &feeds, Rounding::F32).unwrap_or_else(|e| panic!("interpreter on `{}`: {e}", k.name))
 }
 
 /// Raw little-endian bytes of a tensor in its storage type.

@@ -1,7 +1,7 @@
 //! Composite ops: LayerNorm, softmax, cross-entropy, causal attention, AdamW, and their
 //! gradients. Each is written as the textbook loop over rows (llm.c's CPU code is the model).
 
-use super::{round_to, Precision, Tensor};
+use super::{round_to, Rounding, Tensor};
 
 fn like(x: &Tensor, data: Vec<f64>) -> Tensor {
     Tensor { dtype: x.dtype, shape: x.shape.clone(), data }
@@ -207,11 +207,11 @@ fn attention_grad(ins: &[&Tensor], scale: f64) -> Vec<Tensor> {
 
 /// One AdamW step: `(p', m', v')`. `p'` is computed from `m'` and `v'` as they are output (so
 /// rounded to f32 first in F32 mode, as llm.c does).
-pub(super) fn adamw(ins: &[&Tensor], [b1, b2, eps, wd]: [f64; 4], prec: Precision) -> Vec<Tensor> {
+pub(super) fn adamw(ins: &[&Tensor], [b1, b2, eps, wd]: [f64; 4], prec: Rounding) -> Vec<Tensor> {
     let (p, g, m, v) = (ins[0], ins[1], ins[2], ins[3]);
     let (lr, bc1, bc2) = (ins[4].data[0], ins[5].data[0], ins[6].data[0]);
     let rnd = |x: f64| {
-        if prec == Precision::F32 {
+        if prec == Rounding::F32 {
             round_to(p.dtype, x)
         } else {
             x

@@ -2,11 +2,11 @@
 //! oracle every pass and backend is compared against, so it favours clarity over speed (it only
 //! avoids per-element allocation and lookups).
 //!
-//! Every tensor stores its elements as `f64` whatever its dtype. In [`Precision::F32`] each op
+//! Every tensor stores its elements as `f64` whatever its dtype. In [`Rounding::F32`] each op
 //! computes in `f64` and then rounds every result element to its declared dtype (f32, bf16 and
 //! f16 round to nearest, ties to even; i32 values are exact integers). Reductions and
 //! contractions therefore accumulate in `f64` and round once, which is at least as accurate as
-//! the f32 accumulation backends and llm.c use. In [`Precision::F64`] float results are never
+//! the f32 accumulation backends and llm.c use. In [`Rounding::F64`] float results are never
 //! rounded (i32 stays integer), which makes finite-difference checks meaningful.
 //!
 //! The fused ops are defined by what they replace: `gemm` rounds after each step of its
@@ -26,9 +26,10 @@ use crate::rng::Rng;
 use crate::verify::verify;
 use crate::{Bindings, DType, Graph, Op, Type};
 
-/// How float results are rounded.
+/// How the interpreter rounds float results (the mixed-precision *policy* is
+/// `fusec_passes::amp::Precision`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Precision {
+pub enum Rounding {
     /// Round every result to its declared dtype (the semantics backends implement).
     F32,
     /// Keep every float result in f64 (for finite differences and error analysis).
@@ -135,14 +136,14 @@ impl std::error::Error for InterpError {}
 
 /// Runs `g` and returns its outputs in `g.outputs` order. `feeds` holds every `Param` and
 /// `Input` by name, each exactly of its declared dtype and (bound) shape.
-pub fn run(g: &Graph, bindings: &Bindings, feeds: &HashMap<String, Tensor>, prec: Precision) -> Result<Vec<Tensor>, InterpError> {
+pub fn run(g: &Graph, bindings: &Bindings, feeds: &HashMap<String, Tensor>, prec: Rounding) -> Result<Vec<Tensor>, InterpError> {
     check_graph(g)?;
     run_outputs(g, bindings, Feeds::Named(feeds), prec)
 }
 
 /// Runs `g` and returns every value, indexed by [`crate::ValueId`] (for debugging and for
 /// comparing graphs before and after a pass).
-pub fn run_all(g: &Graph, bindings: &Bindings, feeds: &HashMap<String, Tensor>, prec: Precision) -> Result<Vec<Tensor>, InterpError> {
+pub fn run_all(g: &Graph, bindings: &Bindings, feeds: &HashMap<String, Tensor>, prec: Rounding) -> Result<Vec<Tensor>, InterpError> {
     check_graph(g)?;
     let vals = execute(g, bindings, Feeds::Named(feeds), prec, |_, _| {})?;
     Ok(vals.into_iter().map(|v| v.expect("every value was computed")).collect())
@@ -158,7 +159,7 @@ enum Feeds<'a> {
 }
 
 /// Runs a verified graph, dropping each value after its last use; returns the outputs.
-fn run_outputs(g: &Graph, bindings: &Bindings, feeds: Feeds, prec: Precision) -> Result<Vec<Tensor>, InterpError> {
+fn run_outputs(g: &Graph, bindings: &Bindings, feeds: Feeds, prec: Rounding) -> Result<Vec<Tensor>, InterpError> {
     let mut last_use = vec![usize::MAX; g.values.len()];
     for (i, n) in g.nodes.iter().enumerate() {
         for v in &n.inputs {
@@ -181,7 +182,7 @@ fn run_outputs(g: &Graph, bindings: &Bindings, feeds: Feeds, prec: Precision) ->
 }
 
 /// Runs the body of a kernel on its operands (the body was verified with its kernel).
-pub(super) fn run_body(body: &Graph, bindings: &Bindings, ins: &[&Tensor], prec: Precision) -> Result<Vec<Tensor>, InterpError> {
+pub(super) fn run_body(body: &Graph, bindings: &Bindings, ins: &[&Tensor], prec: Rounding) -> Result<Vec<Tensor>, InterpError> {
     run_outputs(body, bindings, Feeds::Ordered(ins), prec)
 }
 
@@ -223,7 +224,7 @@ fn execute(
     g: &Graph,
     bindings: &Bindings,
     feeds: Feeds,
-    prec: Precision,
+    prec: Rounding,
     mut after_node: impl FnMut(usize, &mut Vec<Option<Tensor>>),
 ) -> Result<Vec<Option<Tensor>>, InterpError> {
     let mut vals: Vec<Option<Tensor>> = vec![None; g.values.len()];
@@ -264,7 +265,7 @@ fn execute(
             if t.shape != shape || t.dtype != dtype || t.data.len() != t.numel() {
                 return Err(err(format!("internal error: result {j} is {}{:?}, declared {dtype}{shape:?}", t.dtype, t.shape)));
             }
-            if prec == Precision::F32 && dtype.is_float() {
+            if prec == Rounding::F32 && dtype.is_float() {
                 round_slice(dtype, &mut t.data);
             }
             vals[node.results[j].0 as usize] = Some(t);
@@ -274,7 +275,7 @@ fn execute(
     Ok(vals)
 }
 
-fn check_feed(name: &str, t: &Tensor, (dtype, shape): &(DType, Vec<usize>), prec: Precision) -> Result<Tensor, String> {
+fn check_feed(name: &str, t: &Tensor, (dtype, shape): &(DType, Vec<usize>), prec: Rounding) -> Result<Tensor, String> {
     if t.dtype != *dtype || t.shape != *shape {
         return Err(format!("feed `{name}` is {}{:?} but is declared {dtype}{shape:?}", t.dtype, t.shape));
     }
@@ -287,7 +288,7 @@ fn check_feed(name: &str, t: &Tensor, (dtype, shape): &(DType, Vec<usize>), prec
         }
     }
     let mut t = t.clone();
-    if prec == Precision::F32 && dtype.is_float() {
+    if prec == Rounding::F32 && dtype.is_float() {
         round_slice(*dtype, &mut t.data);
     }
     Ok(t)
@@ -295,7 +296,7 @@ fn check_feed(name: &str, t: &Tensor, (dtype, shape): &(DType, Vec<usize>), prec
 
 /// Evaluates one non-feed op on concrete inputs; `outs` are the declared result dtypes and
 /// shapes. Results are not yet rounded.
-fn eval(op: &Op, ins: &[&Tensor], outs: &[(DType, Vec<usize>)], prec: Precision) -> Result<Vec<Tensor>, String> {
+fn eval(op: &Op, ins: &[&Tensor], outs: &[(DType, Vec<usize>)], prec: Rounding) -> Result<Vec<Tensor>, String> {
     use Op::*;
     let out = |k: usize| outs[k].clone();
     let one = |t: Tensor| Ok(vec![t]);
@@ -303,7 +304,7 @@ fn eval(op: &Op, ins: &[&Tensor], outs: &[(DType, Vec<usize>)], prec: Precision)
         Param { .. } | Input { .. } => unreachable!("sources are fed"),
         Const { value, .. } => {
             let (dtype, shape) = out(0);
-            let v = if prec == Precision::F32 || dtype == DType::I32 { round_to(dtype, *value) } else { *value };
+            let v = if prec == Rounding::F32 || dtype == DType::I32 { round_to(dtype, *value) } else { *value };
             let n = shape.iter().product();
             one(Tensor { dtype, shape, data: vec![v; n] })
         }

@@ -4,7 +4,7 @@
 
 use std::path::PathBuf;
 
-use fusec_ir::interp::Precision;
+use fusec_ir::interp::Rounding;
 use fusec_ir::Graph;
 use fusec_passes::pipeline::PipelineOptions;
 use fusec_runtime::executor::RefExecutor;
@@ -38,7 +38,7 @@ pub fn unfused() -> PipelineOptions {
 }
 
 /// A reference executor for B x T, and the Step program (for `init_state`).
-pub fn ref_executor(fwd: &Graph, opts: &PipelineOptions, b: usize, t: usize, prec: Precision) -> (RefExecutor, Graph) {
+pub fn ref_executor(fwd: &Graph, opts: &PipelineOptions, b: usize, t: usize, prec: Rounding) -> (RefExecutor, Graph) {
     let run = programs(fwd, opts, b, t);
     (RefExecutor::new(&run, prec), run.step().unwrap().clone())
 }
