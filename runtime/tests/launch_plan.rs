@@ -1,0 +1,70 @@
+//! The backend-neutral launch plan of the tiny GPT-2's programs: one launch per node that runs
+//! (every node but parameters, inputs and reshapes), every offset inside the planned bytes,
+//! persistent tensors at one place in every program, and the counts both executors rely on.
+
+use fusec_ir::Op;
+use fusec_models::{build_gpt2, Gpt2Config};
+use fusec_passes::pipeline::PipelineOptions;
+use fusec_runtime::launches::{LaunchOp, LaunchPlan};
+use fusec_runtime::programs::{Program, RunPrograms};
+
+fn tiny_run() -> RunPrograms {
+    let fwd = build_gpt2(&Gpt2Config::preset("tiny").unwrap(), "tiny");
+    RunPrograms::compile(&fwd, &PipelineOptions::default(), &RunPrograms::bindings(2, 16), true).unwrap()
+}
+
+#[test]
+fn one_launch_per_running_node_with_offsets_inside_the_plan() {
+    let run = tiny_run();
+    let plan = LaunchPlan::new(&run).unwrap();
+    let order: Vec<Program> = plan.programs.iter().map(|(p, _, _)| *p).collect();
+    assert_eq!(order, [Program::Eval, Program::Grad, Program::Step, Program::Logits]);
+    for (p, launches, io) in &plan.programs {
+        let g = &run.graphs[p];
+        let running: Vec<usize> = g
+            .nodes
+            .iter()
+            .enumerate()
+            .filter(|(_, n)| !matches!(n.op, Op::Param { .. } | Op::Input { .. } | Op::Reshape { .. }))
+            .map(|(i, _)| i)
+            .collect();
+        assert_eq!(launches.iter().map(|l| l.node).collect::<Vec<_>>(), running, "{p:?}");
+        let products = g.nodes.iter().filter(|n| matches!(n.op, Op::MatMul { .. } | Op::Gemm(_))).count();
+        assert_eq!(launches.iter().filter(|l| matches!(l.op, LaunchOp::Product(_))).count(), products, "{p:?}");
+        for l in launches {
+            assert!(l.bytes > 0, "{p:?} {}", l.name);
+            let offsets: Vec<u64> = match &l.op {
+                LaunchOp::Product(pr) => [pr.a, pr.b, pr.y].into_iter().chain(pr.bias).chain(pr.acc).chain(pr.pre).collect(),
+                LaunchOp::Kernel { ins, outs, .. } => ins.iter().chain(outs).copied().collect(),
+                LaunchOp::Gather(g) => vec![g.table, g.idx, g.out],
+                LaunchOp::ScatterAdd(s) => vec![s.src, s.idx, s.out],
+                LaunchOp::Attention(a) => [a.at.qkv, a.at.out, a.at.lse].into_iter().chain(a.at.dout).chain(a.at.dqkv).collect(),
+                LaunchOp::Iota(i) => vec![i.out],
+                LaunchOp::Fill(f) => vec![f.out],
+            };
+            for o in offsets {
+                assert!(o < plan.planned_bytes && o % 4 == 0, "{p:?} {}: offset {o} of {}", l.name, plan.planned_bytes);
+            }
+        }
+        if *p != Program::Logits {
+            let (_, off, _) = io.scalars.iter().find(|(n, _, _)| n == "loss").expect("a loss output");
+            assert!(*off < plan.planned_bytes);
+        }
+    }
+    // Parameters and gradients live in the persistent prefix, named, inside the plan.
+    for (name, _) in run.step().unwrap().params() {
+        let (off, bytes) = plan.layout.named[name];
+        assert!(off + bytes <= plan.layout.persistent_bytes, "{name}");
+        assert!(plan.tensors.contains_key(name), "{name}");
+    }
+    let (goff, gbytes) = plan.layout.grads;
+    assert!(gbytes > 0 && goff + gbytes <= plan.layout.persistent_bytes);
+}
+
+#[test]
+fn a_plan_that_does_not_fit_says_both_numbers() {
+    let run = tiny_run();
+    let plan = LaunchPlan::new(&run).unwrap();
+    let msg = plan.too_large();
+    assert!(msg.contains("the memory plan needs") && msg.contains("persistent") && msg.contains("activations"), "{msg}");
+}
