@@ -105,3 +105,16 @@ fn three_fused_steps_agree_with_unfused_steps() {
         assert!((x - y).abs() <= 1e-4 + 1e-5 * x.abs(), "parameters differ: {x} vs {y}");
     }
 }
+
+#[test]
+fn an_exploding_loss_stops_the_run_unless_the_check_is_off() {
+    // lr 1e6 sends the loss far above its start at step 2 (finite: only the factor sees it).
+    let exploding = TrainConfig { lr: 1e6, divergence_factor: Some(10.0), ..config(2, 4, 1) };
+    let err = run(&exploding, false).unwrap_err();
+    assert!(err.contains("more than 10x the first step's") && err.contains("at step 2"), "{err}");
+    let unchecked = TrainConfig { divergence_factor: None, ..exploding };
+    match run(&unchecked, false) {
+        Ok((logs, _)) => assert!(logs[1].loss > 10.0 * logs[0].loss, "{logs:?}"),
+        Err(e) => assert!(e.contains("NaN") || e.contains("inf"), "only a non-finite loss may stop it: {e}"),
+    }
+}
