@@ -149,10 +149,7 @@ struct Model<'g> {
 impl<'g> Model<'g> {
     fn new(g: &'g Graph, bind: &Bindings) -> Result<Model<'g>, String> {
         let nv = g.values.len();
-        let mut bytes = vec![0u64; nv];
-        for (v, info) in g.values.iter().enumerate() {
-            bytes[v] = info.ty.bytes(bind).map_err(|e| format!("schedule: {e}"))? as u64;
-        }
+        let bytes = crate::memplan::buffers::value_bytes(g, bind).map_err(|e| format!("schedule: {e}"))?;
         let mut is_output = vec![false; nv];
         for (_, v) in &g.outputs {
             is_output[v.0 as usize] = true;

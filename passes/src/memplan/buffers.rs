@@ -35,7 +35,6 @@ impl Live {
         let nv = g.values.len();
         let mut def = vec![0; nv];
         let mut end = vec![0; nv];
-        let mut bytes = vec![0u64; nv];
         for (i, node) in g.nodes.iter().enumerate() {
             for r in &node.results {
                 def[r.0 as usize] = i;
@@ -48,9 +47,7 @@ impl Live {
         for (_, v) in &g.outputs {
             end[v.0 as usize] = n;
         }
-        for (v, info) in g.values.iter().enumerate() {
-            bytes[v] = info.ty.bytes(bind).map_err(|e| format!("memplan: {e}"))? as u64;
-        }
+        let bytes = value_bytes(g, bind).map_err(|e| format!("memplan: {e}"))?;
         let base = view_bases(g);
         let mut vend = end.clone();
         // `base` follows reshape chains to the end, so each view folds straight into its base.
@@ -62,6 +59,26 @@ impl Live {
         }
         Ok(Live { n, def, end, base, vend, bytes })
     }
+}
+
+/// The bytes of every value of `g` under `bind`, checked: each size, and the sum of all of
+/// them rounded up to [`super::ALIGN`], must fit in 64 bits and in this host's `usize`. Every
+/// offset and total a plan or a schedule computes is at most that sum, so once it fits, their
+/// arithmetic cannot overflow.
+pub(crate) fn value_bytes(g: &Graph, bind: &Bindings) -> Result<Vec<u64>, String> {
+    let mut bytes = Vec::with_capacity(g.values.len());
+    let mut total = 0u64;
+    for info in &g.values {
+        let b = info.ty.bytes(bind)? as u64;
+        total = b.checked_next_multiple_of(super::ALIGN).and_then(|a| total.checked_add(a)).ok_or_else(|| {
+            let binding: Vec<String> = bind.0.iter().map(|(k, v)| format!("{k} = {v}")).collect();
+            let under = if binding.is_empty() { String::new() } else { format!(" under {}", binding.join(", ")) };
+            format!("the program's tensors total more than 2^64 bytes{under}")
+        })?;
+        bytes.push(b);
+    }
+    usize::try_from(total).map_err(|_| format!("the program's tensors total {total} bytes, more than this host can address"))?;
+    Ok(bytes)
 }
 
 /// Why two groups cannot share a buffer.
