@@ -159,24 +159,45 @@ impl Groups {
             return Err(Conflict::TwoOwners(x, y));
         }
         let key = |v: &u32| (live.def[*v as usize], *v);
+        let overlap = |e: u32, l: u32| live.vend[e as usize] > live.def[l as usize] || live.def[e as usize] == live.def[l as usize];
+        let before = |x: &[u32], y: &[u32]| matches!((x.last(), y.first()), (Some(p), Some(q)) if key(p) < key(q));
         let (va, vb) = (&self.versions[ra as usize], &self.versions[rb as usize]);
-        let mut merged = Vec::with_capacity(va.len() + vb.len());
-        let (mut i, mut j) = (0, 0);
-        while i < va.len() || j < vb.len() {
-            if j == vb.len() || (i < va.len() && key(&va[i]) < key(&vb[j])) {
-                merged.push(va[i]);
-                i += 1;
-            } else {
-                merged.push(vb[j]);
-                j += 1;
+        // Each group's own neighbours were checked when it was formed, so when one group's
+        // versions all precede the other's only the junction is new: appending keeps a chain of
+        // in-place writes linear instead of copying the whole group at every step.
+        let (a_first, b_first) = (before(va, vb), before(vb, va));
+        let merged = if a_first || b_first {
+            let (first, second) = if a_first { (va, vb) } else { (vb, va) };
+            let (e, l) = (first[first.len() - 1], second[0]);
+            if overlap(e, l) {
+                return Err(Conflict::Overlap { earlier: e, later: l });
             }
-        }
-        for w in merged.windows(2) {
-            let (e, l) = (w[0] as usize, w[1] as usize);
-            if live.vend[e] > live.def[l] || live.def[e] == live.def[l] {
+            let mut va = std::mem::take(&mut self.versions[ra as usize]);
+            let mut vb = std::mem::take(&mut self.versions[rb as usize]);
+            if a_first {
+                va.append(&mut vb);
+                va
+            } else {
+                vb.append(&mut va);
+                vb
+            }
+        } else {
+            let mut merged = Vec::with_capacity(va.len() + vb.len());
+            let (mut i, mut j) = (0, 0);
+            while i < va.len() || j < vb.len() {
+                if j == vb.len() || (i < va.len() && key(&va[i]) < key(&vb[j])) {
+                    merged.push(va[i]);
+                    i += 1;
+                } else {
+                    merged.push(vb[j]);
+                    j += 1;
+                }
+            }
+            if let Some(w) = merged.windows(2).find(|w| overlap(w[0], w[1])) {
                 return Err(Conflict::Overlap { earlier: w[0], later: w[1] });
             }
-        }
+            merged
+        };
         self.parent[rb as usize] = ra;
         self.versions[ra as usize] = merged;
         self.versions[rb as usize] = vec![];
