@@ -43,7 +43,11 @@ pub fn result_types(op: &Op, ins: &[&Type]) -> Result<SmallVec<[Type; 3]>, Strin
         }
         Cast { to } => one(ins[0].with_dtype(*to)),
         Reshape { shape } => {
-            check(ins[0].shape.numel() == shape.numel(), || format!("reshape from {} to {shape} changes the element count", ins[0].shape))?;
+            let (from, to) = (ins[0].shape.checked_numel(), shape.checked_numel());
+            check(from.is_some() && to.is_some(), || {
+                format!("the element count of reshape from {} to {shape} overflows 64 bits", ins[0].shape)
+            })?;
+            check(from == to, || format!("reshape from {} to {shape} changes the element count", ins[0].shape))?;
             one(Type::new(ins[0].dtype, shape.clone()))
         }
         Broadcast { dims, shape } => {
@@ -130,7 +134,8 @@ pub fn result_types(op: &Op, ins: &[&Type]) -> Result<SmallVec<[Type; 3]>, Strin
             check(src.shape.rank() == i.shape.rank() + 1 && src.shape.0[..i.shape.rank()] == i.shape.0[..], || {
                 format!("scatter_add source {src} must be indices {i} plus one trailing axis")
             })?;
-            one(Type::new(src.dtype, vec![rows.clone(), src.shape.0.last().unwrap().clone()].into()))
+            let c = src.shape.0.last().ok_or_else(|| format!("scatter_add source {src} must have rank >= 1"))?;
+            one(Type::new(src.dtype, vec![rows.clone(), c.clone()].into()))
         }
         Gelu => {
             float(ins[0], "operand")?;
@@ -265,7 +270,7 @@ pub fn expected_arity(op: &Op) -> Option<usize> {
 /// Types of a [`crate::Gemm`]: the matmul's rule, then the epilogue's operands and results.
 fn gemm_types(gm: &crate::Gemm, ins: &[&Type]) -> Result<SmallVec<[Type; 3]>, String> {
     let mm = result_types(&Op::MatMul { trans_a: gm.trans_a, trans_b: gm.trans_b }, &ins[..2])?.remove(0);
-    let n = mm.shape.0.last().expect("matmul results have rank >= 2").clone();
+    let n = mm.shape.0.last().ok_or("gemm: the product has rank 0")?.clone();
     let mut next = 2;
     if gm.bias {
         let want = Type::new(mm.dtype, Shape(smallvec![n]));

@@ -30,11 +30,18 @@ impl Dim {
         Dim { coef: 1, syms: SmallVec::from_vec(vec![name.to_string()]) }
     }
 
-    /// The product of two dims.
+    /// The product of two dims; the constant factor saturates at `u64::MAX` (use
+    /// [`Dim::checked_mul`] where an overflow must be caught).
     pub fn mul(&self, other: &Dim) -> Dim {
         let mut syms: SmallVec<[String; 2]> = self.syms.iter().chain(other.syms.iter()).cloned().collect();
         syms.sort();
         Dim { coef: self.coef.saturating_mul(other.coef), syms }
+    }
+
+    /// The product of two dims, or `None` when the constant factor overflows 64 bits.
+    pub fn checked_mul(&self, other: &Dim) -> Option<Dim> {
+        let coef = self.coef.checked_mul(other.coef)?;
+        Some(Dim { coef, ..self.mul(other) })
     }
 
     /// The constant value, if the dim has no symbols.
@@ -42,14 +49,23 @@ impl Dim {
         self.syms.is_empty().then_some(self.coef)
     }
 
-    /// The value under a binding of every symbol, or the first unbound symbol.
+    /// The value under a binding of every symbol; an error names the first unbound symbol, or
+    /// the factors of a product that overflows 64 bits (`B*T = 9223372036854775808*64 ...`).
     pub fn eval(&self, b: &Bindings) -> Result<u64, String> {
-        let mut v = self.coef;
+        let mut factors: SmallVec<[u64; 3]> = SmallVec::new();
         for s in &self.syms {
-            let x = b.get(s).ok_or_else(|| format!("symbolic dim `{s}` is not bound"))?;
-            v = v.saturating_mul(x);
+            factors.push(b.get(s).ok_or_else(|| format!("symbolic dim `{s}` is not bound"))?);
         }
-        Ok(v)
+        if self.coef == 0 || factors.contains(&0) {
+            return Ok(0);
+        }
+        factors.iter().try_fold(self.coef, |v, &x| v.checked_mul(x)).ok_or_else(|| {
+            let mut vals: Vec<String> = factors.iter().map(u64::to_string).collect();
+            if self.coef != 1 {
+                vals.insert(0, self.coef.to_string());
+            }
+            format!("dim {self} = {} overflows 64 bits", vals.join("*"))
+        })
     }
 
     /// This dim with every bound symbol replaced by its value.
@@ -114,9 +130,31 @@ impl Shape {
     pub fn numel(&self) -> Dim {
         self.0.iter().fold(Dim::lit(1), |a, d| a.mul(d))
     }
-    /// Concrete sizes under a binding.
+    /// The product of all dims, or `None` when its constant factor overflows 64 bits.
+    pub fn checked_numel(&self) -> Option<Dim> {
+        self.0.iter().try_fold(Dim::lit(1), |a, d| a.checked_mul(d))
+    }
+    /// Concrete sizes under a binding; every dim must fit in 64 bits and in this host's `usize`.
     pub fn eval(&self, b: &Bindings) -> Result<Vec<usize>, String> {
-        self.0.iter().map(|d| d.eval(b).map(|v| v as usize)).collect()
+        self.0
+            .iter()
+            .map(|d| {
+                let v = d.eval(b)?;
+                usize::try_from(v).map_err(|_| format!("dim {d} = {v} does not fit in this host's {}-bit usize", usize::BITS))
+            })
+            .collect()
+    }
+    /// The element count under a binding, checked: an error shows the sizes whose product
+    /// overflows 64 bits.
+    pub fn eval_numel(&self, b: &Bindings) -> Result<u64, String> {
+        let dims = self.0.iter().map(|d| d.eval(b)).collect::<Result<Vec<u64>, String>>()?;
+        if dims.contains(&0) {
+            return Ok(0);
+        }
+        dims.iter().try_fold(1u64, |a, &d| a.checked_mul(d)).ok_or_else(|| {
+            let vals: Vec<String> = dims.iter().map(u64::to_string).collect();
+            format!("the element count of {self} = {} overflows 64 bits", vals.join("*"))
+        })
     }
     /// This shape with bound symbols replaced by their values.
     pub fn bind(&self, b: &Bindings) -> Shape {
@@ -169,9 +207,15 @@ impl Type {
     pub fn with_dtype(&self, dtype: DType) -> Type {
         Type { dtype, shape: self.shape.clone() }
     }
-    /// Bytes taken under a binding.
+    /// Bytes taken under a binding, checked: an error says which product overflows 64 bits or
+    /// does not fit in this host's `usize`.
     pub fn bytes(&self, b: &Bindings) -> Result<usize, String> {
-        Ok(self.shape.eval(b)?.iter().product::<usize>() * self.dtype.size_bytes())
+        let n = self.shape.eval_numel(b)?;
+        let bytes = n
+            .checked_mul(self.dtype.size_bytes() as u64)
+            .ok_or_else(|| format!("the size of {self} = {n} elements * {} bytes overflows 64 bits", self.dtype.size_bytes()))?;
+        usize::try_from(bytes)
+            .map_err(|_| format!("the size of {self} = {bytes} bytes does not fit in this host's {}-bit usize", usize::BITS))
     }
 }
 

@@ -11,7 +11,7 @@
 
 use std::collections::HashMap;
 
-use fusec_ir::{DType, Graph, Op, ValueId};
+use fusec_ir::{DType, Graph, Op, Shape, ValueId};
 
 /// The precision policies.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -40,22 +40,33 @@ impl std::str::FromStr for Precision {
 }
 
 /// The bf16 copy of `v` (made once): a reshape of the copy of what `v` reshapes, if it is a
-/// reshape.
-fn to_bf16(out: &mut Graph, bf16_of: &mut HashMap<ValueId, ValueId>, v: ValueId) -> ValueId {
-    if let Some(&c) = bf16_of.get(&v) {
-        return c;
-    }
-    let p = out.producer(v);
-    let c = match (&p.op, p.inputs.first()) {
-        (Op::Reshape { shape }, Some(&src)) => {
-            let shape = shape.clone();
-            let inner = to_bf16(out, bf16_of, src);
-            out.add1(Op::Reshape { shape }, &[inner])
+/// reshape. Walks a chain of reshapes back to its source without recursion.
+fn to_bf16(out: &mut Graph, bf16_of: &mut HashMap<ValueId, ValueId>, v: ValueId) -> Result<ValueId, String> {
+    // The reshapes from `v` back to a value with a copy, or to a value that is no reshape.
+    let mut chain: Vec<(ValueId, Shape)> = Vec::new();
+    let mut cur = v;
+    let mut copy = loop {
+        if let Some(&c) = bf16_of.get(&cur) {
+            break c;
         }
-        _ => out.add1(Op::Cast { to: DType::BF16 }, &[v]),
+        let p = out.producer(cur);
+        match (&p.op, p.inputs.first()) {
+            (Op::Reshape { shape }, Some(&src)) => {
+                chain.push((cur, shape.clone()));
+                cur = src;
+            }
+            _ => {
+                let c = out.try_add(Op::Cast { to: DType::BF16 }, &[cur])?[0];
+                bf16_of.insert(cur, c);
+                break c;
+            }
+        }
     };
-    bf16_of.insert(v, c);
-    c
+    for (old, shape) in chain.into_iter().rev() {
+        copy = out.try_add(Op::Reshape { shape }, &[copy])?[0];
+        bf16_of.insert(old, copy);
+    }
+    Ok(copy)
 }
 
 /// Applies the policy; see the module docs.
@@ -68,12 +79,12 @@ pub fn amp(g: &Graph, policy: Precision) -> Result<Graph, String> {
     let mut map: Vec<Option<ValueId>> = vec![None; g.values.len()];
     let mut bf16_of: HashMap<ValueId, ValueId> = HashMap::new();
     for n in &g.nodes {
-        let ins: Vec<ValueId> = n.inputs.iter().map(|v| map[v.0 as usize].expect("operands precede uses")).collect();
-        if let Op::MatMul { .. } = n.op {
-            if g.ty(n.results[0]).dtype == DType::F32 {
-                let casts: Vec<ValueId> = ins.iter().map(|&v| to_bf16(&mut out, &mut bf16_of, v)).collect();
+        let ins = n.inputs.iter().map(|v| mapped(&map, *v)).collect::<Result<Vec<ValueId>, String>>()?;
+        if let (Op::MatMul { .. }, Some(&r)) = (&n.op, n.results.first()) {
+            if g.ty(r).dtype == DType::F32 {
+                let casts = ins.iter().map(|&v| to_bf16(&mut out, &mut bf16_of, v)).collect::<Result<Vec<ValueId>, String>>()?;
                 let y = out.try_add(n.op.clone(), &casts)?[0];
-                map[n.results[0].0 as usize] = Some(out.add1(Op::Cast { to: DType::F32 }, &[y]));
+                map[r.0 as usize] = Some(out.try_add(Op::Cast { to: DType::F32 }, &[y])?[0]);
                 continue;
             }
         }
@@ -83,7 +94,12 @@ pub fn amp(g: &Graph, policy: Precision) -> Result<Graph, String> {
         }
     }
     for (name, v) in &g.outputs {
-        out.output(name, map[v.0 as usize].expect("outputs are defined"));
+        out.output(name, mapped(&map, *v)?);
     }
     Ok(out)
+}
+
+/// The new value of old `v`.
+fn mapped(map: &[Option<ValueId>], v: ValueId) -> Result<ValueId, String> {
+    map.get(v.0 as usize).copied().flatten().ok_or_else(|| format!("amp: value {v:?} is used before it is defined"))
 }

@@ -172,7 +172,10 @@ fn sum_of_splat(dtype: DType, value: f64, count: u64) -> Option<f64> {
 /// Evaluates an elementwise op on scalar constants with the interpreter (f32 semantics).
 fn eval_scalar(op: &Op, vals: &[f64], dtypes: &[DType]) -> Option<f64> {
     let mut g = Graph::new("fold", &[]);
-    let ins: Vec<ValueId> = vals.iter().zip(dtypes).map(|(&value, &dt)| g.add1(Op::Const { value, ty: Type::scalar(dt) }, &[])).collect();
+    let mut ins = Vec::with_capacity(vals.len());
+    for (&value, &dt) in vals.iter().zip(dtypes) {
+        ins.push(*g.try_add(Op::Const { value, ty: Type::scalar(dt) }, &[]).ok()?.first()?);
+    }
     let r = g.try_add(op.clone(), &ins).ok()?;
     g.output("r", r[0]);
     let t = interp::run(&g, &Bindings::default(), &HashMap::new(), Rounding::F32).ok()?;

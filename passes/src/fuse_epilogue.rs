@@ -57,10 +57,10 @@ pub fn fuse_epilogue(g: &Graph, log: &mut FusionLog) -> Result<Graph, String> {
                 "the add's other operand is not a vector broadcast along the last axis, or the matmul result has other users",
             );
         }
-        // Cast: the current result's only user is a cast.
+        // Cast: the current result's only user is a cast to a float type (a gemm's result).
         if let [ci] = uses.users[cur.0 as usize][..] {
             if let Op::Cast { to } = g.nodes[ci].op {
-                if !uses.is_output[cur.0 as usize] {
+                if !uses.is_output[cur.0 as usize] && to.is_float() {
                     gm.out = to;
                     deleted[ci] = true;
                     root = ci;
@@ -94,11 +94,12 @@ fn bias_add(g: &Graph, uses: &Uses, mi: usize, y: ValueId) -> Option<(usize, Val
     if other == y {
         return None;
     }
-    let rank = g.ty(y).shape.rank();
-    match &g.producer(other).op {
-        Op::Broadcast { dims, .. } if *dims == [rank - 1] => {
-            let bias = g.producer(other).inputs[0];
-            (g.ty(bias).shape.rank() == 1 && g.ty(bias).dtype == g.ty(y).dtype).then_some((ai, bias))
+    let (yt, rank) = (g.ty(y), g.ty(y).shape.rank());
+    match (&g.producer(other).op, g.producer(other).inputs.first()) {
+        // The bias is a whole row: a vector as long as the last axis (not one element repeated).
+        (Op::Broadcast { dims, .. }, Some(&bias)) if rank >= 1 && *dims == [rank - 1] => {
+            let bt = g.ty(bias);
+            (bt.dtype == yt.dtype && bt.shape.0[..] == yt.shape.0[rank - 1..]).then_some((ai, bias))
         }
         _ => None,
     }

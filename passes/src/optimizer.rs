@@ -6,10 +6,13 @@
 //! are inputs. Outputs: `loss`, then the updated `P`, `m.P`, `v.P` (an output named like an
 //! input or parameter is written back to it after the step), and with clipping `grad_norm`.
 
+use std::collections::HashSet;
+
+use fusec_ir::text::quote;
 use fusec_ir::{BinaryOp, DType, Graph, Op, Type, UnaryOp, ValueId};
 
 use crate::autodiff::grad_name;
-use crate::rewrite::Emit;
+use crate::rewrite::{output_unique, Emit};
 
 /// AdamW hyperparameters that are constants of the graph.
 #[derive(Clone, Debug, PartialEq)]
@@ -33,13 +36,48 @@ impl Default for AdamWConfig {
     }
 }
 
+impl AdamWConfig {
+    /// Checks every constant against the range the `adamw` op accepts; the error names the
+    /// field, the allowed range and the value found (`weight_decay must be a finite number
+    /// >= 0, found NaN`).
+    pub fn validate(&self) -> Result<(), String> {
+        for (name, v) in [("beta1", self.beta1), ("beta2", self.beta2)] {
+            if !(0.0..1.0).contains(&v) {
+                return Err(format!("AdamW {name} must be in [0, 1), found {}", show(v)));
+            }
+        }
+        for (name, v) in [("eps", self.eps), ("weight_decay", self.weight_decay)] {
+            if !(v.is_finite() && v >= 0.0) {
+                return Err(format!("AdamW {name} must be a finite number >= 0, found {}", show(v)));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A float as a user wrote it (`NaN`, `inf`, `-0.5`).
+fn show(v: f64) -> String {
+    if v.is_nan() {
+        "NaN".to_string()
+    } else {
+        v.to_string()
+    }
+}
+
 /// The optimizer state input names of a parameter.
 pub fn state_names(param: &str) -> [String; 2] {
     [format!("m.{param}"), format!("v.{param}")]
 }
 
-/// Appends the updates; see the module docs.
+/// Appends the updates; see the module docs. Fails (never panics) on a configuration that
+/// [`AdamWConfig::validate`] refuses, a parameter that AdamW cannot update (not f32), or a name
+/// the updates need that the graph already uses.
 pub fn optimizer(g: &Graph, cfg: &AdamWConfig) -> Result<Graph, String> {
+    cfg.validate().map_err(|e| format!("optimizer: {e}"))?;
+    optimizer_inner(g, cfg).map_err(|e| format!("optimizer: {e}"))
+}
+
+fn optimizer_inner(g: &Graph, cfg: &AdamWConfig) -> Result<Graph, String> {
     let mut out = g.clone();
     let params: Vec<(String, ValueId)> = g.params().into_iter().map(|(n, v)| (n.to_string(), v)).collect();
     let mut grads = vec![];
@@ -47,23 +85,26 @@ pub fn optimizer(g: &Graph, cfg: &AdamWConfig) -> Result<Graph, String> {
         let gn = grad_name(name);
         grads.push(g.output_named(&gn).ok_or_else(|| format!("optimizer needs output `{gn}` (run autodiff first)"))?);
     }
+    for (name, p) in &params {
+        let ty = g.ty(*p);
+        if ty.dtype != DType::F32 {
+            return Err(format!("parameter {} is {ty}: AdamW updates only f32 parameters", quote(name)));
+        }
+    }
     out.outputs.retain(|(n, _)| n == "loss");
-    let mut e = Emit { g: &mut out };
+    let mut e = Emit::new(&mut out);
     let scalar = Type::scalar(DType::F32);
-    let lr = e.input("lr", &scalar);
-    let bc1 = e.input("bc1", &scalar);
-    let bc2 = e.input("bc2", &scalar);
+    let lr = e.input("lr", &scalar)?;
+    let bc1 = e.input("bc1", &scalar)?;
+    let bc2 = e.input("bc2", &scalar)?;
     let mut norm = None;
     if cfg.clip {
-        let max_norm = e.input("grad_clip", &scalar);
-        let (scale, n) = clip_scale(&mut e, &grads, max_norm);
-        grads = grads
-            .iter()
-            .map(|&gr| {
-                let s = e.broadcast_scalar(scale, gr);
-                e.bin(BinaryOp::Mul, gr, s)
-            })
-            .collect();
+        let max_norm = e.input("grad_clip", &scalar)?;
+        let (scale, n) = clip_scale(&mut e, &grads, max_norm)?;
+        for gr in grads.iter_mut() {
+            let s = e.broadcast_scalar(scale, *gr)?;
+            *gr = e.bin(BinaryOp::Mul, *gr, s)?;
+        }
         norm = Some(n);
     }
     let op = Op::AdamW { beta1: cfg.beta1, beta2: cfg.beta2, eps: cfg.eps, weight_decay: cfg.weight_decay };
@@ -71,38 +112,42 @@ pub fn optimizer(g: &Graph, cfg: &AdamWConfig) -> Result<Graph, String> {
     for ((name, p), gr) in params.iter().zip(&grads) {
         let ty = e.g.ty(*p).clone();
         let [mn, vn] = state_names(name);
-        let m = e.input(&mn, &ty);
-        let v = e.input(&vn, &ty);
-        let r = e.g.add(op.clone(), &[*p, *gr, m, v, lr, bc1, bc2]);
+        let m = e.input(&mn, &ty)?;
+        let v = e.input(&vn, &ty)?;
+        let r = e.ops(op.clone(), &[*p, *gr, m, v, lr, bc1, bc2]).map_err(|err| format!("the update of {}: {err}", quote(name)))?;
         news.push((name.clone(), r));
     }
+    let mut taken: HashSet<String> = out.outputs.iter().map(|(n, _)| n.clone()).collect();
     for (name, r) in news {
         let [mn, vn] = state_names(&name);
-        out.output(&name, r[0]);
-        out.output(&mn, r[1]);
-        out.output(&vn, r[2]);
+        output_unique(&mut out, &mut taken, &name, r[0])?;
+        output_unique(&mut out, &mut taken, &mn, r[1])?;
+        output_unique(&mut out, &mut taken, &vn, r[2])?;
     }
     if let Some(n) = norm {
-        out.output("grad_norm", n);
+        output_unique(&mut out, &mut taken, "grad_norm", n)?;
     }
     Ok(out)
 }
 
-/// `min(1, max_norm / (norm + 1e-6))` and the global norm itself.
-fn clip_scale(e: &mut Emit, grads: &[ValueId], max_norm: ValueId) -> (ValueId, ValueId) {
+/// `min(1, max_norm / (norm + 1e-6))` and the global norm itself (0 without parameters).
+fn clip_scale(e: &mut Emit, grads: &[ValueId], max_norm: ValueId) -> Result<(ValueId, ValueId), String> {
     let mut total: Option<ValueId> = None;
     for &gr in grads {
-        let sq = e.bin(BinaryOp::Mul, gr, gr);
-        let s = e.sum_all(sq);
+        let sq = e.bin(BinaryOp::Mul, gr, gr)?;
+        let s = e.sum_all(sq)?;
         total = Some(match total {
-            Some(t) => e.bin(BinaryOp::Add, t, s),
+            Some(t) => e.bin(BinaryOp::Add, t, s)?,
             None => s,
         });
     }
-    let norm = e.un(UnaryOp::Sqrt, total.expect("a model has parameters"));
-    let tiny = e.splat_like(1e-6, norm);
-    let denom = e.bin(BinaryOp::Add, norm, tiny);
-    let ratio = e.bin(BinaryOp::Div, max_norm, denom);
-    let one = e.splat_like(1.0, norm);
-    (e.bin(BinaryOp::Min, ratio, one), norm)
+    let norm = match total {
+        Some(t) => e.un(UnaryOp::Sqrt, t)?,
+        None => e.splat(0.0, &Type::scalar(DType::F32))?,
+    };
+    let tiny = e.splat_like(1e-6, norm)?;
+    let denom = e.bin(BinaryOp::Add, norm, tiny)?;
+    let ratio = e.bin(BinaryOp::Div, max_norm, denom)?;
+    let one = e.splat_like(1.0, norm)?;
+    Ok((e.bin(BinaryOp::Min, ratio, one)?, norm))
 }

@@ -81,11 +81,13 @@ pub struct Compiled {
 }
 
 /// Runs the pipeline on a parsed forward graph up to and including `last` (a name from
-/// [`PASSES`]). `bind` binds the symbolic dims for `memplan`. Every intermediate graph is
-/// verified in debug builds.
+/// [`PASSES`]). `bind` binds the symbolic dims for `memplan`. The input graph is verified first
+/// (the passes rely on it), and every intermediate graph in debug builds. Bad input (a graph
+/// that does not verify, options out of range, sizes that overflow) is an `Err`, never a panic.
 pub fn compile(g: &Graph, last: &str, mode: Mode, opts: &PipelineOptions, bind: &Bindings) -> Result<Compiled, String> {
     let last = if last == "fuse" { "fuse-elementwise" } else { last };
     let stop = PASSES.iter().position(|p| *p == last).ok_or_else(|| format!("unknown pass `{last}`; passes: {}", PASSES.join(", ")))?;
+    fusec_ir::verify::verify(g).map_err(|e| format!("the input graph does not verify: {e}"))?;
     let mut out = Compiled { graph: g.clone(), runs: vec![], log: FusionLog::default(), plan: None };
     for &name in &PASSES[1..=stop] {
         let skip = match name {

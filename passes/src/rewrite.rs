@@ -1,60 +1,101 @@
 //! Small graph-building helpers shared by the passes.
 
-use fusec_ir::{BinaryOp, Graph, Op, Type, UnaryOp, ValueId};
+use std::collections::HashSet;
 
-/// Appends ops to a graph; the passes build only well-typed nodes, so type errors are bugs.
+use fusec_ir::text::quote;
+use fusec_ir::{BinaryOp, Graph, Op, Type, UnaryOp, ValueId};
+use smallvec::SmallVec;
+
+/// Appends ops to a graph through [`Graph::try_add`]: a type error (which a pass must never
+/// produce from a verified graph, but which attributes taken from user input can cause) comes
+/// back as an `Err` naming the op, never as a panic. New inputs must not reuse a parameter or
+/// input name.
 pub struct Emit<'a> {
     /// The graph being extended.
     pub g: &'a mut Graph,
+    /// Every parameter and input name of `g`.
+    names: HashSet<String>,
 }
 
-impl Emit<'_> {
+impl<'a> Emit<'a> {
+    /// Starts appending to `g`.
+    pub fn new(g: &'a mut Graph) -> Emit<'a> {
+        let names = g.nodes.iter().filter_map(|n| source_name(&n.op).map(str::to_string)).collect();
+        Emit { g, names }
+    }
+    /// An op and all its results.
+    pub fn ops(&mut self, op: Op, ins: &[ValueId]) -> Result<SmallVec<[ValueId; 3]>, String> {
+        let m = op.mnemonic();
+        self.g.try_add(op, ins).map_err(|e| format!("building `{m}`: {e}"))
+    }
     /// A single-result op.
-    pub fn op(&mut self, op: Op, ins: &[ValueId]) -> ValueId {
-        self.g.add1(op, ins)
+    pub fn op(&mut self, op: Op, ins: &[ValueId]) -> Result<ValueId, String> {
+        let m = op.mnemonic();
+        self.ops(op, ins)?.first().copied().ok_or_else(|| format!("building `{m}`: it has no result"))
     }
     /// `a OP b`.
-    pub fn bin(&mut self, op: BinaryOp, a: ValueId, b: ValueId) -> ValueId {
-        self.g.add1(Op::Binary(op), &[a, b])
+    pub fn bin(&mut self, op: BinaryOp, a: ValueId, b: ValueId) -> Result<ValueId, String> {
+        self.op(Op::Binary(op), &[a, b])
     }
     /// `OP x`.
-    pub fn un(&mut self, op: UnaryOp, x: ValueId) -> ValueId {
-        self.g.add1(Op::Unary(op), &[x])
+    pub fn un(&mut self, op: UnaryOp, x: ValueId) -> Result<ValueId, String> {
+        self.op(Op::Unary(op), &[x])
     }
     /// A splat constant of type `ty`.
-    pub fn splat(&mut self, value: f64, ty: &Type) -> ValueId {
-        self.g.add1(Op::Const { value, ty: ty.clone() }, &[])
+    pub fn splat(&mut self, value: f64, ty: &Type) -> Result<ValueId, String> {
+        self.op(Op::Const { value, ty: ty.clone() }, &[])
     }
     /// A splat constant shaped like `like`.
-    pub fn splat_like(&mut self, value: f64, like: ValueId) -> ValueId {
+    pub fn splat_like(&mut self, value: f64, like: ValueId) -> Result<ValueId, String> {
         let ty = self.g.ty(like).clone();
         self.splat(value, &ty)
     }
-    /// A named input.
-    pub fn input(&mut self, name: &str, ty: &Type) -> ValueId {
-        self.g.add1(Op::Input { name: name.to_string(), ty: ty.clone() }, &[])
+    /// A named input; refused if a parameter or input of that name exists already.
+    pub fn input(&mut self, name: &str, ty: &Type) -> Result<ValueId, String> {
+        if !self.names.insert(name.to_string()) {
+            return Err(format!("the graph already has a parameter or input named {}", quote(name)));
+        }
+        self.op(Op::Input { name: name.to_string(), ty: ty.clone() }, &[])
     }
     /// `x * c` for a constant `c`.
-    pub fn scale(&mut self, x: ValueId, c: f64) -> ValueId {
-        let k = self.splat_like(c, x);
+    pub fn scale(&mut self, x: ValueId, c: f64) -> Result<ValueId, String> {
+        let k = self.splat_like(c, x)?;
         self.bin(BinaryOp::Mul, x, k)
     }
     /// Sum of `x` over every axis, as a scalar (or `x` itself when it is a scalar).
-    pub fn sum_all(&mut self, x: ValueId) -> ValueId {
+    pub fn sum_all(&mut self, x: ValueId) -> Result<ValueId, String> {
         let rank = self.g.ty(x).shape.rank();
         if rank == 0 {
-            return x;
+            return Ok(x);
         }
-        self.g.add1(Op::Reduce { op: fusec_ir::ReduceOp::Sum, axes: (0..rank).collect() }, &[x])
+        self.op(Op::Reduce { op: fusec_ir::ReduceOp::Sum, axes: (0..rank).collect() }, &[x])
     }
     /// Broadcasts a scalar to the shape of `like`.
-    pub fn broadcast_scalar(&mut self, s: ValueId, like: ValueId) -> ValueId {
+    pub fn broadcast_scalar(&mut self, s: ValueId, like: ValueId) -> Result<ValueId, String> {
         let shape = self.g.ty(like).shape.clone();
         if shape.rank() == 0 {
-            return s;
+            return Ok(s);
         }
-        self.g.add1(Op::Broadcast { dims: vec![], shape }, &[s])
+        self.op(Op::Broadcast { dims: vec![], shape }, &[s])
     }
+}
+
+/// The name of a `param` or `input` op.
+pub fn source_name(op: &Op) -> Option<&str> {
+    match op {
+        Op::Param { name, .. } | Op::Input { name, .. } => Some(name),
+        _ => None,
+    }
+}
+
+/// Declares output `name` of `g` unless an output of that name exists already (`taken` holds
+/// the output names so far; the caller fills it from `g.outputs`).
+pub fn output_unique(g: &mut Graph, taken: &mut HashSet<String>, name: &str, v: ValueId) -> Result<(), String> {
+    if !taken.insert(name.to_string()) {
+        return Err(format!("the graph already has an output named {}", quote(name)));
+    }
+    g.output(name, v);
+    Ok(())
 }
 
 /// Copies `g` without the nodes that no output depends on. Parameters and inputs always stay:

@@ -149,10 +149,7 @@ struct Model<'g> {
 impl<'g> Model<'g> {
     fn new(g: &'g Graph, bind: &Bindings) -> Result<Model<'g>, String> {
         let nv = g.values.len();
-        let mut bytes = vec![0u64; nv];
-        for (v, info) in g.values.iter().enumerate() {
-            bytes[v] = info.ty.bytes(bind).map_err(|e| format!("schedule: {e}"))? as u64;
-        }
+        let bytes = crate::memplan::buffers::value_bytes(g, bind).map_err(|e| format!("schedule: {e}"))?;
         let mut is_output = vec![false; nv];
         for (_, v) in &g.outputs {
             is_output[v.0 as usize] = true;
@@ -358,6 +355,10 @@ impl<'g> Model<'g> {
             by_memory,
             lazy: &lazy,
             lazy_preds: &lazy_preds,
+            // Only regular users are ever requeued; a root may have as many lazy users as the
+            // graph has nodes (a chain of reshapes of one input).
+            regular_users: self.users.iter().map(|us| us.iter().copied().filter(|&u| !lazy[u as usize]).collect()).collect(),
+            emitting: None,
             remaining: self.users.iter().map(|u| u.len() as u32).collect(),
             done: vec![false; nn],
             deps,
@@ -417,6 +418,11 @@ struct ListState<'a, 'g> {
     /// Visit marks for the lazy closure walk.
     stamp: Vec<u32>,
     epoch: u32,
+    /// Per root: its users that are not lazy.
+    regular_users: Vec<Vec<u32>>,
+    /// The node whose lazy predecessors are being emitted (it runs next, so requeueing it in
+    /// the meantime would only push a heap entry that is skipped).
+    emitting: Option<usize>,
 }
 
 impl ListState<'_, '_> {
@@ -463,14 +469,24 @@ impl ListState<'_, '_> {
     }
 
     /// Emits the pending lazy predecessors of `i` (depth first, in operand order), then `i`.
+    /// Iterative: a chain of lazy nodes may be as long as the graph.
     fn emit_with_lazy(&mut self, i: usize) {
-        for k in 0..self.lazy_preds[i].len() {
-            let p = self.lazy_preds[i][k] as usize;
-            if !self.done[p] {
-                self.emit_with_lazy(p);
+        // (node, how many of its lazy predecessors were visited)
+        let mut stack: Vec<(usize, usize)> = vec![(i, 0)];
+        self.emitting = Some(i);
+        while let Some(top) = stack.last_mut() {
+            let (n, k) = *top;
+            if let Some(&p) = self.lazy_preds[n].get(k) {
+                top.1 += 1;
+                if !self.done[p as usize] {
+                    stack.push((p as usize, 0));
+                }
+            } else {
+                stack.pop();
+                self.emit_one(n);
             }
         }
-        self.emit_one(i);
+        self.emitting = None;
     }
 
     /// Appends node `i` and updates the readers' counts and affected priorities.
@@ -492,8 +508,8 @@ impl ListState<'_, '_> {
             // Its users no longer pay for it.
             for r in &m.g.nodes[i].results {
                 let root = m.root[r.0 as usize] as usize;
-                for k in 0..m.users[root].len() {
-                    self.requeue(m.users[root][k] as usize);
+                for k in 0..self.regular_users[root].len() {
+                    self.requeue(self.regular_users[root][k] as usize);
                 }
             }
         }
@@ -501,7 +517,7 @@ impl ListState<'_, '_> {
 
     /// Refreshes `u`'s priority if it is queued (a ready, regular, pending node).
     fn requeue(&mut self, u: usize) {
-        if !self.done[u] && !self.lazy[u] && self.deps[u] == 0 && self.version[u] > 0 {
+        if self.emitting != Some(u) && !self.done[u] && !self.lazy[u] && self.deps[u] == 0 && self.version[u] > 0 {
             self.refresh(u);
         }
     }

@@ -5,7 +5,7 @@
 //! type-checked against [`result_types`] as soon as it is read, so a bad input is reported at
 //! the first offending token and never panics (nor overflows the stack).
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 
 use super::build::{AttrVal, Attrs, NodeParts};
 use super::kind::{kind_of, Kind};
@@ -24,7 +24,7 @@ pub const MAX_KERNEL_DEPTH: usize = 8;
 /// declared result type is what the op produces.
 pub fn parse(src: &str, file: &str) -> Result<Graph, Diagnostic> {
     let toks = tokenize(src, file)?;
-    let mut p = Parser { toks, i: 0, file, syms: HashSet::new(), g: Graph::default(), depth: 0 };
+    let mut p = Parser { toks, i: 0, file, syms: HashSet::new(), g: Graph::default(), depth: 0, names: Names::default() };
     p.graph()?;
     Ok(p.g)
 }
@@ -39,6 +39,18 @@ pub(super) struct Parser<'a> {
     g: Graph,
     /// How many kernel bodies enclose the current position.
     depth: usize,
+    /// The names declared so far in the graph being built.
+    names: Names,
+}
+
+/// The names declared in one graph (a kernel body has its own), each with the line of its
+/// first declaration.
+#[derive(Default)]
+struct Names {
+    /// Parameter and input names (one namespace): kind (`parameter` or `input`) and line.
+    sources: HashMap<String, (&'static str, usize)>,
+    /// Output names and their lines.
+    outputs: HashMap<String, usize>,
 }
 
 /// A parse result.
@@ -238,16 +250,23 @@ impl<'a> Parser<'a> {
         }
         let body = Graph { name: name.to_string(), syms: self.g.syms.clone(), ..Graph::default() };
         let outer = std::mem::replace(&mut self.g, body);
+        let outer_names = std::mem::take(&mut self.names);
         self.depth += 1;
         let r = self.statements("the kernel body");
         self.depth -= 1;
+        self.names = outer_names;
         let body = std::mem::replace(&mut self.g, outer);
         r.map(|()| body)
     }
 
     fn output(&mut self) -> R<()> {
         self.bump();
+        let pos = self.peek().pos;
         let name = self.string("the quoted output name after `output`")?;
+        if let Some(&first) = self.names.outputs.get(&name) {
+            return self.err(pos, format!("output {} is declared twice (first at line {first})", super::quote(&clip(&name))));
+        }
+        self.names.outputs.insert(name.clone(), pos.line);
         self.expect_punct('=', "after the output name")?;
         let v = self.value_ref("the output value `%N`")?;
         self.g.output(&name, v);
@@ -286,7 +305,12 @@ impl<'a> Parser<'a> {
         let mut value = 0.0;
         let mut inputs: Vec<ValueId> = Vec::new();
         match kind {
-            Kind::Param | Kind::Input | Kind::Kernel => name = self.string(&format!("the quoted name of the {m}"))?,
+            Kind::Param | Kind::Input => {
+                let pos = self.peek().pos;
+                name = self.string(&format!("the quoted name of the {m}"))?;
+                self.declare_source(kind, &name, pos)?;
+            }
+            Kind::Kernel => name = self.string(&format!("the quoted name of the {m}"))?,
             Kind::Const => value = self.float("the constant's value (a float)")?,
             _ => {}
         }
@@ -348,6 +372,24 @@ impl<'a> Parser<'a> {
         let tys = types.into_iter().map(|(t, _)| t).collect();
         self.g.push_unchecked(op, &inputs, tys);
         Ok(())
+    }
+
+    /// Records the name of a parameter or input (at `pos`), refusing one already declared by
+    /// either kind: they share one namespace (feeds and checkpoints bind them by name).
+    fn declare_source(&mut self, kind: Kind, name: &str, pos: Pos) -> R<()> {
+        let what = if kind == Kind::Param { "parameter" } else { "input" };
+        let q = super::quote(&clip(name));
+        match self.names.sources.get(name) {
+            Some(&(first, line)) if first == what => self.err(pos, format!("{what} {q} is declared twice (first at line {line})")),
+            Some(&(first, line)) => self.err(
+                pos,
+                format!("{what} {q} has the name of {first} {q} (declared at line {line}; parameters and inputs share one namespace)"),
+            ),
+            None => {
+                self.names.sources.insert(name.to_string(), (what, pos.line));
+                Ok(())
+            }
+        }
     }
 
     fn attrs(&mut self) -> R<Attrs> {

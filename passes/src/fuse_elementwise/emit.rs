@@ -133,23 +133,45 @@ struct Emitter<'a, 'g> {
 }
 
 impl Emitter<'_, '_> {
-    /// The new value of old `v`, emitting the absorbable chain that makes it if needed.
+    /// The new value of old `v`, emitting the absorbable chain that makes it if needed
+    /// (operands first, without recursion: a chain may be as long as the graph).
     fn ensure(&mut self, v: ValueId) -> Result<ValueId, String> {
-        if let Some(nv) = self.map[v.0 as usize] {
-            return Ok(nv);
+        let cx = self.cx;
+        let mut stack: Vec<(ValueId, bool)> = vec![(v, false)];
+        while let Some((u, expanded)) = stack.pop() {
+            if self.map[u.0 as usize].is_some() {
+                continue;
+            }
+            let p = cx.prod(u);
+            if expanded {
+                self.push_copy(p)?;
+                continue;
+            }
+            if cx.class[p] != Class::Absorb {
+                return Err(format!("internal error: %{} is used before it is emitted", cx.names[u.0 as usize]));
+            }
+            stack.push((u, true));
+            stack.extend(cx.g.nodes[p].inputs.iter().rev().filter(|x| self.map[x.0 as usize].is_none()).map(|&x| (x, false)));
         }
-        let p = self.cx.prod(v);
-        if self.cx.class[p] != Class::Absorb {
-            return Err(format!("internal error: %{} is used before it is emitted", self.cx.names[v.0 as usize]));
-        }
-        self.copy_node(p)?;
-        Ok(self.map[v.0 as usize].expect("copied nodes map their results"))
+        self.map[v.0 as usize].ok_or_else(|| format!("internal error: %{} was not emitted", cx.names[v.0 as usize]))
     }
 
-    /// Copies node `n` of the input graph as it is.
+    /// Copies node `n` of the input graph as it is, emitting the absorbable chains it reads.
     fn copy_node(&mut self, n: usize) -> Result<(), String> {
+        for &v in &self.cx.g.nodes[n].inputs {
+            self.ensure(v)?;
+        }
+        self.push_copy(n)
+    }
+
+    /// Copies node `n`, whose operands are all emitted.
+    fn push_copy(&mut self, n: usize) -> Result<(), String> {
         let node = &self.cx.g.nodes[n];
-        let ins = node.inputs.iter().map(|&v| self.ensure(v)).collect::<Result<Vec<_>, _>>()?;
+        let ins = node
+            .inputs
+            .iter()
+            .map(|v| self.map[v.0 as usize].ok_or_else(|| format!("internal error: %{} is not emitted", self.cx.names[v.0 as usize])))
+            .collect::<Result<Vec<_>, _>>()?;
         let tys = node.results.iter().map(|r| self.cx.g.ty(*r).clone()).collect();
         let res = self.out.push_unchecked(node.op.clone(), &ins, tys);
         for (old, new) in node.results.iter().zip(res) {
@@ -266,20 +288,29 @@ fn build_body(
     Ok((body, operands, results))
 }
 
-/// The body value of old `v`: a mapped operand or member value, or an absorbed chain copied in.
+/// The body value of old `v`: a mapped operand or member value, or an absorbed chain copied in
+/// (operands first, without recursion).
 fn body_value(cx: &Ctx, body: &mut Graph, map: &mut HashMap<ValueId, ValueId>, v: ValueId) -> Result<ValueId, String> {
-    if let Some(&bv) = map.get(&v) {
-        return Ok(bv);
+    let mut stack: Vec<(ValueId, bool)> = vec![(v, false)];
+    while let Some((u, expanded)) = stack.pop() {
+        if map.contains_key(&u) {
+            continue;
+        }
+        let p = cx.prod(u);
+        let node = &cx.g.nodes[p];
+        if expanded {
+            let ins = node.inputs.iter().map(|x| map.get(x).copied().ok_or("an operand is not copied")).collect::<Result<Vec<_>, _>>()?;
+            let res = body.try_add(node.op.clone(), &ins)?;
+            for (old, new) in node.results.iter().zip(res) {
+                map.insert(*old, new);
+            }
+            continue;
+        }
+        if cx.class[p] != Class::Absorb {
+            return Err(format!("%{} is neither an operand nor a member", cx.names[u.0 as usize]));
+        }
+        stack.push((u, true));
+        stack.extend(node.inputs.iter().rev().filter(|x| !map.contains_key(x)).map(|&x| (x, false)));
     }
-    let p = cx.prod(v);
-    let node = &cx.g.nodes[p];
-    if cx.class[p] != Class::Absorb {
-        return Err(format!("%{} is neither an operand nor a member", cx.names[v.0 as usize]));
-    }
-    let ins = node.inputs.iter().map(|&u| body_value(cx, body, map, u)).collect::<Result<Vec<_>, _>>()?;
-    let res = body.try_add(node.op.clone(), &ins)?;
-    for (old, new) in node.results.iter().zip(res) {
-        map.insert(*old, new);
-    }
-    Ok(map[&v])
+    map.get(&v).copied().ok_or_else(|| format!("%{} was not copied", cx.names[v.0 as usize]))
 }

@@ -35,7 +35,6 @@ impl Live {
         let nv = g.values.len();
         let mut def = vec![0; nv];
         let mut end = vec![0; nv];
-        let mut bytes = vec![0u64; nv];
         for (i, node) in g.nodes.iter().enumerate() {
             for r in &node.results {
                 def[r.0 as usize] = i;
@@ -48,9 +47,7 @@ impl Live {
         for (_, v) in &g.outputs {
             end[v.0 as usize] = n;
         }
-        for (v, info) in g.values.iter().enumerate() {
-            bytes[v] = info.ty.bytes(bind).map_err(|e| format!("memplan: {e}"))? as u64;
-        }
+        let bytes = value_bytes(g, bind).map_err(|e| format!("memplan: {e}"))?;
         let base = view_bases(g);
         let mut vend = end.clone();
         // `base` follows reshape chains to the end, so each view folds straight into its base.
@@ -62,6 +59,26 @@ impl Live {
         }
         Ok(Live { n, def, end, base, vend, bytes })
     }
+}
+
+/// The bytes of every value of `g` under `bind`, checked: each size, and the sum of all of
+/// them rounded up to [`super::ALIGN`], must fit in 64 bits and in this host's `usize`. Every
+/// offset and total a plan or a schedule computes is at most that sum, so once it fits, their
+/// arithmetic cannot overflow.
+pub(crate) fn value_bytes(g: &Graph, bind: &Bindings) -> Result<Vec<u64>, String> {
+    let mut bytes = Vec::with_capacity(g.values.len());
+    let mut total = 0u64;
+    for info in &g.values {
+        let b = info.ty.bytes(bind)? as u64;
+        total = b.checked_next_multiple_of(super::ALIGN).and_then(|a| total.checked_add(a)).ok_or_else(|| {
+            let binding: Vec<String> = bind.0.iter().map(|(k, v)| format!("{k} = {v}")).collect();
+            let under = if binding.is_empty() { String::new() } else { format!(" under {}", binding.join(", ")) };
+            format!("the program's tensors total more than 2^64 bytes{under}")
+        })?;
+        bytes.push(b);
+    }
+    usize::try_from(total).map_err(|_| format!("the program's tensors total {total} bytes, more than this host can address"))?;
+    Ok(bytes)
 }
 
 /// Why two groups cannot share a buffer.
@@ -142,24 +159,45 @@ impl Groups {
             return Err(Conflict::TwoOwners(x, y));
         }
         let key = |v: &u32| (live.def[*v as usize], *v);
+        let overlap = |e: u32, l: u32| live.vend[e as usize] > live.def[l as usize] || live.def[e as usize] == live.def[l as usize];
+        let before = |x: &[u32], y: &[u32]| matches!((x.last(), y.first()), (Some(p), Some(q)) if key(p) < key(q));
         let (va, vb) = (&self.versions[ra as usize], &self.versions[rb as usize]);
-        let mut merged = Vec::with_capacity(va.len() + vb.len());
-        let (mut i, mut j) = (0, 0);
-        while i < va.len() || j < vb.len() {
-            if j == vb.len() || (i < va.len() && key(&va[i]) < key(&vb[j])) {
-                merged.push(va[i]);
-                i += 1;
-            } else {
-                merged.push(vb[j]);
-                j += 1;
+        // Each group's own neighbours were checked when it was formed, so when one group's
+        // versions all precede the other's only the junction is new: appending keeps a chain of
+        // in-place writes linear instead of copying the whole group at every step.
+        let (a_first, b_first) = (before(va, vb), before(vb, va));
+        let merged = if a_first || b_first {
+            let (first, second) = if a_first { (va, vb) } else { (vb, va) };
+            let (e, l) = (first[first.len() - 1], second[0]);
+            if overlap(e, l) {
+                return Err(Conflict::Overlap { earlier: e, later: l });
             }
-        }
-        for w in merged.windows(2) {
-            let (e, l) = (w[0] as usize, w[1] as usize);
-            if live.vend[e] > live.def[l] || live.def[e] == live.def[l] {
+            let mut va = std::mem::take(&mut self.versions[ra as usize]);
+            let mut vb = std::mem::take(&mut self.versions[rb as usize]);
+            if a_first {
+                va.append(&mut vb);
+                va
+            } else {
+                vb.append(&mut va);
+                vb
+            }
+        } else {
+            let mut merged = Vec::with_capacity(va.len() + vb.len());
+            let (mut i, mut j) = (0, 0);
+            while i < va.len() || j < vb.len() {
+                if j == vb.len() || (i < va.len() && key(&va[i]) < key(&vb[j])) {
+                    merged.push(va[i]);
+                    i += 1;
+                } else {
+                    merged.push(vb[j]);
+                    j += 1;
+                }
+            }
+            if let Some(w) = merged.windows(2).find(|w| overlap(w[0], w[1])) {
                 return Err(Conflict::Overlap { earlier: w[0], later: w[1] });
             }
-        }
+            merged
+        };
         self.parent[rb as usize] = ra;
         self.versions[ra as usize] = merged;
         self.versions[rb as usize] = vec![];

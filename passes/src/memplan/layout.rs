@@ -1,7 +1,7 @@
 //! Placement: persistent regions in parameter order, and the transient arena by decreasing-size
 //! best fit (XLA's `GlobalDecreasingSizeBestFitHeap`, lowest fitting offset).
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
 use fusec_ir::{Graph, Op};
 
@@ -83,15 +83,14 @@ pub(super) fn place_arena(items: &[Item], reuse: bool) -> (Vec<u64>, u64) {
         return (off, cur);
     }
     idx.sort_by_key(|&i| (std::cmp::Reverse(align(items[i].bytes)), items[i].start, i));
-    // Placed buffers as (start, end, offset, size), scanned linearly: a few thousand buffers.
-    let mut placed: Vec<(usize, usize, u64, u64)> = Vec::with_capacity(items.len());
+    let mut placed = Placed::default();
     let mut busy: Vec<(u64, u64)> = vec![];
     let mut size = 0;
     for i in idx {
         let it = items[i];
         let need = align(it.bytes);
         busy.clear();
-        busy.extend(placed.iter().filter(|p| p.0 <= it.end && it.start <= p.1).map(|p| (p.2, p.3)));
+        placed.overlapping(it.start, it.end, &mut busy);
         busy.sort_unstable();
         let mut at = 0u64;
         for &(o, s) in &busy {
@@ -102,9 +101,52 @@ pub(super) fn place_arena(items: &[Item], reuse: bool) -> (Vec<u64>, u64) {
         }
         off[i] = at;
         size = size.max(at + need);
-        placed.push((it.start, it.end, at, need));
+        placed.insert(i, it.start, it.end, at, need);
     }
     (off, size)
+}
+
+/// The placed buffers, indexed so that finding those whose lives intersect an interval does not
+/// scan them all when lives are short (a long chain has as many buffers as nodes): short lives
+/// by the length class of their life (class `c` holds lengths `end - start` in `2^c..2^(c+1)`,
+/// lengths 0 and 1 in class 0), then by start, since a life of class `c` that intersects
+/// `[s, e]` starts in `s - (2^(c+1) - 1) ..= e`; long lives in a list scanned linearly (they
+/// overlap most queries anyway).
+#[derive(Default)]
+struct Placed {
+    /// Per short class: `(start, item) -> (end, offset, size)`.
+    short: Vec<BTreeMap<(usize, usize), Placement>>,
+    /// `(start, end, offset, size)` of the buffers with longer lives.
+    long: Vec<(usize, usize, u64, u64)>,
+}
+
+/// Where a placed buffer's life ends, its offset and its size.
+type Placement = (usize, u64, u64);
+
+/// Lives up to `2^SHORT_CLASSES - 1` positions long are indexed.
+const SHORT_CLASSES: usize = 8;
+
+impl Placed {
+    fn insert(&mut self, item: usize, start: usize, end: usize, offset: u64, size: u64) {
+        let c = end.saturating_sub(start).checked_ilog2().unwrap_or(0) as usize;
+        if c >= SHORT_CLASSES {
+            self.long.push((start, end, offset, size));
+            return;
+        }
+        if self.short.len() <= c {
+            self.short.resize_with(c + 1, BTreeMap::new);
+        }
+        self.short[c].insert((start, item), (end, offset, size));
+    }
+
+    /// Appends `(offset, size)` of every placed buffer whose life intersects `[start, end]`.
+    fn overlapping(&self, start: usize, end: usize, out: &mut Vec<(u64, u64)>) {
+        for (c, m) in self.short.iter().enumerate() {
+            let from = start.saturating_sub((1 << (c + 1)) - 1);
+            out.extend(m.range((from, 0)..=(end, usize::MAX)).filter(|(_, v)| v.0 >= start).map(|(_, v)| (v.1, v.2)));
+        }
+        out.extend(self.long.iter().filter(|p| p.0 <= end && start <= p.1).map(|p| (p.2, p.3)));
+    }
 }
 
 /// The largest sum of bytes of items live at one position (a lower bound on any arena).
