@@ -58,7 +58,7 @@ fn a_neg_chain_parses_verifies_prints_runs_and_compiles() {
         assert_eq!(print(&g), src, "the printer gives the text back");
 
         let feeds = HashMap::from([("x".to_string(), Tensor::from_f32(vec![2, 4], &[1.0, -2.0, 3.0, -4.0, 5.0, -6.0, 7.0, -8.0]))]);
-        let out = run(&g, &bind(), &feeds, interp::Precision::F32).expect("the interpreter runs the chain");
+        let out = run(&g, &bind(), &feeds, interp::Rounding::F32).expect("the interpreter runs the chain");
         // An even number of negations is the identity.
         assert_eq!(out[0].to_f32(), vec![1.0, -2.0, 3.0, -4.0, 5.0, -6.0, 7.0, -8.0]);
 

@@ -1,5 +1,5 @@
 //! Fuzzing past the parser: valid graphs (the shipped GPT-2 tiny graph, that graph after the
-//! fusion passes, and random graphs from `fusec_ir::gen`) are mutated as `.graph` text and as IR
+//! fusion passes, and random graphs from `fusec_ir::testkit::gen`) are mutated as `.graph` text and as IR
 //! (types, shapes, attributes, names, edges, op kinds, outputs, symbols), and every mutant that
 //! parses and verifies is pushed through every pass up to `memplan` for `Mode::Step` and
 //! `Mode::Forward` under `catch_unwind`, with varied options and bindings (huge ones included).
@@ -19,8 +19,8 @@ use std::collections::BTreeMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::time::{Duration, Instant};
 
-use fusec_ir::gen::{random_graph_with, GenOpts};
 use fusec_ir::rng::Rng;
+use fusec_ir::testkit::gen::{random_graph_with, GenOpts};
 use fusec_ir::text::{parse, print};
 use fusec_ir::verify::verify;
 use fusec_ir::{Bindings, DType, Graph, Op, ReduceOp};
