@@ -6,6 +6,7 @@
 //! are NaN, or when `|got - want| <= atol + rtol * |want|` (`want` is the reference).
 
 pub mod gen;
+pub mod mutate;
 
 use std::path::Path;
 

@@ -12,9 +12,6 @@
 //! of wall clock (`FUSEC_FUZZ_MUTANTS`, `FUSEC_FUZZ_SECS` and `FUSEC_FUZZ_SEED` override them
 //! for soak runs).
 
-#[path = "fuzz_passes/mutate.rs"]
-mod mutate;
-
 use std::collections::BTreeMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::time::{Duration, Instant};
@@ -29,7 +26,7 @@ use fusec_passes::memplan::MemplanOptions;
 use fusec_passes::optimizer::AdamWConfig;
 use fusec_passes::pipeline::{compile, Mode, PipelineOptions};
 
-use mutate::{mutate_ir, mutate_text, pick, retype};
+use fusec_ir::testkit::mutate::{mutate_ir, mutate_text, pick, retype};
 
 /// Mutants per run.
 const MUTANTS: u64 = 4000;

@@ -1,8 +1,10 @@
-//! The mutations of `fuzz_passes`: as IR (then usually re-typed, so that the mutant is a
-//! well-typed graph the passes must handle) and as `.graph` text.
+//! Mutations of valid graphs for the fuzz tests past the parser (`passes/tests/fuzz_passes.rs`
+//! through every pass, `tests/tests/fuzz_lower.rs` through both backends' kernel lowering): as
+//! IR (then usually re-typed, so that the mutant is a well-typed graph the passes must handle)
+//! and as `.graph` text.
 
-use fusec_ir::rng::Rng;
-use fusec_ir::{BinaryOp, CmpOp, DType, Dim, Graph, Op, ReduceOp, UnaryOp, ValueId};
+use crate::rng::Rng;
+use crate::{BinaryOp, CmpOp, DType, Dim, Graph, Op, ReduceOp, UnaryOp, ValueId};
 
 /// A random element of `xs`.
 pub fn pick<T: Copy>(rng: &mut Rng, xs: &[T]) -> T {
