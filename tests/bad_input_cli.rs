@@ -216,3 +216,34 @@ fn fuzzed_run_flags_never_panic() {
     }
     assert!(runs >= 10, "only {runs} runs in the time bound");
 }
+
+#[test]
+fn graph_files_that_used_to_panic_or_abort() {
+    // Two parameters of one name: refused at parse time with both lines.
+    let dup = tmp("dup.graph");
+    std::fs::write(&dup, std::fs::read_to_string(TINY).unwrap().replace("%1 = param \"wpe\"", "%1 = param \"wte\"")).unwrap();
+    let o = fusec(&["dump", dup.to_str().unwrap(), "--pass", "memplan"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains(&format!("{}:3:14: parameter \"wte\" is declared twice (first at line 2)", dup.display())), "{err}");
+    // A chain of 200,000 nodes goes through every pass (no recursion per node).
+    let chain = tmp("chain.graph");
+    let mut text = String::from("graph chain(B) {\n  %0 = input \"x\" : f32[B, 4]\n");
+    for i in 1..=200_000 {
+        text += &format!("  %{i} = tanh %{} : f32[B, 4]\n", i - 1);
+    }
+    text += "  output \"y\" = %200000\n}\n";
+    std::fs::write(&chain, text).unwrap();
+    let o = fusec(&["dump", chain.to_str().unwrap(), "--pass", "schedule", "--program", "forward"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(0), "{err}");
+    // Sizes that overflow 64 bits are an error, not a wrapped-around plan.
+    let o = fusec(&["dump", TINY, "--pass", "memplan", "--batch", "9223372036854775808"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("--batch"));
+    let big = concat!(env!("CARGO_MANIFEST_DIR"), "/models/gpt2-124m.graph");
+    let o = fusec(&["dump", big, "--pass", "memplan", "--batch", "16777216", "--seq", "16777216"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("more than 2^64 bytes") && !err.contains("panicked"), "{err}");
+}
