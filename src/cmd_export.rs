@@ -83,7 +83,7 @@ fn base_config(a: &ExportArgs) -> Result<Gpt2Config, String> {
         });
     }
     if let Some(path) = &a.like {
-        return Ok(fusec_runtime::checkpoint::Checkpoint::read_header(path).map_err(|e| e.to_string())?);
+        return fusec_runtime::checkpoint::Checkpoint::read_header(path).map_err(|e| e.to_string());
     }
     let required =
         [("--layers", a.layers), ("--heads", a.heads), ("--channels", a.channels), ("--vocab", a.vocab), ("--max-seq", a.max_seq)];

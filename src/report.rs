@@ -35,7 +35,7 @@ impl Progress {
             if done == self.total {
                 errln!();
             }
-        } else if r.step % self.every == 0 || done == self.total || r.val_loss.is_some() {
+        } else if r.step.is_multiple_of(self.every) || done == self.total || r.val_loss.is_some() {
             errln!("step {done:>5}/{}: loss {:.6}{val}  {:.1} ms  {tok_s:.0} tok/s", self.total, r.loss, r.ms);
         }
     }
@@ -65,7 +65,7 @@ pub fn mib(bytes: u64) -> String {
 pub fn profile_table(p: &Profile, steps: usize) -> String {
     let total = p.total().as_secs_f64().max(1e-12);
     let mut rows: Vec<_> = p.rows();
-    rows.sort_by(|a, b| b.1.total.cmp(&a.1.total));
+    rows.sort_by_key(|r| std::cmp::Reverse(r.1.total));
     let mut s = format!(
         "{:<32} {:>7} {:>10} {:>9} {:>9} {:>9} {:>6} {:>8} {:>9}\n",
         "kernel", "calls", "total ms", "avg ms", "min ms", "max ms", "%", "GB/s", "GFLOP/s"

@@ -134,6 +134,19 @@ pub fn read_graphs(dir: &Path) -> Vec<(String, Graph)> {
         .collect()
 }
 
+/// Says that a test skips and why: one `SKIPPED: ...` line on standard error, and a line
+/// appended to the file `$FUSEC_SKIP_LOG` names when it is set (`.ci/run` fails on any, since
+/// CI has everything the skipping tests need).
+pub fn skip(test: &str, reason: &str) {
+    eprintln!("SKIPPED: {test}: {reason}");
+    if let Some(path) = std::env::var_os("FUSEC_SKIP_LOG") {
+        use std::io::Write;
+        if let Ok(mut f) = std::fs::OpenOptions::new().create(true).append(true).open(path) {
+            let _ = writeln!(f, "{test}: {reason}");
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -156,18 +169,5 @@ mod tests {
         assert!(rel_l2(&[3.0f64], &[0.0]).is_infinite());
         assert!((rel_l2(&[1.0f64, 1.0], &[1.0, 2.0]) - 1.0 / 5f64.sqrt()).abs() < 1e-15);
         assert_eq!(max_abs(&[-3.0, 2.0]), 3.0);
-    }
-}
-
-/// Says that a test skips and why: one `SKIPPED: ...` line on standard error, and a line
-/// appended to the file `$FUSEC_SKIP_LOG` names when it is set (`.ci/run` fails on any, since
-/// CI has everything the skipping tests need).
-pub fn skip(test: &str, reason: &str) {
-    eprintln!("SKIPPED: {test}: {reason}");
-    if let Some(path) = std::env::var_os("FUSEC_SKIP_LOG") {
-        use std::io::Write;
-        if let Ok(mut f) = std::fs::OpenOptions::new().create(true).append(true).open(path) {
-            let _ = writeln!(f, "{test}: {reason}");
-        }
     }
 }

@@ -63,7 +63,7 @@ fn tiny_losses(ex: &mut dyn Executor, step: &Graph, cfg: &Gpt2Config, b: usize, 
 
 fn tiny_losses_with(ex: &mut dyn Executor, step: &Graph, cfg: &Gpt2Config, tc: &TrainConfig) -> Vec<f64> {
     let fwd = build_gpt2(cfg, "tiny");
-    let params = params_from_checkpoint(&fwd, &random_init(&cfg, 1337).unwrap()).unwrap();
+    let params = params_from_checkpoint(&fwd, &random_init(cfg, 1337).unwrap()).unwrap();
     init_state(ex, step, &params).unwrap();
     let data = DataLoader::new(fusec_runtime::corpus::markov_tokens(cfg.vocab, 20_000, 42, 1), tc.batch, tc.seq).unwrap();
     let mut out = vec![eval_loss(ex, &data, 2, tc.batch, tc.seq).unwrap()];
@@ -166,7 +166,7 @@ fn loss_and_grads(
     b: usize,
     t: usize,
 ) -> (f64, Vec<(String, Vec<f32>)>) {
-    init_state(ex, step, &params_from_checkpoint(fwd, &random_init(&*cfg, 7).unwrap()).unwrap()).unwrap();
+    init_state(ex, step, &params_from_checkpoint(fwd, &random_init(cfg, 7).unwrap()).unwrap()).unwrap();
     let data = DataLoader::new(fusec_runtime::corpus::markov_tokens(cfg.vocab, 20_000, 42, 1), b, t).unwrap();
     let (x, y) = data.batch(0);
     ex.set("tokens", Tensor::from_i32(vec![b, t], &x)).unwrap();
