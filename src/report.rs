@@ -67,14 +67,14 @@ pub fn profile_table(p: &Profile, steps: usize) -> String {
     let mut rows: Vec<_> = p.rows();
     rows.sort_by_key(|r| std::cmp::Reverse(r.1.total));
     let mut s = format!(
-        "{:<32} {:>7} {:>10} {:>9} {:>9} {:>9} {:>6} {:>8} {:>9}\n",
-        "kernel", "calls", "total ms", "avg ms", "min ms", "max ms", "%", "GB/s", "GFLOP/s"
+        "{:<32} {:>7} {:>10} {:>9} {:>9} {:>9} {:>6} {:>9} {:>8} {:>9}\n",
+        "kernel", "calls", "total ms", "avg ms", "min ms", "max ms", "%", "MB/call", "GB/s", "GFLOP/s"
     );
     for (name, st) in rows {
         let t = st.total.as_secs_f64();
         let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
         s += &format!(
-            "{:<32} {:>7} {:>10.2} {:>9.3} {:>9.3} {:>9.3} {:>6.1} {:>8.1} {:>9.1}\n",
+            "{:<32} {:>7} {:>10.2} {:>9.3} {:>9.3} {:>9.3} {:>6.1} {:>9.2} {:>8.1} {:>9.1}\n",
             truncate(name, 32),
             st.calls,
             t * 1e3,
@@ -82,6 +82,7 @@ pub fn profile_table(p: &Profile, steps: usize) -> String {
             ms(st.min),
             ms(st.max),
             100.0 * t / total,
+            st.bytes as f64 / st.calls.max(1) as f64 / 1e6,
             st.bytes as f64 / t.max(1e-12) / 1e9,
             st.flops as f64 / t.max(1e-12) / 1e9,
         );

@@ -175,7 +175,7 @@ fn cpu_target_trains_profiles_and_samples() {
     ]);
     let out = text(&o.stdout);
     assert!(o.status.success(), "{}", text(&o.stderr));
-    for want in ["── summary", "over 12 steps", "tok/s", "kernels", "memory", "adamw", "GFLOP/s", "── sample"] {
+    for want in ["── summary", "over 12 steps", "tok/s", "kernels", "memory", "adamw", "GFLOP/s", "MB/call", "── sample"] {
         assert!(out.contains(want), "missing {want:?} in\n{out}");
     }
     let profile: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();

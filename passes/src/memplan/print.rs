@@ -63,6 +63,12 @@ impl MemPlan {
             self.view_aliases,
             self.state_aliases
         );
+        let _ = writeln!(
+            s,
+            "#   total   bytes {} ({:.1} MiB): the one allocation a target makes (CUDA adds scratch and the cuBLAS workspace)",
+            self.total_bytes(),
+            self.total_bytes() as f64 / MIB
+        );
         // Value numbers in print order, and the rows.
         let mut num = vec![0usize; g.values.len()];
         let mut order = vec![];
