@@ -226,6 +226,15 @@ fn graph_files_that_used_to_panic_or_abort() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(2), "{err}");
     assert!(err.contains(&format!("{}:3:14: parameter \"wte\" is declared twice (first at line 2)", dup.display())), "{err}");
+    // A graph whose `wte` is a vector: not a GPT-2 graph, said before anything runs.
+    let w = tmp("wte.graph");
+    let text =
+        std::fs::read_to_string(TINY).unwrap().replace("param \"wte\"", "param \"wtx\"").replace("param \"ln1w.0\"", "param \"wte\"");
+    std::fs::write(&w, text).unwrap();
+    let o = fusec(&["run", w.to_str().unwrap(), "--steps", "1"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("parameter `wte` has shape [64]"), "{err}");
     // A chain of 200,000 nodes goes through every pass (no recursion per node).
     let chain = tmp("chain.graph");
     let mut text = String::from("graph chain(B) {\n  %0 = input \"x\" : f32[B, 4]\n");

@@ -115,8 +115,16 @@ impl Gpt2Config {
                 .ok_or_else(|| format!("graph `{}` has no parameter `{name}`: not a GPT-2 graph", g.name))?;
             g.ty(v).shape.eval(&Bindings::default())
         };
-        let wte = shape_of("wte")?;
-        let wpe = shape_of("wpe")?;
+        let matrix = |name: &str| -> Result<Vec<usize>, String> {
+            let s = shape_of(name)?;
+            if s.len() == 2 {
+                Ok(s)
+            } else {
+                Err(format!("parameter `{name}` has shape {s:?}; a GPT-2 graph's is a matrix"))
+            }
+        };
+        let wte = matrix("wte")?;
+        let wpe = matrix("wpe")?;
         let layers = g.params().iter().filter(|(n, _)| n.starts_with("ln1w.")).count();
         let mut head_size = None;
         let mut vocab = None;

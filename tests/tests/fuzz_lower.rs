@@ -1,6 +1,7 @@
 //! Fuzzing past the passes: mutants of the fused GPT-2 tiny step that compile to `memplan` are
 //! lowered kernel by kernel to row programs (`lower-rows`), Cranelift machine code (`lower-cpu`)
-//! and CUDA C (`lower-cuda`, source only), under `catch_unwind`. An unsupported kernel is an
+//! and CUDA C (`lower-cuda`, source only), under `catch_unwind`; every mutant that verifies also
+//! goes through `Gpt2Config::from_graph` (what `fusec run` reads first). An unsupported kernel is an
 //! error; a panic fails the test. Bounded: a fixed seed, at most 2,000 mutants, 25 s of wall clock.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -12,6 +13,7 @@ use fusec_ir::testkit::mutate::{mutate_ir, mutate_text};
 use fusec_ir::text::{parse, print};
 use fusec_ir::verify::verify;
 use fusec_ir::{Bindings, Graph, Op};
+use fusec_models::Gpt2Config;
 use fusec_passes::pipeline::{compile, Mode, PipelineOptions};
 
 const TINY: &str = include_str!("../../models/gpt2-tiny.graph");
@@ -55,6 +57,10 @@ fn mutants_never_panic_in_kernel_lowering() {
             _ => Some(mutate_ir(&mut rng, &fused)),
         };
         let Some(g) = g.filter(|g| verify(g).is_ok()) else { continue };
+        // What `fusec run` reads from a graph first: its GPT-2 sizes.
+        if catch_unwind(AssertUnwindSafe(|| drop(Gpt2Config::from_graph(&g)))).is_err() {
+            failures.push(format!("Gpt2Config::from_graph panicked\n{}", print(&g)));
+        }
         let Ok(Ok(c)) = catch_unwind(AssertUnwindSafe(|| compile(&g, "memplan", Mode::Step, &PipelineOptions::default(), &bind))) else {
             continue; // the passes' own fuzz test (passes/tests/fuzz_passes.rs) covers them
         };
