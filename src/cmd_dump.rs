@@ -8,6 +8,7 @@ use fusec_passes::amp::Precision;
 use fusec_passes::memplan::MemplanOptions;
 use fusec_passes::optimizer::AdamWConfig;
 use fusec_passes::pipeline::{compile, launches, Mode, PipelineOptions, PASSES};
+use fusec_passes::recompute::Recompute;
 
 use crate::{load_graph, CliResult};
 
@@ -42,6 +43,9 @@ pub struct DumpArgs {
     /// Mixed precision: `bf16` casts matmul operands to bf16.
     #[arg(long, default_value = "fp32", value_parser = precision_parser())]
     precision: Precision,
+    /// What the backward recomputes instead of storing: `none`, or `gelu` (GELU outputs).
+    #[arg(long, default_value = "none", value_parser = recompute_parser())]
+    recompute: Recompute,
     /// Include global-norm gradient clipping in the optimizer.
     #[arg(long)]
     grad_clip: bool,
@@ -54,6 +58,12 @@ pub struct DumpArgs {
     /// Print per-pass compile time and launch counts on standard error.
     #[arg(long)]
     timings: bool,
+}
+
+/// Parses `--recompute` (none, gelu) into the `recompute` pass's policy.
+pub fn recompute_parser() -> impl clap::builder::TypedValueParser<Value = Recompute> {
+    use clap::builder::TypedValueParser;
+    clap::builder::PossibleValuesParser::new(Recompute::NAMES).try_map(|s| s.parse::<Recompute>())
 }
 
 /// Parses `--precision` (fp32, bf16) into the `amp` pass's policy.
@@ -77,6 +87,7 @@ pub fn dump(a: DumpArgs) -> CliResult {
     let opts = PipelineOptions {
         adamw: AdamWConfig { clip: a.grad_clip, ..AdamWConfig::default() },
         precision: a.precision,
+        recompute: a.recompute,
         no_fusion: false,
         memplan: MemplanOptions { reuse: !a.no_reuse },
     };

@@ -18,5 +18,6 @@ pub mod memplan;
 pub mod optimizer;
 mod pattern;
 pub mod pipeline;
+pub mod recompute;
 mod rewrite;
 pub mod schedule;

@@ -1,8 +1,8 @@
 //! The pass pipeline and its names, as accepted by `fusec dump --pass`.
 //!
 //! ```text
-//! parse → canonicalize → fuse-layernorm → autodiff → optimizer → amp → fuse-epilogue
-//!       → fuse-grad-accum → fuse-elementwise → schedule → memplan
+//! parse → canonicalize → fuse-layernorm → autodiff → optimizer → amp → recompute
+//!       → fuse-epilogue → fuse-grad-accum → fuse-elementwise → schedule → memplan
 //! ```
 //!
 //! Decision (differs from the original design notes, which ran `fuse-elementwise` before the
@@ -19,6 +19,7 @@ use crate::amp::Precision;
 use crate::explain::FusionLog;
 use crate::memplan::{MemPlan, MemplanOptions};
 use crate::optimizer::AdamWConfig;
+use crate::recompute::Recompute;
 
 /// Pass names in pipeline order (`fuse` names the last fusion pass).
 pub const PASSES: &[&str] = &[
@@ -28,6 +29,7 @@ pub const PASSES: &[&str] = &[
     "autodiff",
     "optimizer",
     "amp",
+    "recompute",
     "fuse-epilogue",
     "fuse-grad-accum",
     "fuse-elementwise",
@@ -54,6 +56,8 @@ pub struct PipelineOptions {
     pub adamw: AdamWConfig,
     /// The mixed-precision policy of `amp`.
     pub precision: Precision,
+    /// What the backward recomputes instead of storing (`recompute`).
+    pub recompute: Recompute,
     /// Run the fusion passes (`canonicalize`, `fuse-*`); off gives the unfused program.
     pub no_fusion: bool,
     /// Memory planning options.
@@ -92,6 +96,7 @@ pub fn compile(g: &Graph, last: &str, mode: Mode, opts: &PipelineOptions, bind: 
     for &name in &PASSES[1..=stop] {
         let skip = match name {
             "autodiff" => mode == Mode::Forward,
+            "recompute" => mode == Mode::Forward || opts.recompute == Recompute::None,
             "optimizer" => mode != Mode::Step,
             "fuse" => true,
             "canonicalize" | "fuse-layernorm" | "fuse-epilogue" | "fuse-grad-accum" | "fuse-elementwise" => opts.no_fusion,
@@ -131,6 +136,7 @@ pub fn run_pass(
         "autodiff" => crate::autodiff::autodiff(g)?,
         "optimizer" => crate::optimizer::optimizer(g, &opts.adamw)?,
         "amp" => crate::amp::amp(g, opts.precision)?,
+        "recompute" => crate::recompute::recompute(g, opts.recompute)?,
         "fuse-epilogue" => crate::fuse_epilogue::fuse_epilogue(g, log)?,
         "fuse-grad-accum" => crate::fuse_grad_accum::fuse_grad_accum(g, log)?,
         "fuse-elementwise" => crate::fuse_elementwise::fuse_elementwise(g, log)?,

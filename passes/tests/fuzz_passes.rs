@@ -25,6 +25,7 @@ use fusec_passes::amp::Precision;
 use fusec_passes::memplan::MemplanOptions;
 use fusec_passes::optimizer::AdamWConfig;
 use fusec_passes::pipeline::{compile, Mode, PipelineOptions};
+use fusec_passes::recompute::Recompute;
 
 use fusec_ir::testkit::mutate::{mutate_ir, mutate_text, pick, retype};
 
@@ -112,6 +113,7 @@ fn options(rng: &mut Rng) -> PipelineOptions {
     PipelineOptions {
         adamw,
         precision: if rng.chance(0.25) { Precision::Bf16 } else { Precision::F32 },
+        recompute: if rng.chance(0.3) { Recompute::Gelu } else { Recompute::None },
         no_fusion: rng.chance(0.2),
         memplan: MemplanOptions { reuse: !rng.chance(0.2) },
     }

@@ -9,7 +9,8 @@ use clap::builder::TypedValueParser;
 use clap::{Args, ValueEnum};
 use fusec_passes::amp::Precision;
 
-use crate::cmd_dump::precision_parser;
+use crate::cmd_dump::{precision_parser, recompute_parser};
+use fusec_passes::recompute::Recompute;
 
 /// Where the graph runs.
 #[derive(Clone, Copy, ValueEnum, PartialEq, Eq, Debug)]
@@ -80,6 +81,10 @@ pub struct RunArgs {
     /// softmax and loss); `--target cuda` or `ref`.
     #[arg(long, default_value = "fp32", value_parser = precision_parser())]
     pub precision: Precision,
+    /// What the backward recomputes instead of storing: `none`, or `gelu` (GELU outputs: less
+    /// memory, one more elementwise kernel per layer).
+    #[arg(long, default_value = "none", value_parser = recompute_parser())]
+    pub recompute: Recompute,
     /// Exact fp32 matmuls on CUDA (default: TF32 tensor cores, as PyTorch allows).
     #[arg(long)]
     pub no_tf32: bool,

@@ -55,6 +55,7 @@ pub fn run(a: RunArgs) -> CliResult {
         // The reference target runs the unfused programs: it is the oracle.
         no_fusion: a.target == Target::Ref,
         precision: a.precision,
+        recompute: a.recompute,
         ..PipelineOptions::default()
     };
     let t_compile = Instant::now();

@@ -1,0 +1,122 @@
+//! `recompute` (`--recompute gelu`, llm.c's `-r 1`): the backward recomputes GELU outputs from
+//! their pre-activations instead of reading the values the forward stored, so those values die
+//! after their last forward use and the memory plan does not keep them through the backward.
+//!
+//! The forward is every node up to the one that produces the `loss` output; the backward is
+//! everything after it. A value is *recomputable* when a forward `gelu` produces it, or a
+//! forward `cast` or `reshape` of a recomputable value does (the `amp` pass's bf16 copy of a
+//! GELU output). Each recomputable value read in the backward is recomputed once, just before
+//! its first backward reader, from the non-recomputable value at the root of its chain (the
+//! pre-activation, which `gelu_grad` keeps alive anyway); every backward reader takes the copy.
+//! The results are bit for bit those of the graph without the pass: the same ops on the same
+//! values.
+
+use std::collections::HashMap;
+
+use fusec_ir::{Graph, Op, ValueId};
+
+/// What the backward recomputes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Recompute {
+    /// Nothing: the backward reads what the forward stored.
+    #[default]
+    None,
+    /// GELU outputs (and their casts and reshapes).
+    Gelu,
+}
+
+impl Recompute {
+    /// The names `--recompute` accepts, in order.
+    pub const NAMES: [&'static str; 2] = ["none", "gelu"];
+}
+
+impl std::str::FromStr for Recompute {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Recompute, String> {
+        match s {
+            "none" => Ok(Recompute::None),
+            "gelu" => Ok(Recompute::Gelu),
+            _ => Err(format!("unknown recompute policy `{s}`; expected one of: {}", Recompute::NAMES.join(", "))),
+        }
+    }
+}
+
+/// Applies the policy; see the module docs. A graph without a `loss` output has no backward
+/// and is returned unchanged.
+pub fn recompute(g: &Graph, policy: Recompute) -> Result<Graph, String> {
+    let Some(loss) = g.output_named("loss").filter(|_| policy == Recompute::Gelu) else {
+        return Ok(g.clone());
+    };
+    let last_forward = g.values[loss.0 as usize].node.0 as usize;
+    // Recomputable values: forward gelu results, and forward casts / reshapes of them.
+    let mut recomputable = vec![false; g.values.len()];
+    for n in &g.nodes[..=last_forward] {
+        let from_recomputable = n.inputs.first().is_some_and(|v| recomputable[v.0 as usize]);
+        let ok = match n.op {
+            Op::Gelu => true,
+            Op::Cast { .. } | Op::Reshape { .. } => from_recomputable,
+            _ => false,
+        };
+        if ok && n.results.len() == 1 {
+            recomputable[n.results[0].0 as usize] = true;
+        }
+    }
+    let mut out = Graph::new(&g.name, &[]);
+    out.syms = g.syms.clone();
+    let mut map: Vec<Option<ValueId>> = vec![None; g.values.len()];
+    let mut again: HashMap<ValueId, ValueId> = HashMap::new();
+    for (i, n) in g.nodes.iter().enumerate() {
+        let mut ins = Vec::with_capacity(n.inputs.len());
+        for &v in &n.inputs {
+            ins.push(if i > last_forward && recomputable[v.0 as usize] {
+                recomputed(g, &mut out, &map, &recomputable, &mut again, v)?
+            } else {
+                mapped(&map, v)?
+            });
+        }
+        let tys = n.results.iter().map(|r| g.ty(*r).clone()).collect();
+        for (old, new) in n.results.iter().zip(out.push_unchecked(n.op.clone(), &ins, tys)) {
+            map[old.0 as usize] = Some(new);
+        }
+    }
+    for (name, v) in &g.outputs {
+        out.output(name, mapped(&map, *v)?);
+    }
+    Ok(out)
+}
+
+/// The backward's copy of recomputable `v`, emitted now (with the chain it derives from) unless
+/// it already exists. Walks the chain back to its non-recomputable root without recursion.
+fn recomputed(
+    g: &Graph,
+    out: &mut Graph,
+    map: &[Option<ValueId>],
+    recomputable: &[bool],
+    again: &mut HashMap<ValueId, ValueId>,
+    v: ValueId,
+) -> Result<ValueId, String> {
+    let mut chain = vec![];
+    let mut cur = v;
+    let mut value = loop {
+        if let Some(&c) = again.get(&cur) {
+            break c;
+        }
+        if !recomputable[cur.0 as usize] {
+            break mapped(map, cur)?;
+        }
+        chain.push(cur);
+        let producer = g.producer(cur);
+        cur = *producer.inputs.first().ok_or("recompute: a recomputable value without an operand")?;
+    };
+    for old in chain.into_iter().rev() {
+        let op = g.producer(old).op.clone();
+        value = out.push_unchecked(op, &[value], vec![g.ty(old).clone()])[0];
+        again.insert(old, value);
+    }
+    Ok(value)
+}
+
+/// The new value of old `v`.
+fn mapped(map: &[Option<ValueId>], v: ValueId) -> Result<ValueId, String> {
+    map.get(v.0 as usize).copied().flatten().ok_or_else(|| format!("recompute: value {v:?} is used before it is defined"))
+}

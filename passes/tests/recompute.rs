@@ -1,0 +1,88 @@
+//! `recompute`: the backward's GELU outputs are recomputed (one `gelu` per layer more, placed
+//! in the backward), every output keeps its bits, and the memory plan shrinks by the stored
+//! GELU outputs.
+
+use std::collections::HashMap;
+
+use fusec_ir::interp::{self, Rounding, Tensor};
+use fusec_ir::rng::Rng;
+use fusec_ir::testkit::{assert_same_bits, random_feeds};
+use fusec_ir::{Bindings, DType, Graph, Op};
+use fusec_models::{build_gpt2, Gpt2Config};
+use fusec_passes::amp::Precision;
+use fusec_passes::pipeline::{compile, Mode, PipelineOptions};
+use fusec_passes::recompute::Recompute;
+
+fn tiny() -> (Graph, Gpt2Config) {
+    let cfg = Gpt2Config::preset("tiny").unwrap();
+    (build_gpt2(&cfg, "tiny"), cfg)
+}
+
+fn bind() -> Bindings {
+    let mut b = Bindings::default();
+    b.set("B", 2).set("T", 8);
+    b
+}
+
+fn opts(recompute: Recompute, precision: Precision, no_fusion: bool) -> PipelineOptions {
+    PipelineOptions { recompute, precision, no_fusion, ..PipelineOptions::default() }
+}
+
+/// Feeds in the ranges training uses (positive second moments, small scalars).
+fn feeds(g: &Graph, vocab: u64) -> HashMap<String, Tensor> {
+    let mut f = random_feeds(g, &bind(), &mut Rng::new(11), vocab).unwrap();
+    for (name, t) in f.iter_mut() {
+        match name.as_str() {
+            "lr" => *t = Tensor::scalar(DType::F32, 1e-3),
+            "bc1" => *t = Tensor::scalar(DType::F32, 0.1),
+            "bc2" => *t = Tensor::scalar(DType::F32, 0.001),
+            "dloss" => *t = Tensor::scalar(DType::F32, 1.0),
+            n if n.starts_with("v.") => t.data.iter_mut().for_each(|x| *x = x.abs()),
+            _ => {}
+        }
+    }
+    f
+}
+
+fn gelus(g: &Graph) -> usize {
+    g.nodes.iter().filter(|n| matches!(n.op, Op::Gelu)).count()
+}
+
+#[test]
+fn the_backward_recomputes_each_gelu_once_and_every_output_keeps_its_bits() {
+    let (fwd, cfg) = tiny();
+    for precision in [Precision::F32, Precision::Bf16] {
+        for no_fusion in [true, false] {
+            let stored = compile(&fwd, "schedule", Mode::Step, &opts(Recompute::None, precision, no_fusion), &bind()).unwrap().graph;
+            let again = compile(&fwd, "schedule", Mode::Step, &opts(Recompute::Gelu, precision, no_fusion), &bind()).unwrap().graph;
+            if no_fusion {
+                assert_eq!(gelus(&again), gelus(&stored) + cfg.layers, "{precision:?}: one recomputed gelu per layer");
+            }
+            let f = feeds(&stored, cfg.vocab as u64);
+            let want = interp::run(&stored, &bind(), &f, Rounding::F32).unwrap();
+            let got = interp::run(&again, &bind(), &f, Rounding::F32).unwrap();
+            assert_same_bits(&format!("{precision:?}, no_fusion {no_fusion}"), &got, &want);
+        }
+    }
+}
+
+#[test]
+fn the_memory_plan_no_longer_keeps_the_gelu_outputs() {
+    let cfg = Gpt2Config::preset("d12").unwrap();
+    let fwd = build_gpt2(&cfg, "gpt2_124m");
+    let mut b = Bindings::default();
+    b.set("B", 16).set("T", 1024);
+    let arena = |r| compile(&fwd, "memplan", Mode::Step, &opts(r, Precision::F32, false), &b).unwrap().plan.unwrap().arena_bytes;
+    let (stored, again) = (arena(Recompute::None), arena(Recompute::Gelu));
+    // Each layer's [B, T, 4C] f32 GELU output: 12 x 16 x 1024 x 3072 x 4 bytes.
+    let gelu_outputs = 12 * 16 * 1024 * 3072 * 4u64;
+    assert!(stored - again >= gelu_outputs * 9 / 10, "arena {stored} -> {again}: saved {}", stored - again);
+}
+
+#[test]
+fn forward_programs_and_the_default_policy_are_unchanged() {
+    let (fwd, _) = tiny();
+    let print = |m, r| fusec_ir::text::print(&compile(&fwd, "fuse", m, &opts(r, Precision::F32, false), &bind()).unwrap().graph);
+    assert_eq!(print(Mode::Forward, Recompute::Gelu), print(Mode::Forward, Recompute::None));
+    assert!("gelu+layernorm".parse::<Recompute>().unwrap_err().contains("none, gelu"));
+}
