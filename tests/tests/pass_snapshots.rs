@@ -5,6 +5,7 @@ use fusec_ir::Bindings;
 use fusec_models::{build_gpt2, Gpt2Config};
 use fusec_passes::amp::Precision;
 use fusec_passes::pipeline::{compile, Mode, PipelineOptions, PASSES};
+use fusec_passes::recompute::Recompute;
 
 fn block() -> fusec_ir::Graph {
     let cfg = Gpt2Config { layers: 1, heads: 2, channels: 8, vocab: 10, padded_vocab: 16, max_seq: 8 };
@@ -23,11 +24,20 @@ fn dump(pass: &str, opts: &PipelineOptions) -> String {
 
 #[test]
 fn every_pass_on_one_block() {
-    // `amp` at the default fp32 policy changes nothing: its snapshot would repeat `optimizer`'s.
-    for pass in PASSES.iter().filter(|p| !["parse", "fuse", "amp"].contains(p)) {
+    // `amp` and `recompute` at their default policies change nothing: their snapshots would
+    // repeat `optimizer`'s.
+    for pass in PASSES.iter().filter(|p| !["parse", "fuse", "amp", "recompute"].contains(p)) {
         insta::assert_snapshot!(format!("block_{pass}"), dump(pass, &PipelineOptions::default()));
     }
-    assert_eq!(dump("amp", &PipelineOptions::default()), dump("optimizer", &PipelineOptions::default()));
+    for pass in ["amp", "recompute"] {
+        assert_eq!(dump(pass, &PipelineOptions::default()), dump("optimizer", &PipelineOptions::default()));
+    }
+}
+
+#[test]
+fn recompute_gelu_on_one_block() {
+    let opts = PipelineOptions { recompute: Recompute::Gelu, ..PipelineOptions::default() };
+    insta::assert_snapshot!("block_recompute_gelu", dump("recompute", &opts));
 }
 
 #[test]
