@@ -8,12 +8,14 @@
 pub mod gen;
 pub mod mutate;
 
+use std::collections::HashMap;
 use std::path::Path;
 
 pub use crate::interp::random_feeds;
 
 use crate::interp::Tensor;
-use crate::Graph;
+use crate::rng::Rng;
+use crate::{Bindings, DType, Graph};
 
 /// Whether `got` is within `atol + rtol * |want|` of `want` (equal values, both infinities of
 /// one sign, and NaN against NaN pass).
@@ -132,6 +134,24 @@ pub fn read_graphs(dir: &Path) -> Vec<(String, Graph)> {
             (name, g)
         })
         .collect()
+}
+
+/// Random feeds (as [`random_feeds`]) in the ranges a training step sees: `lr`, `bc1`, `bc2`,
+/// `grad_clip`, `dloss` set to typical values and AdamW's second moments `v.*` non-negative.
+pub fn training_feeds(g: &Graph, b: &Bindings, seed: u64, int_hi: u64) -> HashMap<String, Tensor> {
+    let mut feeds = random_feeds(g, b, &mut Rng::new(seed), int_hi).expect("random feeds of a verified graph");
+    for (name, t) in feeds.iter_mut() {
+        match name.as_str() {
+            "lr" => *t = Tensor::scalar(DType::F32, 1e-3),
+            "bc1" => *t = Tensor::scalar(DType::F32, 0.1),
+            "bc2" => *t = Tensor::scalar(DType::F32, 0.001),
+            "grad_clip" => *t = Tensor::scalar(DType::F32, 0.5),
+            "dloss" => *t = Tensor::scalar(DType::F32, 1.0),
+            n if n.starts_with("v.") => t.data.iter_mut().for_each(|x| *x = x.abs()),
+            _ => {}
+        }
+    }
+    feeds
 }
 
 /// Says that a test skips and why: one `SKIPPED: ...` line on standard error, and a line

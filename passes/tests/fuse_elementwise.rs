@@ -8,10 +8,10 @@ use std::collections::HashMap;
 use fusec_ir::interp::{self, Rounding, Tensor};
 use fusec_ir::rng::Rng;
 use fusec_ir::testkit::gen::{random_graph_with, GenOpts};
-use fusec_ir::testkit::{check_tensor, random_feeds, read_graphs};
+use fusec_ir::testkit::{check_tensor, random_feeds, read_graphs, training_feeds};
 use fusec_ir::text::print;
 use fusec_ir::verify::verify;
-use fusec_ir::{Bindings, DType, Graph, Op, ValueId};
+use fusec_ir::{Bindings, Graph, Op, ValueId};
 use fusec_models::{build_gpt2, Gpt2Config};
 use fusec_passes::explain::FusionLog;
 use fusec_passes::fuse_elementwise::{fuse_elementwise, launches};
@@ -70,24 +70,6 @@ fn assert_same_values(g: &Graph, f: &Graph, b: &Bindings, feeds: &HashMap<String
     }
 }
 
-/// Random feeds with sane values for the AdamW and loss scalars (`lr`, `bc1`, `bc2`,
-/// `grad_clip`, `dloss`) and nonnegative second moments; i32 values below `int_hi`.
-fn sane_feeds(g: &Graph, b: &Bindings, seed: u64, int_hi: u64) -> HashMap<String, Tensor> {
-    let mut feeds = random_feeds(g, b, &mut Rng::new(seed), int_hi).unwrap();
-    for (name, t) in feeds.iter_mut() {
-        match name.as_str() {
-            "lr" => *t = Tensor::scalar(DType::F32, 1e-3),
-            "bc1" => *t = Tensor::scalar(DType::F32, 0.1),
-            "bc2" => *t = Tensor::scalar(DType::F32, 0.001),
-            "grad_clip" => *t = Tensor::scalar(DType::F32, 0.5),
-            "dloss" => *t = Tensor::scalar(DType::F32, 1.0),
-            n if n.starts_with("v.") => t.data.iter_mut().for_each(|x| *x = x.abs()),
-            _ => {}
-        }
-    }
-    feeds
-}
-
 #[test]
 fn every_filetest_input_keeps_its_values() {
     let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/filetests/fuse-elementwise");
@@ -97,7 +79,7 @@ fn every_filetest_input_keeps_its_values() {
     for (name, g) in &files {
         let (f, _) = fuse(g);
         assert!(f.nodes.iter().any(|n| matches!(n.op, Op::Kernel(_))), "{name}: no kernel");
-        assert_same_values(g, &f, &b, &sane_feeds(g, &b, 7, 2));
+        assert_same_values(g, &f, &b, &training_feeds(g, &b, 7, 2));
     }
 }
 
@@ -115,7 +97,7 @@ fn tiny_gpt2_training_step_keeps_its_values() {
     let (f, log) = fuse(&g);
     let mut b = Bindings::default();
     b.set("B", 2).set("T", 5);
-    assert_same_values(&g, &f, &b, &sane_feeds(&g, &b, 11, 250));
+    assert_same_values(&g, &f, &b, &training_feeds(&g, &b, 11, 250));
     // One AdamW kernel for all 28 parameters.
     let names = kernels(&f);
     assert_eq!(names.iter().filter(|n| **n == "adamw").count(), 1, "{names:?}");
@@ -203,7 +185,7 @@ fn after_the_other_passes_a_block_takes_at_most_12_non_matmul_launches() {
     let (two, _) = fuse(&g2);
     let mut b = Bindings::default();
     b.set("B", 2).set("T", 3);
-    assert_same_values(&g2, &two, &b, &sane_feeds(&g2, &b, 11, 250));
+    assert_same_values(&g2, &two, &b, &training_feeds(&g2, &b, 11, 250));
     let per_block = non_matmul_launches(&two) - non_matmul_launches(&one);
     eprintln!(
         "after the other passes: {} launches before, {} after; {per_block} non-matmul launches per block",

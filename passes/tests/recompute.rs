@@ -2,12 +2,9 @@
 //! in the backward), every output keeps its bits, and the memory plan shrinks by the stored
 //! GELU outputs.
 
-use std::collections::HashMap;
-
-use fusec_ir::interp::{self, Rounding, Tensor};
-use fusec_ir::rng::Rng;
-use fusec_ir::testkit::{assert_same_bits, random_feeds};
-use fusec_ir::{Bindings, DType, Graph, Op};
+use fusec_ir::interp::{self, Rounding};
+use fusec_ir::testkit::{assert_same_bits, training_feeds};
+use fusec_ir::{Bindings, Graph, Op};
 use fusec_models::{build_gpt2, Gpt2Config};
 use fusec_passes::amp::Precision;
 use fusec_passes::pipeline::{compile, Mode, PipelineOptions};
@@ -28,22 +25,6 @@ fn opts(recompute: Recompute, precision: Precision, no_fusion: bool) -> Pipeline
     PipelineOptions { recompute, precision, no_fusion, ..PipelineOptions::default() }
 }
 
-/// Feeds in the ranges training uses (positive second moments, small scalars).
-fn feeds(g: &Graph, vocab: u64) -> HashMap<String, Tensor> {
-    let mut f = random_feeds(g, &bind(), &mut Rng::new(11), vocab).unwrap();
-    for (name, t) in f.iter_mut() {
-        match name.as_str() {
-            "lr" => *t = Tensor::scalar(DType::F32, 1e-3),
-            "bc1" => *t = Tensor::scalar(DType::F32, 0.1),
-            "bc2" => *t = Tensor::scalar(DType::F32, 0.001),
-            "dloss" => *t = Tensor::scalar(DType::F32, 1.0),
-            n if n.starts_with("v.") => t.data.iter_mut().for_each(|x| *x = x.abs()),
-            _ => {}
-        }
-    }
-    f
-}
-
 fn gelus(g: &Graph) -> usize {
     g.nodes.iter().filter(|n| matches!(n.op, Op::Gelu)).count()
 }
@@ -58,7 +39,7 @@ fn the_backward_recomputes_each_gelu_once_and_every_output_keeps_its_bits() {
             if no_fusion {
                 assert_eq!(gelus(&again), gelus(&stored) + cfg.layers, "{precision:?}: one recomputed gelu per layer");
             }
-            let f = feeds(&stored, cfg.vocab as u64);
+            let f = training_feeds(&stored, &bind(), 11, cfg.vocab as u64);
             let want = interp::run(&stored, &bind(), &f, Rounding::F32).unwrap();
             let got = interp::run(&again, &bind(), &f, Rounding::F32).unwrap();
             assert_same_bits(&format!("{precision:?}, no_fusion {no_fusion}"), &got, &want);
