@@ -43,7 +43,7 @@ pub struct DumpArgs {
     /// Mixed precision: `bf16` casts matmul operands to bf16.
     #[arg(long, default_value = "fp32", value_parser = precision_parser())]
     precision: Precision,
-    /// What the backward recomputes instead of storing: `none`, or `gelu` (GELU outputs).
+    /// What the backward recomputes instead of storing: `none`, `gelu`, or `gelu+layernorm`.
     #[arg(long, default_value = "none", value_parser = recompute_parser())]
     recompute: Recompute,
     /// Include global-norm gradient clipping in the optimizer.
@@ -60,7 +60,7 @@ pub struct DumpArgs {
     timings: bool,
 }
 
-/// Parses `--recompute` (none, gelu) into the `recompute` pass's policy.
+/// Parses `--recompute` (none, gelu, gelu+layernorm) into the `recompute` pass's policy.
 pub fn recompute_parser() -> impl clap::builder::TypedValueParser<Value = Recompute> {
     use clap::builder::TypedValueParser;
     clap::builder::PossibleValuesParser::new(Recompute::NAMES).try_map(|s| s.parse::<Recompute>())

@@ -1,13 +1,16 @@
-//! `recompute` (`--recompute gelu`, llm.c's `-r 1`): the backward recomputes GELU outputs from
-//! their pre-activations instead of reading the values the forward stored, so those values die
-//! after their last forward use and the memory plan does not keep them through the backward.
+//! `recompute` (`--recompute gelu` and `gelu+layernorm`, llm.c's `-r 1` and `-r 2`): the backward
+//! recomputes GELU outputs from their pre-activations (and LayerNorm outputs from their inputs)
+//! instead of reading the values the forward stored, so those values die after their last
+//! forward use and the memory plan does not keep them through the backward.
 //!
 //! The forward is every node up to the one that produces the `loss` output; the backward is
-//! everything after it. A value is *recomputable* when a forward `gelu` produces it, or a
-//! forward `cast` or `reshape` of a recomputable value does (the `amp` pass's bf16 copy of a
-//! GELU output). Each recomputable value read in the backward is recomputed once, just before
-//! its first backward reader, from the non-recomputable value at the root of its chain (the
-//! pre-activation, which `gelu_grad` keeps alive anyway); every backward reader takes the copy.
+//! everything after it. A value is *recomputable* when a forward `gelu` produces it (with
+//! `gelu+layernorm`: or it is a forward `layernorm`'s normalized output), or a forward `cast` or
+//! `reshape` of a recomputable value does (the `amp` pass's bf16 copies). Each recomputable
+//! value read in the backward is recomputed once, just before its first backward reader, from
+//! the non-recomputable values it derives from (the GELU pre-activation, which `gelu_grad`
+//! keeps alive anyway; the LayerNorm input and weights, which its gradient reads too); every
+//! backward reader takes the copy.
 //! The results are bit for bit those of the graph without the pass: the same ops on the same
 //! values.
 
@@ -23,11 +26,13 @@ pub enum Recompute {
     None,
     /// GELU outputs (and their casts and reshapes).
     Gelu,
+    /// GELU and LayerNorm outputs (and their casts and reshapes).
+    GeluLayernorm,
 }
 
 impl Recompute {
     /// The names `--recompute` accepts, in order.
-    pub const NAMES: [&'static str; 2] = ["none", "gelu"];
+    pub const NAMES: [&'static str; 3] = ["none", "gelu", "gelu+layernorm"];
 }
 
 impl std::str::FromStr for Recompute {
@@ -36,6 +41,7 @@ impl std::str::FromStr for Recompute {
         match s {
             "none" => Ok(Recompute::None),
             "gelu" => Ok(Recompute::Gelu),
+            "gelu+layernorm" => Ok(Recompute::GeluLayernorm),
             _ => Err(format!("unknown recompute policy `{s}`; expected one of: {}", Recompute::NAMES.join(", "))),
         }
     }
@@ -44,21 +50,23 @@ impl std::str::FromStr for Recompute {
 /// Applies the policy; see the module docs. A graph without a `loss` output has no backward
 /// and is returned unchanged.
 pub fn recompute(g: &Graph, policy: Recompute) -> Result<Graph, String> {
-    let Some(loss) = g.output_named("loss").filter(|_| policy == Recompute::Gelu) else {
+    let Some(loss) = g.output_named("loss").filter(|_| policy != Recompute::None) else {
         return Ok(g.clone());
     };
     let last_forward = g.values[loss.0 as usize].node.0 as usize;
-    // Recomputable values: forward gelu results, and forward casts / reshapes of them.
+    // Recomputable values: forward gelu results (and layernorm outputs), and forward casts /
+    // reshapes of them.
     let mut recomputable = vec![false; g.values.len()];
     for n in &g.nodes[..=last_forward] {
         let from_recomputable = n.inputs.first().is_some_and(|v| recomputable[v.0 as usize]);
         let ok = match n.op {
             Op::Gelu => true,
+            Op::LayerNorm { .. } => policy == Recompute::GeluLayernorm,
             Op::Cast { .. } | Op::Reshape { .. } => from_recomputable,
             _ => false,
         };
-        if ok && n.results.len() == 1 {
-            recomputable[n.results[0].0 as usize] = true;
+        if let (true, Some(r)) = (ok, n.results.first()) {
+            recomputable[r.0 as usize] = true;
         }
     }
     let mut out = Graph::new(&g.name, &[]);
@@ -85,8 +93,8 @@ pub fn recompute(g: &Graph, policy: Recompute) -> Result<Graph, String> {
     Ok(out)
 }
 
-/// The backward's copy of recomputable `v`, emitted now (with the chain it derives from) unless
-/// it already exists. Walks the chain back to its non-recomputable root without recursion.
+/// The backward's copy of recomputable `v`, emitted now (with what it derives from) unless it
+/// already exists: a depth-first walk over recomputable operands, without recursion.
 fn recomputed(
     g: &Graph,
     out: &mut Graph,
@@ -95,25 +103,33 @@ fn recomputed(
     again: &mut HashMap<ValueId, ValueId>,
     v: ValueId,
 ) -> Result<ValueId, String> {
-    let mut chain = vec![];
-    let mut cur = v;
-    let mut value = loop {
-        if let Some(&c) = again.get(&cur) {
-            break c;
+    let mut stack = vec![v];
+    while let Some(&cur) = stack.last() {
+        if again.contains_key(&cur) {
+            stack.pop();
+            continue;
         }
-        if !recomputable[cur.0 as usize] {
-            break mapped(map, cur)?;
+        let p = g.producer(cur);
+        let missing: Vec<ValueId> = p.inputs.iter().copied().filter(|u| recomputable[u.0 as usize] && !again.contains_key(u)).collect();
+        if !missing.is_empty() {
+            stack.extend(missing);
+            continue;
         }
-        chain.push(cur);
-        let producer = g.producer(cur);
-        cur = *producer.inputs.first().ok_or("recompute: a recomputable value without an operand")?;
-    };
-    for old in chain.into_iter().rev() {
-        let op = g.producer(old).op.clone();
-        value = out.push_unchecked(op, &[value], vec![g.ty(old).clone()])[0];
-        again.insert(old, value);
+        let ins = p
+            .inputs
+            .iter()
+            .map(|u| if recomputable[u.0 as usize] { Ok(again[u]) } else { mapped(map, *u) })
+            .collect::<Result<Vec<ValueId>, String>>()?;
+        let tys = p.results.iter().map(|r| g.ty(*r).clone()).collect();
+        let new = out.push_unchecked(p.op.clone(), &ins, tys);
+        for (old, new) in p.results.iter().zip(new) {
+            if recomputable[old.0 as usize] {
+                again.insert(*old, new);
+            }
+        }
+        stack.pop();
     }
-    Ok(value)
+    again.get(&v).copied().ok_or_else(|| format!("recompute: {v:?} was not recomputed"))
 }
 
 /// The new value of old `v`.

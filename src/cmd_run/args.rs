@@ -81,8 +81,8 @@ pub struct RunArgs {
     /// softmax and loss); `--target cuda` or `ref`.
     #[arg(long, default_value = "fp32", value_parser = precision_parser())]
     pub precision: Precision,
-    /// What the backward recomputes instead of storing: `none`, or `gelu` (GELU outputs: less
-    /// memory, one more elementwise kernel per layer).
+    /// What the backward recomputes instead of storing: `none`, `gelu` (GELU outputs: less
+    /// memory, one more elementwise kernel per layer) or `gelu+layernorm` (also LayerNorm outputs).
     #[arg(long, default_value = "none", value_parser = recompute_parser())]
     pub recompute: Recompute,
     /// Exact fp32 matmuls on CUDA (default: TF32 tensor cores, as PyTorch allows).
