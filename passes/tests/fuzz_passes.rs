@@ -113,7 +113,7 @@ fn options(rng: &mut Rng) -> PipelineOptions {
     PipelineOptions {
         adamw,
         precision: if rng.chance(0.25) { Precision::Bf16 } else { Precision::F32 },
-        recompute: if rng.chance(0.3) { Recompute::Gelu } else { Recompute::None },
+        recompute: if rng.chance(0.3) { pick(rng, &[Recompute::Gelu, Recompute::GeluLayernorm]) } else { Recompute::None },
         no_fusion: rng.chance(0.2),
         memplan: MemplanOptions { reuse: !rng.chance(0.2) },
     }
