@@ -13,6 +13,8 @@ use std::collections::HashMap;
 
 use fusec_ir::{DType, Graph, Op, Shape, ValueId};
 
+use crate::rewrite::Copier;
+
 /// The precision policies.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Precision {
@@ -74,32 +76,20 @@ pub fn amp(g: &Graph, policy: Precision) -> Result<Graph, String> {
     if policy == Precision::F32 {
         return Ok(g.clone());
     }
-    let mut out = Graph::new(&g.name, &[]);
-    out.syms = g.syms.clone();
-    let mut map: Vec<Option<ValueId>> = vec![None; g.values.len()];
+    let mut c = Copier::new(g, "amp");
     let mut bf16_of: HashMap<ValueId, ValueId> = HashMap::new();
     for n in &g.nodes {
-        let ins = n.inputs.iter().map(|v| mapped(&map, *v)).collect::<Result<Vec<ValueId>, String>>()?;
+        let ins = c.get_all(&n.inputs)?;
         if let (Op::MatMul { .. }, Some(&r)) = (&n.op, n.results.first()) {
             if g.ty(r).dtype == DType::F32 {
-                let casts = ins.iter().map(|&v| to_bf16(&mut out, &mut bf16_of, v)).collect::<Result<Vec<ValueId>, String>>()?;
-                let y = out.try_add(n.op.clone(), &casts)?[0];
-                map[r.0 as usize] = Some(out.try_add(Op::Cast { to: DType::F32 }, &[y])?[0]);
+                let casts = ins.iter().map(|&v| to_bf16(&mut c.out, &mut bf16_of, v)).collect::<Result<Vec<ValueId>, String>>()?;
+                let y = c.out.try_add(n.op.clone(), &casts)?[0];
+                let back = c.out.try_add(Op::Cast { to: DType::F32 }, &[y])?[0];
+                c.set(r, back);
                 continue;
             }
         }
-        let tys = n.results.iter().map(|r| g.ty(*r).clone()).collect();
-        for (old, new) in n.results.iter().zip(out.push_unchecked(n.op.clone(), &ins, tys)) {
-            map[old.0 as usize] = Some(new);
-        }
+        c.copy(n, &ins);
     }
-    for (name, v) in &g.outputs {
-        out.output(name, mapped(&map, *v)?);
-    }
-    Ok(out)
-}
-
-/// The new value of old `v`.
-fn mapped(map: &[Option<ValueId>], v: ValueId) -> Result<ValueId, String> {
-    map.get(v.0 as usize).copied().flatten().ok_or_else(|| format!("amp: value {v:?} is used before it is defined"))
+    c.finish()
 }

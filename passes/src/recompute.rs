@@ -18,6 +18,8 @@ use std::collections::HashMap;
 
 use fusec_ir::{Graph, Op, ValueId};
 
+use crate::rewrite::Copier;
+
 /// What the backward recomputes.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Recompute {
@@ -69,40 +71,26 @@ pub fn recompute(g: &Graph, policy: Recompute) -> Result<Graph, String> {
             recomputable[r.0 as usize] = true;
         }
     }
-    let mut out = Graph::new(&g.name, &[]);
-    out.syms = g.syms.clone();
-    let mut map: Vec<Option<ValueId>> = vec![None; g.values.len()];
+    let mut c = Copier::new(g, "recompute");
     let mut again: HashMap<ValueId, ValueId> = HashMap::new();
     for (i, n) in g.nodes.iter().enumerate() {
         let mut ins = Vec::with_capacity(n.inputs.len());
         for &v in &n.inputs {
             ins.push(if i > last_forward && recomputable[v.0 as usize] {
-                recomputed(g, &mut out, &map, &recomputable, &mut again, v)?
+                recomputed(&mut c, &recomputable, &mut again, v)?
             } else {
-                mapped(&map, v)?
+                c.get(v)?
             });
         }
-        let tys = n.results.iter().map(|r| g.ty(*r).clone()).collect();
-        for (old, new) in n.results.iter().zip(out.push_unchecked(n.op.clone(), &ins, tys)) {
-            map[old.0 as usize] = Some(new);
-        }
+        c.copy(n, &ins);
     }
-    for (name, v) in &g.outputs {
-        out.output(name, mapped(&map, *v)?);
-    }
-    Ok(out)
+    c.finish()
 }
 
 /// The backward's copy of recomputable `v`, emitted now (with what it derives from) unless it
 /// already exists: a depth-first walk over recomputable operands, without recursion.
-fn recomputed(
-    g: &Graph,
-    out: &mut Graph,
-    map: &[Option<ValueId>],
-    recomputable: &[bool],
-    again: &mut HashMap<ValueId, ValueId>,
-    v: ValueId,
-) -> Result<ValueId, String> {
+fn recomputed(c: &mut Copier, recomputable: &[bool], again: &mut HashMap<ValueId, ValueId>, v: ValueId) -> Result<ValueId, String> {
+    let g = c.old;
     let mut stack = vec![v];
     while let Some(&cur) = stack.last() {
         if again.contains_key(&cur) {
@@ -118,10 +106,10 @@ fn recomputed(
         let ins = p
             .inputs
             .iter()
-            .map(|u| if recomputable[u.0 as usize] { Ok(again[u]) } else { mapped(map, *u) })
+            .map(|u| if recomputable[u.0 as usize] { Ok(again[u]) } else { c.get(*u) })
             .collect::<Result<Vec<ValueId>, String>>()?;
         let tys = p.results.iter().map(|r| g.ty(*r).clone()).collect();
-        let new = out.push_unchecked(p.op.clone(), &ins, tys);
+        let new = c.out.push_unchecked(p.op.clone(), &ins, tys);
         for (old, new) in p.results.iter().zip(new) {
             if recomputable[old.0 as usize] {
                 again.insert(*old, new);
@@ -130,9 +118,4 @@ fn recomputed(
         stack.pop();
     }
     again.get(&v).copied().ok_or_else(|| format!("recompute: {v:?} was not recomputed"))
-}
-
-/// The new value of old `v`.
-fn mapped(map: &[Option<ValueId>], v: ValueId) -> Result<ValueId, String> {
-    map.get(v.0 as usize).copied().flatten().ok_or_else(|| format!("recompute: value {v:?} is used before it is defined"))
 }

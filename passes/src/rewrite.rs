@@ -3,7 +3,7 @@
 use std::collections::HashSet;
 
 use fusec_ir::text::quote;
-use fusec_ir::{BinaryOp, Graph, Op, Type, UnaryOp, ValueId};
+use fusec_ir::{BinaryOp, Graph, Node, Op, Type, UnaryOp, ValueId};
 use smallvec::SmallVec;
 
 /// Appends ops to a graph through [`Graph::try_add`]: a type error (which a pass must never
@@ -173,6 +173,55 @@ pub fn value_names(g: &Graph) -> Vec<String> {
     names
 }
 
+/// A graph being rebuilt from an old one in program order: each old value's new value, the
+/// nodes copied as they are, the outputs mapped at the end. `rebuild`, `amp` and `recompute`
+/// copy graphs through it.
+pub struct Copier<'g> {
+    /// The graph being rebuilt.
+    pub old: &'g Graph,
+    /// The new graph.
+    pub out: Graph,
+    map: Vec<Option<ValueId>>,
+    pass: &'static str,
+}
+
+impl<'g> Copier<'g> {
+    /// An empty copy of `old` (name and symbols); `pass` names errors.
+    pub fn new(old: &'g Graph, pass: &'static str) -> Copier<'g> {
+        let mut out = Graph::new(&old.name, &[]);
+        out.syms = old.syms.clone();
+        Copier { old, out, map: vec![None; old.values.len()], pass }
+    }
+    /// The new value of old `v`.
+    pub fn get(&self, v: ValueId) -> Result<ValueId, String> {
+        self.map.get(v.0 as usize).copied().flatten().ok_or_else(|| format!("{}: value {v:?} is used before it is defined", self.pass))
+    }
+    /// The new values of old values.
+    pub fn get_all(&self, vs: &[ValueId]) -> Result<Vec<ValueId>, String> {
+        vs.iter().map(|v| self.get(*v)).collect()
+    }
+    /// Old `v` is now `new`.
+    pub fn set(&mut self, v: ValueId, new: ValueId) {
+        self.map[v.0 as usize] = Some(new);
+    }
+    /// Appends a copy of old node `n` with operands `ins` (new values), keeping its declared
+    /// result types, and maps its results.
+    pub fn copy(&mut self, n: &Node, ins: &[ValueId]) {
+        let tys = n.results.iter().map(|r| self.old.ty(*r).clone()).collect();
+        for (old, new) in n.results.iter().zip(self.out.push_unchecked(n.op.clone(), ins, tys)) {
+            self.map[old.0 as usize] = Some(new);
+        }
+    }
+    /// The new graph, with the old outputs mapped.
+    pub fn finish(mut self) -> Result<Graph, String> {
+        for (name, v) in &self.old.outputs {
+            let new = self.get(*v)?;
+            self.out.output(name, new);
+        }
+        Ok(self.out)
+    }
+}
+
 /// A node that replaces a matched pattern: emitted at the position of the pattern's root node;
 /// `exposes[i]` is the old value that the new node's result `i` stands for.
 pub struct Replacement {
@@ -189,30 +238,18 @@ pub struct Replacement {
 /// replacement's operands are defined before its root and that every use of an exposed value
 /// comes after the root.
 pub fn rebuild(g: &Graph, mut replacements: std::collections::HashMap<usize, Replacement>, deleted: &[bool]) -> Result<Graph, String> {
-    let mut out = Graph::new(&g.name, &[]);
-    out.syms = g.syms.clone();
-    let mut map: Vec<Option<ValueId>> = vec![None; g.values.len()];
-    let get = |map: &Vec<Option<ValueId>>, v: &ValueId| map[v.0 as usize].ok_or_else(|| format!("value {v:?} used before it is rebuilt"));
+    let mut c = Copier::new(g, "rebuild");
     for (i, n) in g.nodes.iter().enumerate() {
         if let Some(r) = replacements.remove(&i) {
-            let ins = r.inputs.iter().map(|v| get(&map, v)).collect::<Result<Vec<_>, _>>()?;
-            let res = out.try_add(r.op, &ins)?;
+            let ins = c.get_all(&r.inputs)?;
+            let res = c.out.try_add(r.op, &ins)?;
             for (old, new) in r.exposes.iter().zip(res) {
-                map[old.0 as usize] = Some(new);
+                c.set(*old, new);
             }
-            continue;
-        }
-        if deleted[i] {
-            continue;
-        }
-        let ins = n.inputs.iter().map(|v| get(&map, v)).collect::<Result<Vec<_>, _>>()?;
-        let tys = n.results.iter().map(|r| g.ty(*r).clone()).collect();
-        for (old, new) in n.results.iter().zip(out.push_unchecked(n.op.clone(), &ins, tys)) {
-            map[old.0 as usize] = Some(new);
+        } else if !deleted[i] {
+            let ins = c.get_all(&n.inputs)?;
+            c.copy(n, &ins);
         }
     }
-    for (name, v) in &g.outputs {
-        out.output(name, get(&map, v)?);
-    }
-    Ok(remove_dead_nodes(&out))
+    Ok(remove_dead_nodes(&c.finish()?))
 }
