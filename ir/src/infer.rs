@@ -201,7 +201,8 @@ pub fn result_types(op: &Op, ins: &[&Type]) -> Result<SmallVec<[Type; 3]>, Strin
             let mut lse = Shape(rows.0[..rows.rank() - 1].iter().cloned().collect());
             lse.0.push(Dim::lit(*heads));
             lse.0.push(rows.0[rows.rank() - 1].clone());
-            let lse = Type::new(qkv.dtype, lse);
+            // Softmax statistics stay f32 whatever the storage of q, k and v.
+            let lse = Type::new(DType::F32, lse);
             if matches!(op, Attention { .. }) {
                 return Ok(smallvec![out, lse]);
             }

@@ -2,6 +2,7 @@
 //! gradients. Each is written as the textbook loop over rows (llm.c's CPU code is the model).
 
 use super::{round_to, Rounding, Tensor};
+use crate::DType;
 
 fn like(x: &Tensor, data: Vec<f64>) -> Tensor {
     Tensor { dtype: x.dtype, shape: x.shape.clone(), data }
@@ -281,7 +282,7 @@ pub(super) fn attention_packed(qkv: &Tensor, heads: usize, scale: f64) -> Vec<Te
     shape[r - 1] = c;
     let mut out = vec![0.0; qkv.data.len() / 3];
     pack_heads(&out_h, &mut out, c, 0);
-    vec![Tensor { dtype: qkv.dtype, shape, data: out }, lse]
+    vec![Tensor { dtype: qkv.dtype, shape, data: out }, Tensor { dtype: DType::F32, ..lse }]
 }
 
 /// Gradient of packed attention from `(qkv, out, lse, dout)`: `dqkv: [S, T, 3C]`.

@@ -158,9 +158,9 @@ impl Builder<'_> {
             if product && l.dtypes[1] != l.dtypes[0] {
                 return Err(err(format!("a product of {} and {} operands", l.dtypes[0], l.dtypes[1])));
             }
-            if !matches!(l.op, LaunchOp::Kernel { .. }) {
-                let operands = if bf16 { 2 } else { 0 };
-                if let Some(dt) = l.dtypes.iter().skip(operands).find(|d| matches!(d, DType::BF16 | DType::F16)) {
+            // Products and attention read and write bf16 themselves; other launches are f32/i32.
+            if !matches!(l.op, LaunchOp::Kernel { .. } | LaunchOp::Product(_) | LaunchOp::Attention(_)) {
+                if let Some(dt) = l.dtypes.iter().find(|d| matches!(d, DType::BF16 | DType::F16)) {
                     return Err(err(format!(
                         "{dt} storage outside fused kernels is not supported by the CUDA target yet (use --precision fp32)"
                     )));
