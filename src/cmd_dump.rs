@@ -40,7 +40,8 @@ pub struct DumpArgs {
     /// Sequence length T (binds the symbolic dim for memory planning).
     #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..=1 << 24))]
     seq: u64,
-    /// Mixed precision: `bf16` casts matmul operands to bf16.
+    /// Mixed precision: `bf16` (bf16 activations and products, f32 residual stream) or
+    /// `bf16+residual` (the residual stream in bf16 too); `--pass amp` prints the policy.
     #[arg(long, default_value = "fp32", value_parser = precision_parser())]
     precision: Precision,
     /// What the backward recomputes instead of storing: `none`, `gelu`, or `gelu+layernorm`.
@@ -66,7 +67,7 @@ pub fn recompute_parser() -> impl clap::builder::TypedValueParser<Value = Recomp
     clap::builder::PossibleValuesParser::new(Recompute::NAMES).try_map(|s| s.parse::<Recompute>())
 }
 
-/// Parses `--precision` (fp32, bf16) into the `amp` pass's policy.
+/// Parses `--precision` (fp32, bf16, bf16+residual) into the `amp` pass's policy.
 pub fn precision_parser() -> impl clap::builder::TypedValueParser<Value = Precision> {
     use clap::builder::TypedValueParser;
     clap::builder::PossibleValuesParser::new(Precision::NAMES).try_map(|s| s.parse::<Precision>())
@@ -106,6 +107,9 @@ pub fn dump(a: DumpArgs) -> CliResult {
         _ if a.pass == LOWER_CUDA => out!("{}", lower_cuda(&out.graph, &bind)?),
         _ if lower => out!("{}", lower_cpu(&out.graph, &bind)?),
         Some(plan) => out!("{}", plan.annotate(&out.graph)),
+        None if a.pass == "amp" && a.precision.is_bf16() => {
+            out!("{}{}", fusec_passes::amp::describe(a.precision), fusec_ir::text::print(&out.graph))
+        }
         None => out!("{}", fusec_ir::text::print(&out.graph)),
     }?;
     let lower_time = t_lower.elapsed();

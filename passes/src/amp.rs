@@ -1,19 +1,34 @@
-//! `amp`: the mixed-precision policy, off unless `--precision bf16`.
+//! `amp`: the mixed-precision policy, off unless `--precision bf16` (or `bf16+residual`).
 //!
-//! Matmul operands are cast to bf16 (f32 accumulation inside the matmul); each value is cast
-//! once, so an activation that both a forward and a backward matmul read is kept in bf16 only.
-//! A reshaped operand is cast before the reshape (`cast(reshape(x))` → `reshape(cast(x))`), so
-//! the `[B*T, C]` view a weight gradient reads shares the cast of the `[B, T, C]` value the
-//! input gradient reads — the logits gradient of GPT-2 124M is 3.3 GB of f32.
-//! The product is cast back to f32 at once: master weights, optimizer state, LayerNorm
-//! statistics, softmax, attention and the loss stay f32. Every cast is an explicit op — a
-//! rounding point that later fusion keeps (a gemm's `out` dtype is exactly such a cast).
+//! Like PyTorch's autocast, each op kind has a rule, and the rules are one table ([`POLICY`],
+//! which `fusec dump --pass amp` prints above the graph):
+//!
+//! - **product** (`matmul`): bf16 operands, fp32 accumulation, a bf16 result — the activations
+//!   (qkv, fc pre-activation, logits, activation gradients) are stored in bf16. A result that is
+//!   accumulated into fp32 state (added to a graph input: the weight gradients) or is a graph
+//!   output is widened back to f32 at once, which `fuse-epilogue` makes the gemm's `out`.
+//! - **bf16** (`attention`, `attention_grad`): q, k, v, out, dout and dqkv in bf16; the
+//!   softmax statistics are f32 by the op's type rule.
+//! - **f32** (LayerNorm and its gradient, softmax, cross-entropy, reductions, gather, scatter,
+//!   AdamW): bf16 operands are widened — statistics, the loss, bias gradients, master weights
+//!   and optimizer state stay f32. A LayerNorm output is f32 in the graph but only its bf16
+//!   cast, made for the product that reads it, outlives the fused kernel.
+//! - **follow** (elementwise ops, `gelu`, `gelu_grad`, views): the operands' type, so a bias
+//!   add and GELU on a bf16 product stay bf16 (a broadcast operand — the bias — follows the
+//!   others). Where full-size operands differ (the residual stream adding a bf16 projection to
+//!   its f32 self), the residual policy decides: f32 as autocast does (`bf16`), or bf16 as
+//!   llm.c does (`bf16+residual`).
+//!
+//! Each value is narrowed to bf16 once (through reshapes and broadcasts, so a weight is cast
+//! before its transpose view and a bias before its broadcast); widening casts are made per use
+//! so each fuses into its reader's kernel. Every cast is an explicit op — a rounding point that
+//! fusion keeps. Graph outputs keep their declared dtypes.
 
 use std::collections::HashMap;
 
-use fusec_ir::{DType, Graph, Op, Shape, ValueId};
+use fusec_ir::{DType, Graph, Op, ValueId};
 
-use crate::rewrite::Copier;
+use crate::rewrite::{remove_dead_nodes, Copier, Uses};
 
 /// The precision policies.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -21,13 +36,20 @@ pub enum Precision {
     /// Everything f32 (the pass does nothing).
     #[default]
     F32,
-    /// bf16 matmul operands, f32 everything else.
+    /// bf16 activations and products, an f32 residual stream (autocast's choice).
     Bf16,
+    /// As `Bf16`, with the residual stream in bf16 too (llm.c's choice).
+    Bf16Residual,
 }
 
 impl Precision {
     /// The names `--precision` accepts, in order.
-    pub const NAMES: [&'static str; 2] = ["fp32", "bf16"];
+    pub const NAMES: [&'static str; 3] = ["fp32", "bf16", "bf16+residual"];
+
+    /// Whether products and activations are bf16.
+    pub fn is_bf16(self) -> bool {
+        self != Precision::F32
+    }
 }
 
 impl std::str::FromStr for Precision {
@@ -36,39 +58,128 @@ impl std::str::FromStr for Precision {
         match s {
             "fp32" => Ok(Precision::F32),
             "bf16" => Ok(Precision::Bf16),
+            "bf16+residual" => Ok(Precision::Bf16Residual),
             _ => Err(format!("unknown precision `{s}`; expected one of: {}", Precision::NAMES.join(", "))),
         }
     }
 }
 
-/// The bf16 copy of `v` (made once): a reshape of the copy of what `v` reshapes, if it is a
-/// reshape. Walks a chain of reshapes back to its source without recursion.
-fn to_bf16(out: &mut Graph, bf16_of: &mut HashMap<ValueId, ValueId>, v: ValueId) -> Result<ValueId, String> {
-    // The reshapes from `v` back to a value with a copy, or to a value that is no reshape.
-    let mut chain: Vec<(ValueId, Shape)> = Vec::new();
-    let mut cur = v;
-    let mut copy = loop {
-        if let Some(&c) = bf16_of.get(&cur) {
-            break c;
+/// What an op kind does with its float operands and results under bf16.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Rule {
+    /// bf16 operands, fp32 accumulation, bf16 result (f32 when accumulated into f32 state).
+    Product,
+    /// bf16 operands and tensor results (statistics f32 by the op's type).
+    Bf16,
+    /// f32 operands and results.
+    F32,
+    /// The operands' type; differing full-size operands follow the residual policy.
+    Follow,
+}
+
+/// The policy table: op mnemonics and their rule, and why. Ops not listed follow their
+/// operands ([`Rule::Follow`]); sources (`param`, `input`, `const`, `iota`) keep their types.
+pub const POLICY: &[(&[&str], Rule, &str)] = &[
+    (&["matmul"], Rule::Product, "tensor-core products; activations stored bf16, weight gradients accumulate f32"),
+    (&["attention", "attention_grad"], Rule::Bf16, "q, k, v, out and their gradients stored bf16; lse f32"),
+    (&["layernorm", "layernorm_grad"], Rule::F32, "statistics and normalization in f32"),
+    (&["softmax", "softmax_grad", "cross_entropy", "cross_entropy_grad"], Rule::F32, "exponentials and the loss in f32"),
+    (&["reduce_sum", "reduce_max"], Rule::F32, "sums (bias gradients, the loss) in f32"),
+    (&["gather", "scatter_add"], Rule::F32, "embedding tables and their gradients are f32 master state"),
+    (&["adamw"], Rule::F32, "master weights and moments in f32"),
+];
+
+/// The rule of `op`.
+pub fn rule(op: &Op) -> Rule {
+    let m = op.mnemonic();
+    POLICY.iter().find(|(ops, _, _)| ops.contains(&m)).map_or(Rule::Follow, |&(_, r, _)| r)
+}
+
+/// The policy as `#` comment lines (printed by `fusec dump --pass amp`).
+pub fn describe(p: Precision) -> String {
+    let residual = if p == Precision::Bf16Residual { "bf16 (llm.c)" } else { "f32 (autocast)" };
+    let mut s = format!("# amp policy `{}`; residual stream: {residual}\n", name(p));
+    for (ops, r, why) in POLICY {
+        s += &format!("#   {:<58} {:<8} {why}\n", ops.join(", "), format!("{r:?}").to_lowercase());
+    }
+    s + "#   (other ops)                                                follow   the operands' type\n"
+}
+
+fn name(p: Precision) -> &'static str {
+    Precision::NAMES[p as usize]
+}
+
+/// The graph being rebuilt and the casts made so far.
+struct Amp<'g> {
+    c: Copier<'g>,
+    /// The bf16 copy of each new value narrowed so far.
+    narrowed: HashMap<ValueId, ValueId>,
+}
+
+impl Amp<'_> {
+    fn dtype(&self, v: ValueId) -> DType {
+        self.c.out.ty(v).dtype
+    }
+
+    /// `v` (a new value) in dtype `to`: itself, or a cast. Narrowing walks reshapes and
+    /// broadcasts back to their source and casts it once; widening casts per use.
+    fn convert(&mut self, v: ValueId, to: DType) -> Result<ValueId, String> {
+        let from = self.dtype(v);
+        if from == to || !from.is_float() {
+            return Ok(v);
         }
-        let p = out.producer(cur);
-        match (&p.op, p.inputs.first()) {
-            (Op::Reshape { shape }, Some(&src)) => {
-                chain.push((cur, shape.clone()));
-                cur = src;
-            }
-            _ => {
-                let c = out.try_add(Op::Cast { to: DType::BF16 }, &[cur])?[0];
-                bf16_of.insert(cur, c);
+        if to != DType::BF16 {
+            return self.c.out.try_add(Op::Cast { to }, &[v]).map(|r| r[0]);
+        }
+        // The views from `v` back to a value with a copy, or to one that is no view.
+        let mut chain: Vec<(ValueId, Op)> = Vec::new();
+        let mut cur = v;
+        let mut copy = loop {
+            if let Some(&c) = self.narrowed.get(&cur) {
                 break c;
             }
+            let p = self.c.out.producer(cur);
+            match (&p.op, p.inputs.first()) {
+                (Op::Reshape { .. } | Op::Broadcast { .. }, Some(&src)) => {
+                    chain.push((cur, p.op.clone()));
+                    cur = src;
+                }
+                _ => {
+                    let c = self.c.out.try_add(Op::Cast { to }, &[cur])?[0];
+                    self.narrowed.insert(cur, c);
+                    break c;
+                }
+            }
+        };
+        for (old, op) in chain.into_iter().rev() {
+            copy = self.c.out.try_add(op, &[copy])?[0];
+            self.narrowed.insert(old, copy);
         }
-    };
-    for (old, shape) in chain.into_iter().rev() {
-        copy = out.try_add(Op::Reshape { shape }, &[copy])?[0];
-        bf16_of.insert(old, copy);
+        Ok(copy)
     }
-    Ok(copy)
+
+    /// The dtype a `Follow` op computes in: that of its float operands, a broadcast operand
+    /// following the others; where full-size operands differ, `residual`.
+    fn follow(&self, ins: &[ValueId], residual: DType) -> Option<DType> {
+        let floats: Vec<ValueId> = ins.iter().copied().filter(|&v| self.dtype(v).is_float()).collect();
+        let full: Vec<DType> =
+            floats.iter().filter(|&&v| !matches!(self.c.out.producer(v).op, Op::Broadcast { .. })).map(|&v| self.dtype(v)).collect();
+        let pick = if full.is_empty() { floats.iter().map(|&v| self.dtype(v)).collect() } else { full };
+        let first = *pick.first()?;
+        Some(if pick.iter().all(|&d| d == first) { first } else { residual })
+    }
+}
+
+/// Whether old value `v` is accumulated into f32 state: a graph output, or only ever added to
+/// a graph input (a gradient accumulator).
+fn accumulated(g: &Graph, uses: &Uses, v: ValueId) -> bool {
+    let users = &uses.users[v.0 as usize];
+    uses.is_output[v.0 as usize]
+        || (!users.is_empty()
+            && users.iter().all(|&u| {
+                let n = &g.nodes[u];
+                n.op == Op::Binary(fusec_ir::BinaryOp::Add) && n.inputs.iter().any(|&i| matches!(g.producer(i).op, Op::Input { .. }))
+            }))
 }
 
 /// Applies the policy; see the module docs.
@@ -76,20 +187,49 @@ pub fn amp(g: &Graph, policy: Precision) -> Result<Graph, String> {
     if policy == Precision::F32 {
         return Ok(g.clone());
     }
-    let mut c = Copier::new(g, "amp");
-    let mut bf16_of: HashMap<ValueId, ValueId> = HashMap::new();
+    let residual = if policy == Precision::Bf16Residual { DType::BF16 } else { DType::F32 };
+    let uses = Uses::of(g);
+    let mut a = Amp { c: Copier::new(g, "amp"), narrowed: HashMap::new() };
     for n in &g.nodes {
-        let ins = c.get_all(&n.inputs)?;
-        if let (Op::MatMul { .. }, Some(&r)) = (&n.op, n.results.first()) {
-            if g.ty(r).dtype == DType::F32 {
-                let casts = ins.iter().map(|&v| to_bf16(&mut c.out, &mut bf16_of, v)).collect::<Result<Vec<ValueId>, String>>()?;
-                let y = c.out.try_add(n.op.clone(), &casts)?[0];
-                let back = c.out.try_add(Op::Cast { to: DType::F32 }, &[y])?[0];
-                c.set(r, back);
-                continue;
+        let ins = a.c.get_all(&n.inputs)?;
+        if n.inputs.is_empty() || matches!(n.op, Op::Cast { .. } | Op::Gemm(_) | Op::Kernel(_)) {
+            // Sources, explicit casts and already fused ops keep their declared types (fused
+            // ops get their operands in the declared types back).
+            let mut conv = ins.clone();
+            if !matches!(n.op, Op::Cast { .. }) {
+                for (v, old) in conv.iter_mut().zip(&n.inputs) {
+                    *v = a.convert(*v, g.ty(*old).dtype)?;
+                }
             }
+            a.c.copy(n, &conv);
+            continue;
         }
-        c.copy(n, &ins);
+        let to = match rule(&n.op) {
+            Rule::Product | Rule::Bf16 => Some(DType::BF16),
+            Rule::F32 => Some(DType::F32),
+            Rule::Follow => a.follow(&ins, residual),
+        };
+        let mut conv = Vec::with_capacity(ins.len());
+        for (i, &v) in ins.iter().enumerate() {
+            // Attention's statistics operand (`lse`) is f32 by type.
+            let keep = matches!(n.op, Op::AttentionGrad { .. }) && i == 2;
+            conv.push(match to {
+                Some(d) if !keep => a.convert(v, d)?,
+                _ => v,
+            });
+        }
+        let rs = a.c.out.try_add(n.op.clone(), &conv).map_err(|e| format!("amp: `{}`: {e}", n.op.mnemonic()))?;
+        for (&old, &new) in n.results.iter().zip(rs.iter()) {
+            let widen = rule(&n.op) == Rule::Product && accumulated(g, &uses, old);
+            let new = if widen { a.convert(new, g.ty(old).dtype)? } else { new };
+            a.c.set(old, new);
+        }
     }
-    c.finish()
+    // Outputs keep their declared dtypes.
+    for (_, v) in &g.outputs {
+        let (new, want) = (a.c.get(*v)?, g.ty(*v).dtype);
+        let back = a.convert(new, want)?;
+        a.c.set(*v, back);
+    }
+    Ok(remove_dead_nodes(&a.c.finish()?))
 }

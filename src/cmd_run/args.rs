@@ -77,8 +77,9 @@ pub struct RunArgs {
     /// Do not stop on an exploding loss (a NaN or infinite loss or gradient norm still stops).
     #[arg(long)]
     pub no_divergence_check: bool,
-    /// Mixed precision: `bf16` casts matmul operands to bf16 (fp32 master weights, statistics,
-    /// softmax and loss); `--target cuda` or `ref`.
+    /// Mixed precision: `bf16` stores activations and runs products in bf16 (fp32 master weights,
+    /// statistics, softmax, loss and residual stream); `bf16+residual` also keeps the residual
+    /// stream in bf16 (llm.c). `fusec dump --pass amp` prints the policy. `--target cuda` or `ref`.
     #[arg(long, default_value = "fp32", value_parser = precision_parser())]
     pub precision: Precision,
     /// What the backward recomputes instead of storing: `none`, `gelu` (GELU outputs: less
@@ -167,7 +168,7 @@ impl RunArgs {
         if self.target == Target::Ref && (self.profile || self.profile_json.is_some()) {
             return Err("--profile and --profile-json time compiled kernels: use --target cpu or --target cuda".into());
         }
-        if self.precision == Precision::Bf16 && self.target == Target::Cpu {
+        if self.precision.is_bf16() && self.target == Target::Cpu {
             return Err("--precision bf16 needs --target cuda or --target ref (the CPU target's products are fp32)".into());
         }
         for (flag, path) in [("--save", &self.save), ("--profile-json", &self.profile_json), ("--log-json", &self.log_json)] {

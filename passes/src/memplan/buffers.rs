@@ -237,10 +237,18 @@ fn is_pointwise(op: &Op) -> bool {
     op.is_elementwise() || matches!(op, Op::AdamW { .. })
 }
 
+/// A `cross_entropy_grad` reached only through its logits: backends read a whole row of logits
+/// (its maximum and sum) before writing that row's gradient, and then write element `i` right
+/// after reading it, so the gradient may overwrite the logits (llm.c's fused classifier does).
+fn reads_row_before_writing(n: &fusec_ir::Node, reach: &[bool]) -> bool {
+    matches!(n.op, Op::CrossEntropyGrad { .. }) && n.inputs.iter().skip(1).all(|v| !reach[v.0 as usize])
+}
+
 /// The in-place options of `node`; see [`InPlace`]. Conservative: an elementwise op may overwrite
 /// any operand of its result's shape; `adamw` its `p`, `m` and `v`; a kernel may overwrite operand
 /// `k` with result `r` of the same shape when everything downstream of `k` in its body is pointwise
-/// and reaches `r` (and, in a multi-phase kernel, nothing else).
+/// (or a `cross_entropy_grad` of its logits) and reaches `r` (and, in a multi-phase kernel,
+/// nothing else).
 pub(crate) fn in_place_options(node: &fusec_ir::Node, g: &Graph) -> InPlace {
     let (ni, nr) = (node.inputs.len(), node.results.len());
     // Same element count; `memplan` also requires the same byte size (an i32 mask may become f32).
@@ -277,7 +285,7 @@ pub(crate) fn in_place_options(node: &fusec_ir::Node, g: &Graph) -> InPlace {
                 let mut pointwise = true;
                 for n in &body.nodes {
                     if n.inputs.iter().any(|v| reach[v.0 as usize]) {
-                        pointwise &= is_pointwise(&n.op);
+                        pointwise &= is_pointwise(&n.op) || reads_row_before_writing(n, &reach);
                         n.results.iter().for_each(|r| reach[r.0 as usize] = true);
                     }
                 }
