@@ -241,10 +241,16 @@ pub fn result_types(op: &Op, ins: &[&Type]) -> Result<SmallVec<[Type; 3]>, Strin
             for t in &ins[1..4] {
                 same(p, t)?;
             }
+            check(matches!(ins.len(), 7 | 8), || format!("`adamw` takes 7 or 8 operands, found {}", ins.len()))?;
             for t in &ins[4..7] {
                 check(**t == Type::scalar(DType::F32), || format!("adamw lr/bc1/bc2 must be f32[], found {t}"))?;
             }
-            Ok(smallvec![p.clone(), p.clone(), p.clone()])
+            let mut out = smallvec![p.clone(), p.clone(), p.clone()];
+            if let Some(copy) = ins.get(7) {
+                check(copy.shape == p.shape && copy.dtype.is_float(), || format!("adamw copy must be a float {}, found {copy}", p.shape))?;
+                out.push((*copy).clone());
+            }
+            Ok(out)
         }
     }
 }
@@ -262,8 +268,7 @@ pub fn expected_arity(op: &Op) -> Option<usize> {
         Select | LayerNorm { .. } | CrossEntropyGrad { .. } => 3,
         AttentionGrad { .. } => 4,
         LayerNormGrad => 5,
-        AdamW { .. } => 7,
-        Concat { .. } | Kernel(_) => return None,
+        Concat { .. } | Kernel(_) | AdamW { .. } => return None,
         Gemm(g) => 2 + g.bias as usize + g.accumulate as usize,
     })
 }

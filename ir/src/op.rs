@@ -162,7 +162,9 @@ pub enum Op {
     /// One AdamW update (PyTorch / llm.c formula) of a parameter tensor:
     /// `(p, g, m, v: f32[S], lr, bc1, bc2: f32[]) -> (p', m', v')` with `m' = b1 m + (1-b1) g`,
     /// `v' = b2 v + (1-b2) g^2`, `p' = p - lr ((m'/bc1) / (sqrt(v'/bc2) + eps) + wd p)`,
-    /// where `bc1 = 1 - b1^t` and `bc2 = 1 - b2^t` are runtime scalars.
+    /// where `bc1 = 1 - b1^t` and `bc2 = 1 - b2^t` are runtime scalars. An optional eighth
+    /// operand is a low-precision copy of `p` (the bf16 weights the products read): then a fourth
+    /// result is `p'` in the copy's dtype, written in the same pass (mixed precision's `amp`).
     AdamW { beta1: f64, beta2: f64, eps: f64, weight_decay: f64 },
 
     // ---- fused ---------------------------------------------------------------------------

@@ -19,6 +19,12 @@
 //!   its f32 self), the residual policy decides: f32 as autocast does (`bf16`), or bf16 as
 //!   llm.c does (`bf16+residual`).
 //!
+//! **Weights.** In a training step whose AdamW writes a parameter back, the products read the
+//! parameter's bf16 copy, a persistent input `bf16.P` (like `m.P`), and the update writes the
+//! next copy in the same pass (`adamw`'s optional copy operand and result, output `bf16.P`);
+//! the runtime fills the copies when it loads parameters. No weight is cast at each step.
+//! Other programs (forward, gradients only) cast the weights they read.
+//!
 //! Each value is narrowed to bf16 once (through reshapes and broadcasts, so a weight is cast
 //! before its transpose view and a bias before its broadcast); widening casts are made per use
 //! so each fuses into its reader's kernel. Every cast is an explicit op — a rounding point that
@@ -109,11 +115,16 @@ fn name(p: Precision) -> &'static str {
     Precision::NAMES[p as usize]
 }
 
+/// The prefix of the persistent bf16 copies of parameters (`bf16.wte`).
+pub const COPY_PREFIX: &str = "bf16.";
+
 /// The graph being rebuilt and the casts made so far.
 struct Amp<'g> {
     c: Copier<'g>,
     /// The bf16 copy of each new value narrowed so far.
     narrowed: HashMap<ValueId, ValueId>,
+    /// Parameters whose AdamW update (not yet copied) is written back: their copy inputs.
+    copyable: HashMap<String, Option<ValueId>>,
 }
 
 impl Amp<'_> {
@@ -144,6 +155,13 @@ impl Amp<'_> {
                     chain.push((cur, p.op.clone()));
                     cur = src;
                 }
+                (Op::Param { name, ty }, _) if self.copyable.contains_key(name) => {
+                    let (name, shape) = (format!("{COPY_PREFIX}{name}"), ty.shape.clone());
+                    let c = self.c.out.try_add(Op::Input { name, ty: fusec_ir::Type::new(to, shape) }, &[])?[0];
+                    *self.copyable.get_mut(&param_name(&self.c.out, cur)).expect("listed") = Some(c);
+                    self.narrowed.insert(cur, c);
+                    break c;
+                }
                 _ => {
                     let c = self.c.out.try_add(Op::Cast { to }, &[cur])?[0];
                     self.narrowed.insert(cur, c);
@@ -170,6 +188,28 @@ impl Amp<'_> {
     }
 }
 
+fn param_name(g: &Graph, v: ValueId) -> String {
+    match &g.producer(v).op {
+        Op::Param { name, .. } => name.clone(),
+        _ => String::new(),
+    }
+}
+
+/// The parameters of `g` that an `adamw` updates and `g` writes back (outputs under their own
+/// name), when no name `bf16.P` is taken.
+fn written_back(g: &Graph) -> HashMap<String, Option<ValueId>> {
+    let taken = |n: &str| g.nodes.iter().any(|x| crate::rewrite::source_name(&x.op) == Some(n)) || g.output_named(n).is_some();
+    let mut out = HashMap::new();
+    for n in g.nodes.iter().filter(|n| matches!(n.op, Op::AdamW { .. }) && n.inputs.len() == 7) {
+        if let Op::Param { name, .. } = &g.producer(n.inputs[0]).op {
+            if g.output_named(name) == Some(n.results[0]) && !taken(&format!("{COPY_PREFIX}{name}")) {
+                out.insert(name.clone(), None);
+            }
+        }
+    }
+    out
+}
+
 /// Whether old value `v` is accumulated into f32 state: a graph output, or only ever added to
 /// a graph input (a gradient accumulator).
 fn accumulated(g: &Graph, uses: &Uses, v: ValueId) -> bool {
@@ -189,7 +229,8 @@ pub fn amp(g: &Graph, policy: Precision) -> Result<Graph, String> {
     }
     let residual = if policy == Precision::Bf16Residual { DType::BF16 } else { DType::F32 };
     let uses = Uses::of(g);
-    let mut a = Amp { c: Copier::new(g, "amp"), narrowed: HashMap::new() };
+    let mut a = Amp { c: Copier::new(g, "amp"), narrowed: HashMap::new(), copyable: written_back(g) };
+    let mut copies: Vec<(String, ValueId)> = vec![];
     for n in &g.nodes {
         let ins = a.c.get_all(&n.inputs)?;
         if n.inputs.is_empty() || matches!(n.op, Op::Cast { .. } | Op::Gemm(_) | Op::Kernel(_)) {
@@ -218,7 +259,17 @@ pub fn amp(g: &Graph, policy: Precision) -> Result<Graph, String> {
                 _ => v,
             });
         }
+        if let Op::AdamW { .. } = n.op {
+            // The update of a parameter whose products read its copy writes the next copy.
+            let name = param_name(g, n.inputs[0]);
+            if let Some(copy) = a.copyable.remove(&name).flatten() {
+                conv.push(copy);
+            }
+        }
         let rs = a.c.out.try_add(n.op.clone(), &conv).map_err(|e| format!("amp: `{}`: {e}", n.op.mnemonic()))?;
+        if let (Op::AdamW { .. }, Some(&copy)) = (&n.op, rs.get(3)) {
+            copies.push((format!("{COPY_PREFIX}{}", param_name(g, n.inputs[0])), copy));
+        }
         for (&old, &new) in n.results.iter().zip(rs.iter()) {
             let widen = rule(&n.op) == Rule::Product && accumulated(g, &uses, old);
             let new = if widen { a.convert(new, g.ty(old).dtype)? } else { new };
@@ -231,5 +282,9 @@ pub fn amp(g: &Graph, policy: Precision) -> Result<Graph, String> {
         let back = a.convert(new, want)?;
         a.c.set(*v, back);
     }
-    Ok(remove_dead_nodes(&a.c.finish()?))
+    let mut out = a.c.finish()?;
+    for (name, v) in copies {
+        out.output(&name, v);
+    }
+    Ok(remove_dead_nodes(&out))
 }

@@ -76,11 +76,19 @@ pub struct StepLog {
     pub grad_norm: Option<f64>,
 }
 
-/// Loads parameters into the executor and zeroes optimizer state and gradient accumulators.
+/// Loads parameters into the executor (and their bf16 copies, where the step reads the copies
+/// that AdamW writes) and zeroes optimizer state and gradient accumulators. The only way to set
+/// parameters for training: a copy left stale would train on other weights.
 pub fn init_state(ex: &mut dyn Executor, step_graph: &Graph, params: &HashMap<String, Tensor>) -> Result<(), String> {
+    let inputs: std::collections::HashSet<&str> = step_graph.inputs().into_iter().map(|(n, _)| n).collect();
     for (name, _) in step_graph.params() {
         let t = params.get(name).ok_or_else(|| format!("no initial value for parameter `{name}`"))?;
         ex.set(name, t.clone())?;
+        let copy = format!("{}{name}", fusec_passes::amp::COPY_PREFIX);
+        if inputs.contains(copy.as_str()) {
+            let data = t.data.iter().map(|&x| fusec_ir::interp::round_to(DType::BF16, x)).collect();
+            ex.set(&copy, Tensor { dtype: DType::BF16, shape: t.shape.clone(), data })?;
+        }
         let shape = t.shape.clone();
         for prefix in ["m.", "v.", "grad."] {
             ex.set_zeros(&format!("{prefix}{name}"), DType::F32, shape.clone())?;

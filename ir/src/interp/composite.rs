@@ -230,7 +230,12 @@ pub(super) fn adamw(ins: &[&Tensor], [b1, b2, eps, wd]: [f64; 4], prec: Rounding
         nm.push(mi);
         nv.push(vi);
     }
-    vec![like(p, np), like(p, nm), like(p, nv)]
+    // The low-precision copy is `p'` rounded to f32 (as the parameter is) and then, by the
+    // caller, to the copy's dtype.
+    let copy = ins.get(7).map(|c| like(c, np.iter().map(|&x| rnd(x)).collect()));
+    let mut out = vec![like(p, np), like(p, nm), like(p, nv)];
+    out.extend(copy);
+    out
 }
 
 /// `[S, T, 3C]` packed projections split into `[S, heads, T, D]` queries, keys and values.

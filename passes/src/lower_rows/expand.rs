@@ -64,7 +64,12 @@ pub(crate) fn composite(l: &mut Lowerer, ni: usize) -> R<Vec<NodeId>> {
             for &i in &ins[4..7] {
                 v.push(l.lower(i, &[])?);
             }
-            adamw(l, &v, [beta1, beta2, eps, weight_decay])
+            let mut rs = adamw(l, &v, [beta1, beta2, eps, weight_decay])?;
+            if ins.len() == 8 {
+                // The low-precision copy: `p'` again, rounded to the copy's dtype by the caller.
+                rs.push(rs[0]);
+            }
+            Ok(rs)
         }
         op => Err(format!("`{}` is not a composite", op.mnemonic())),
     }

@@ -265,7 +265,7 @@ pub(crate) fn in_place_options(node: &fusec_ir::Node, g: &Graph) -> InPlace {
                 }
             }
             let pairs: Vec<(usize, usize)> =
-                if let Op::AdamW { .. } = op { vec![(0, 0), (1, 2), (2, 3)] } else { (0..ni).map(|k| (0, k)).collect() };
+                if let Op::AdamW { .. } = op { vec![(0, 0), (1, 2), (2, 3), (3, 7)] } else { (0..ni).map(|k| (0, k)).collect() };
             for (r, k) in pairs {
                 if k < ni && r < nr && o.reach[k].is_some() && same_shape(k, r) {
                     o.candidates[r].push(k);

@@ -40,7 +40,7 @@ use cudarc::cublas::sys as blas;
 use cudarc::driver::sys;
 use fusec_codegen_cuda::nvrtc::Compiler;
 use fusec_codegen_cuda::{flash, kernel_source, native, KernelSource};
-use fusec_ir::interp::Tensor;
+use fusec_ir::interp::{round_to, Tensor};
 use fusec_ir::DType;
 use fusec_passes::memplan::ALIGN;
 
@@ -253,6 +253,11 @@ impl CudaExecutor {
                 self.dev.download(&mut v, self.dev.base + off)?;
                 v.into_iter().map(|x| x as f64).collect()
             }
+            DType::BF16 => {
+                let mut v = vec![0u16; n];
+                self.dev.download(&mut v, self.dev.base + off)?;
+                v.into_iter().map(|x| f32::from_bits((x as u32) << 16) as f64).collect()
+            }
             d => return Err(format!("reading {d} tensors from the GPU is not supported")),
         };
         Ok(Tensor { dtype: dt, shape, data })
@@ -420,6 +425,11 @@ impl Executor for CudaExecutor {
         match dt {
             DType::I32 => self.dev.upload(self.dev.base + off, &t.data.iter().map(|&x| x as i32).collect::<Vec<_>>()),
             DType::F32 => self.dev.upload(self.dev.base + off, &t.to_f32()),
+            DType::BF16 => {
+                // Rounded to nearest even, then exact in f32: its top 16 bits.
+                let bits: Vec<u16> = t.data.iter().map(|&x| ((round_to(DType::BF16, x) as f32).to_bits() >> 16) as u16).collect();
+                self.dev.upload(self.dev.base + off, &bits)
+            }
             d => Err(format!("`{name}`: {d} tensors cannot be set on the GPU yet")),
         }
     }
