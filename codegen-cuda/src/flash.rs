@@ -22,12 +22,26 @@
 //! the last one, past `T`) is masked.
 //!
 //! Products are `mma.sync.m16n8k8` with TF32 operands rounded to nearest (`cvt.rna.tf32`) and
-//! fp32 accumulation — the numerics of cuBLAS's TF32 mode, so the runtime uses these kernels
-//! only when TF32 products are allowed (`--no-tf32` keeps the exact cuBLAS + softmax path).
+//! fp32 accumulation — the numerics of cuBLAS's TF32 mode, so on f32 storage the runtime uses
+//! these kernels only when TF32 products are allowed (`--no-tf32` keeps the exact cuBLAS +
+//! softmax path; on bf16 storage see below).
 //! Operand tiles are staged in shared memory with rows padded to `D + 4` floats, which makes
 //! every fragment load free of bank conflicts. The probabilities go from the accumulator layout
 //! to the next product's `A` operand without shuffles: an `A` fragment's column `t` (`t + 4`) is
 //! read as key `2t` (`2t + 1`), and the `B` operand's rows are read with the same permutation.
+//!
+//! Storage: one module per head size and storage type of `qkv`, `out`, `dout` and `dqkv` — f32
+//! (`fusec_flash_d64`) or bf16 (`fusec_flash_d64_bf16`); `lse` and the `dsum` row sums are f32
+//! either way. The kernels differ only in the element type and three access helpers (`ld4`
+//! stages four elements of a tile row, `ld1` reads one for the row sums, `st2` writes two
+//! results): bf16 is widened to f32 by a 16-bit shift on the way into shared memory (8-byte
+//! loads where f32 loads 16), so tiles, fragments and the TF32 products are the same; results
+//! are rounded to bf16 to nearest even (the prelude's `f32_to_bf16`) as they are stored. Every
+//! bf16 value is exact in TF32 (8 significant bits against 11), so on bf16 storage the products
+//! round only the probabilities, far below bf16's own rounding of the results — which is why
+//! the runtime runs bf16 attention on these kernels even under `--no-tf32`.
+
+use fusec_ir::DType;
 
 /// Query (and key) rows per block.
 pub const TILE: u32 = 64;
@@ -45,18 +59,63 @@ pub fn supported(d: usize) -> bool {
     d.is_multiple_of(8) && (8..=64).contains(&d)
 }
 
-/// The module's name for head size `d`.
-pub fn name(d: usize) -> String {
-    format!("fusec_flash_d{d}")
+/// Every head size the kernels handle (see [`supported`]), for error messages.
+pub fn head_sizes() -> Vec<usize> {
+    (8..=64).filter(|d| supported(*d)).collect()
 }
 
-/// The CUDA C of the three kernels for head size `d` (see [`supported`]).
-pub fn source(d: usize) -> String {
+/// Whether the kernels read and write `qkv`, `out`, `dout` and `dqkv` stored as `dtype` (f32 or
+/// bf16; `lse` and the row sums are f32 either way).
+pub fn storage_supported(dtype: DType) -> bool {
+    matches!(dtype, DType::F32 | DType::BF16)
+}
+
+/// The module's name for head size `d` and storage `dtype`: `fusec_flash_d64`,
+/// `fusec_flash_d64_bf16`.
+pub fn name(d: usize, dtype: DType) -> String {
+    match dtype {
+        DType::F32 => format!("fusec_flash_d{d}"),
+        _ => format!("fusec_flash_d{d}_{dtype}"),
+    }
+}
+
+/// The CUDA C of the three kernels for head size `d` (see [`supported`]) on storage `dtype` (see
+/// [`storage_supported`]).
+pub fn source(d: usize, dtype: DType) -> String {
     assert!(supported(d), "flash attention for head size {d}");
-    let mut s = format!("// {} (fusec: {})\n#define HD {d}\n", name(d), crate::CODEGEN_REVISION);
+    assert!(storage_supported(dtype), "flash attention on {dtype} storage");
+    let mut s = format!("// {} (fusec: {})\n#define HD {d}\n", name(d, dtype), crate::CODEGEN_REVISION);
+    if dtype == DType::BF16 {
+        // For `f32_to_bf16` (the rounding every other bf16 store uses).
+        s.push_str(crate::prelude::PRELUDE);
+        s.push_str(BF16_IO);
+    } else {
+        s.push_str(F32_IO);
+    }
     s.push_str(BODY);
     s
 }
+
+/// Element type and global-memory access of f32 storage: `ld4` is one `float4` load, `st2` one
+/// `float2` store.
+const F32_IO: &str = r#"typedef float elem;
+__device__ __forceinline__ float ld1(const elem* p) { return *p; }
+__device__ __forceinline__ float4 ld4(const elem* p) { return *(const float4*)p; }
+__device__ __forceinline__ void st2(elem* p, float a, float b) { *(float2*)p = make_float2(a, b); }
+"#;
+
+/// The same for bf16 storage: four elements (8 bytes, little-endian: the first in the low half)
+/// widened by 16-bit shifts; two results rounded to nearest even and stored as one 32-bit word.
+const BF16_IO: &str = r#"typedef unsigned short elem;
+__device__ __forceinline__ float ld1(const elem* p) { return __uint_as_float(((unsigned)*p) << 16); }
+__device__ __forceinline__ float4 ld4(const elem* p) {
+  const uint2 u = *(const uint2*)p;
+  return make_float4(__uint_as_float(u.x << 16), __uint_as_float(u.x & 0xffff0000u), __uint_as_float(u.y << 16), __uint_as_float(u.y & 0xffff0000u));
+}
+__device__ __forceinline__ void st2(elem* p, float a, float b) {
+  *(unsigned*)p = (unsigned)f32_to_bf16(a) | ((unsigned)f32_to_bf16(b) << 16);
+}
+"#;
 
 const BODY: &str = r#"#define LD (HD + 4)
 #define TILE 64
@@ -78,13 +137,13 @@ __device__ __forceinline__ void mma8(float* c, const float* a, float b0, float b
                : "r"(__float_as_uint(a[0])), "r"(__float_as_uint(a[1])), "r"(__float_as_uint(a[2])), "r"(__float_as_uint(a[3])),
                  "r"(__float_as_uint(b0)), "r"(__float_as_uint(b1)));
 }
-// Rows [r0, r0 + 64) of a row-major matrix (row stride `stride` floats) into sm[64][LD], rounded
-// to TF32; rows at or past T are zeros.
-__device__ __forceinline__ void load_tile(float* sm, const float* base, long long stride, int r0, int T) {
+// Rows [r0, r0 + 64) of a row-major matrix (row stride `stride` elements) into sm[64][LD] as f32,
+// rounded to TF32; rows at or past T are zeros.
+__device__ __forceinline__ void load_tile(float* sm, const elem* base, long long stride, int r0, int T) {
   for (int i = threadIdx.x; i < TILE * (HD / 4); i += 128) {
     const int r = i / (HD / 4), c = (i % (HD / 4)) * 4;
     float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    if (r0 + r < T) v = *(const float4*)(base + (long long)(r0 + r) * stride + c);
+    if (r0 + r < T) v = ld4(base + (long long)(r0 + r) * stride + c);
     v.x = tf32(v.x); v.y = tf32(v.y); v.z = tf32(v.z); v.w = tf32(v.w);
     *(float4*)(sm + r * LD + c) = v;
   }
@@ -127,25 +186,25 @@ __device__ __forceinline__ float quad_sum(float x) {
   return x + __shfl_xor_sync(FULL, x, 2);
 }
 // Rows `row0` and `row0 + 8` of a 16 x HD accumulator into a row-major matrix.
-__device__ __forceinline__ void store_rows(float* base, long long stride, const float (*acc)[4], int row0, int T, int t, const float* mul) {
+__device__ __forceinline__ void store_rows(elem* base, long long stride, const float (*acc)[4], int row0, int T, int t, const float* mul) {
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int row = row0 + 8 * r;
     if (row >= T) continue;
 #pragma unroll
     for (int dn = 0; dn < KC; ++dn)
-      *(float2*)(base + (long long)row * stride + dn * 8 + 2 * t) = make_float2(acc[dn][2 * r] * mul[r], acc[dn][2 * r + 1] * mul[r]);
+      st2(base + (long long)row * stride + dn * 8 + 2 * t, acc[dn][2 * r] * mul[r], acc[dn][2 * r + 1] * mul[r]);
   }
 }
 
 // Four blocks an SM (at most 128 registers): 8% faster than three on the H200; the backward
 // kernels at three blocks an SM spill (dk/dv) or gain nothing (dq).
-extern "C" __global__ void __launch_bounds__(128, 4) fusec_flash_fwd(const float* qkv, float* out, float* lse, int T, int H, float scale) {
+extern "C" __global__ void __launch_bounds__(128, 4) fusec_flash_fwd(const elem* qkv, elem* out, float* lse, int T, int H, float scale) {
   __shared__ __align__(16) float ks[TILE * LD];
   __shared__ __align__(16) float vs[TILE * LD];
   const int nt = (T + TILE - 1) / TILE, qt = nt - 1 - blockIdx.x, h = blockIdx.y;
   const long long s = blockIdx.z, C = (long long)H * HD, rs = 3 * C;
-  const float* q = qkv + s * T * rs + h * HD;
+  const elem* q = qkv + s * T * rs + h * HD;
   const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int q0 = qt * TILE, row0 = q0 + w * 16 + g;
   const float scale2 = scale * LOG2E;
@@ -208,15 +267,15 @@ extern "C" __global__ void __launch_bounds__(128, 4) fusec_flash_fwd(const float
   store_rows(out + s * T * C + h * HD, C, o, row0, T, t, inv);
 }
 
-extern "C" __global__ void __launch_bounds__(128) fusec_flash_bwd_dq(const float* qkv, const float* out, const float* lse, const float* dout, float* dqkv, float* dsum, int T, int H, float scale) {
+extern "C" __global__ void __launch_bounds__(128) fusec_flash_bwd_dq(const elem* qkv, const elem* out, const float* lse, const elem* dout, elem* dqkv, float* dsum, int T, int H, float scale) {
   __shared__ __align__(16) float ks[TILE * LD];
   __shared__ __align__(16) float vs[TILE * LD];
   __shared__ float dsm[TILE];
   const int nt = (T + TILE - 1) / TILE, qt = nt - 1 - blockIdx.x, h = blockIdx.y;
   const long long s = blockIdx.z, C = (long long)H * HD, rs = 3 * C, bh = s * H + h;
-  const float* q = qkv + s * T * rs + h * HD;
-  const float* o = out + s * T * C + h * HD;
-  const float* dO = dout + s * T * C + h * HD;
+  const elem* q = qkv + s * T * rs + h * HD;
+  const elem* o = out + s * T * C + h * HD;
+  const elem* dO = dout + s * T * C + h * HD;
   const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int q0 = qt * TILE, row0 = q0 + w * 16 + g;
   const float scale2 = scale * LOG2E;
@@ -225,7 +284,7 @@ extern "C" __global__ void __launch_bounds__(128) fusec_flash_bwd_dq(const float
     const int row = q0 + w * 16 + i;
     float acc = 0.0f;
     if (row < T)
-      for (int d = lane; d < HD; d += 32) acc = acc + dO[(long long)row * C + d] * o[(long long)row * C + d];
+      for (int d = lane; d < HD; d += 32) acc = acc + ld1(dO + (long long)row * C + d) * ld1(o + (long long)row * C + d);
 #pragma unroll
     for (int k = 16; k >= 1; k >>= 1) acc = acc + __shfl_xor_sync(FULL, acc, k);
     if (lane == 0) {
@@ -279,14 +338,14 @@ extern "C" __global__ void __launch_bounds__(128) fusec_flash_bwd_dq(const float
   store_rows(dqkv + s * T * rs + h * HD, rs, dq, row0, T, t, one);
 }
 
-extern "C" __global__ void __launch_bounds__(128) fusec_flash_bwd_dkv(const float* qkv, const float* lse, const float* dout, const float* dsum, float* dqkv, int T, int H, float scale) {
+extern "C" __global__ void __launch_bounds__(128) fusec_flash_bwd_dkv(const elem* qkv, const float* lse, const elem* dout, const float* dsum, elem* dqkv, int T, int H, float scale) {
   __shared__ __align__(16) float qs[TILE * LD];
   __shared__ __align__(16) float ds[TILE * LD];
   __shared__ float lse_s[TILE], dsum_s[TILE];
   const int nt = (T + TILE - 1) / TILE, kt = blockIdx.x, h = blockIdx.y;
   const long long s = blockIdx.z, C = (long long)H * HD, rs = 3 * C, bh = s * H + h;
-  const float* q = qkv + s * T * rs + h * HD;
-  const float* dO = dout + s * T * C + h * HD;
+  const elem* q = qkv + s * T * rs + h * HD;
+  const elem* dO = dout + s * T * C + h * HD;
   const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int k0 = kt * TILE, key0 = k0 + w * 16 + g;
   const float scale2 = scale * LOG2E;

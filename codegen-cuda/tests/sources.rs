@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 
 use fusec_codegen_cuda::{flash, gemm, kernel_source, native, nvrtc, KernelSource};
-use fusec_ir::{Bindings, Op};
+use fusec_ir::{Bindings, DType, Op};
 use fusec_models::{build_gpt2, Gpt2Config};
 use fusec_passes::pipeline::{compile, Mode, PipelineOptions};
 
@@ -172,7 +172,7 @@ fn every_kernel_of_the_tiny_and_124m_steps_compiles_with_nvrtc() {
     let img = nvrtc::compile(&native::source(), native::NAME, "sm_80").unwrap_or_else(|e| panic!("{e}"));
     assert!(!img.ptx);
     for d in [8, 16, 32, 64] {
-        let img = nvrtc::compile(&flash::source(d), &flash::name(d), "sm_80").unwrap_or_else(|e| panic!("{e}"));
+        let img = nvrtc::compile(&flash::source(d, DType::F32), &flash::name(d, DType::F32), "sm_80").unwrap_or_else(|e| panic!("{e}"));
         assert!(!img.ptx, "flash attention, head size {d}: a CUBIN");
     }
     let (tiny, _) = step_sources("tiny", 4, 64);
@@ -191,6 +191,25 @@ fn every_kernel_of_the_tiny_and_124m_steps_compiles_with_nvrtc() {
     eprintln!("compiled {} tiny, {} 124M and {} clip/bf16 modules ({} NVRTC runs)", tiny.len(), big.len(), other.len(), c.compiled);
     eprintln!("slowest: {:?}", &c.times[..c.times.len().min(5)]);
     assert!(c.times.iter().all(|t| !t.1), "no disk cache here: every module compiled");
+}
+
+#[test]
+fn flash_attention_on_bf16_storage_compiles_with_nvrtc() {
+    // The bf16 modules: own names, bf16 element type and rounding stores; the f32 ones keep
+    // f32 elements and need no prelude.
+    assert_eq!(flash::name(64, DType::BF16), "fusec_flash_d64_bf16");
+    assert_eq!(flash::name(64, DType::F32), "fusec_flash_d64");
+    let (f32_src, bf16_src) = (flash::source(64, DType::F32), flash::source(64, DType::BF16));
+    assert!(f32_src.contains("typedef float elem;") && !f32_src.contains("f32_to_bf16"));
+    assert!(bf16_src.contains("typedef unsigned short elem;") && bf16_src.contains("f32_to_bf16(a)"));
+    assert!(flash::storage_supported(DType::BF16) && !flash::storage_supported(DType::F16));
+    assert_eq!(flash::head_sizes(), vec![8, 16, 24, 32, 40, 48, 56, 64]);
+    let Some(_) = nvrtc_or_skip() else { return };
+    for d in [8, 16, 32, 64] {
+        let (src, name) = (flash::source(d, DType::BF16), flash::name(d, DType::BF16));
+        let img = nvrtc::compile(&src, &name, "sm_80").unwrap_or_else(|e| panic!("{e}\n--- source of {name} ---\n{src}"));
+        assert!(!img.ptx && !img.bytes.is_empty(), "bf16 flash attention, head size {d}: a CUBIN");
+    }
 }
 
 #[test]

@@ -106,6 +106,8 @@ pub struct Attention {
     pub dims: AttnDims,
     /// Score scale.
     pub scale: f32,
+    /// Storage of `qkv`, `out`, `dout` and `dqkv` (f32 or bf16); `lse` is f32 whatever this is.
+    pub dtype: DType,
     /// Where the tensors are.
     pub at: AttnOffsets,
 }
@@ -309,7 +311,8 @@ fn launches<'g>(g: &'g Graph, plan: &MemPlan, layout: &SharedLayout, bind: &Bind
                     AttnOffsets { qkv: off(n.inputs[0])?, out: off(n.inputs[1])?, lse: off(n.inputs[2])?, dout, dqkv }
                 };
                 let name = if forward { "attention" } else { "attention_grad" };
-                (LaunchOp::Attention(Attention { forward, dims, scale: *scale as f32, at }), name.into(), 0)
+                let dtype = g.ty(n.inputs[0]).dtype;
+                (LaunchOp::Attention(Attention { forward, dims, scale: *scale as f32, dtype, at }), name.into(), 0)
             }
             Op::Iota { axis, ty } => {
                 let iota = Iota { shape: dims(n.results[0])?, axis: *axis, dtype: ty.dtype, out: off(n.results[0])? };

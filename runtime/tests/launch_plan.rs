@@ -2,9 +2,11 @@
 //! (every node but parameters, inputs and reshapes), every offset inside the planned bytes,
 //! persistent tensors at one place in every program, and the counts both executors rely on.
 
-use fusec_ir::Op;
+use std::collections::HashMap;
+
+use fusec_ir::{DType, Op};
 use fusec_models::{build_gpt2, Gpt2Config};
-use fusec_passes::pipeline::PipelineOptions;
+use fusec_passes::pipeline::{compile, Mode, PipelineOptions};
 use fusec_runtime::launches::{LaunchOp, LaunchPlan};
 use fusec_runtime::programs::{Program, RunPrograms};
 
@@ -67,4 +69,43 @@ fn a_plan_that_does_not_fit_says_both_numbers() {
     let plan = LaunchPlan::new(&run).unwrap();
     let msg = plan.too_large();
     assert!(msg.contains("the memory plan needs") && msg.contains("persistent") && msg.contains("activations"), "{msg}");
+}
+
+#[test]
+fn attention_launches_carry_the_storage_of_qkv() {
+    // f32 in the tiny GPT-2; bf16 where q/k/v are bf16 (`lse` stays f32).
+    let plan_dtypes = |run: &RunPrograms| -> Vec<DType> {
+        let plan = LaunchPlan::new(run).unwrap();
+        let attn = plan.programs.iter().flat_map(|(_, ls, _)| ls).filter_map(|l| match &l.op {
+            LaunchOp::Attention(a) => Some((a.dtype, l.dtypes.clone())),
+            _ => None,
+        });
+        attn.map(|(dt, dts)| {
+            assert_eq!(dts[0], dt, "qkv's storage");
+            dt
+        })
+        .collect()
+    };
+    let tiny = plan_dtypes(&tiny_run());
+    assert!(!tiny.is_empty() && tiny.iter().all(|d| *d == DType::F32), "{tiny:?}");
+    let src = "graph g(B, T) {
+  %0 = input \"qkv\" : f32[B, T, 48]
+  %1 = input \"dout\" : f32[B, T, 16]
+  %2 = cast %0 : bf16[B, T, 48]
+  %3, %4 = attention %2 {heads = 2, scale = 0.35355339059327373} : bf16[B, T, 16], f32[B, 2, T]
+  %5 = cast %1 : bf16[B, T, 16]
+  %6 = attention_grad %2, %3, %4, %5 {heads = 2, scale = 0.35355339059327373} : bf16[B, T, 48]
+  %7 = cast %3 : f32[B, T, 16]
+  %8 = cast %6 : f32[B, T, 48]
+  output \"out\" = %7
+  output \"lse\" = %4
+  output \"dqkv\" = %8
+}
+";
+    let g = fusec_ir::text::parse(src, "bf16_attention.graph").unwrap();
+    let bind = RunPrograms::bindings(2, 5);
+    let opts = PipelineOptions::default();
+    let step = compile(&g, "schedule", Mode::Forward, &opts, &bind).unwrap().graph;
+    let run = RunPrograms { graphs: HashMap::from([(Program::Step, step)]), bind, opts, pass_runs: vec![] };
+    assert_eq!(plan_dtypes(&run), [DType::BF16, DType::BF16]);
 }

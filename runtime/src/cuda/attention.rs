@@ -1,10 +1,17 @@
 //! Causal attention launches on CUDA: the flash kernels (forward, `dq`, `dk/dv`) where a module
-//! was compiled for the head size, otherwise the score-matrix path — per (sequence, head)
-//! pointer-array cuBLAS products on `[B·H, T, T]` score matrices in scratch, with softmax
-//! kernels between them.
+//! was compiled for the head size and storage, otherwise the score-matrix path — per
+//! (sequence, head) pointer-array cuBLAS products on `[B·H, T, T]` score matrices in scratch,
+//! with softmax kernels between them.
+//!
+//! On bf16 storage (`qkv`, `out`, `dout`, `dqkv`; `lse` is f32) attention runs only on the flash
+//! kernels, also under `--no-tf32` and without `flash`: the score-matrix path is f32 only, and
+//! TF32 products lose nothing on bf16 operands (bf16 values are exact in TF32; only the
+//! probabilities are rounded, to 11 significant bits against the 8 the results are stored
+//! with). A head size without a bf16 module is an error, not a silent fallback.
 
 use fusec_codegen_cuda::flash;
 use fusec_codegen_cuda::gemm::row_major;
+use fusec_ir::DType;
 
 use super::launch::{blocks, Addr, Arg, Builder, Step};
 use crate::launches::Attention;
@@ -19,7 +26,22 @@ impl Builder<'_> {
         let (qkv, out_v, lse) = (Addr::Plan(a.at.qkv), Addr::Plan(a.at.out), Addr::Plan(a.at.lse));
         let grads = a.at.dout.zip(a.at.dqkv).map(|(o, q)| (Addr::Plan(o), Addr::Plan(q)));
         let scale = a.scale;
-        if let Some(f) = self.native.flash.get(&d) {
+        let flash_fns = self.native.flash.get(&(d, a.dtype));
+        match a.dtype {
+            DType::F32 => {}
+            DType::BF16 if flash_fns.is_none() => {
+                let sizes = flash::head_sizes().iter().map(|d| d.to_string()).collect::<Vec<_>>().join(", ");
+                let why = if flash::supported(d) {
+                    "they need an sm_80 or newer GPU".to_string()
+                } else {
+                    format!("they handle head sizes {sizes}, not {d}")
+                };
+                return Err(format!("attention on bf16 storage runs only on the flash kernels, and {why} (use --precision fp32)"));
+            }
+            DType::BF16 => {}
+            dt => return Err(format!("attention on {dt} storage is not supported by the CUDA target (f32 or bf16)")),
+        }
+        if let Some(f) = flash_fns {
             let tiles = (t as u32).div_ceil(flash::TILE);
             let (grid, block) = ([tiles, h as u32, s as u32], [flash::THREADS, 1, 1]);
             // Products done, the causal half: 2 forward, 3 for dq and 4 for dk, dv.

@@ -76,8 +76,9 @@ pub(crate) struct Native {
     pub iota_f32: CUfunction,
     pub iota_i32: CUfunction,
     pub gemm_epilogue: CUfunction,
-    /// The flash-attention entries ([`fusec_codegen_cuda::flash::ENTRIES`]) per head size.
-    pub flash: HashMap<usize, [CUfunction; 3]>,
+    /// The flash-attention entries ([`fusec_codegen_cuda::flash::ENTRIES`]) per head size and
+    /// storage type of `qkv`.
+    pub flash: HashMap<(usize, DType), [CUfunction; 3]>,
 }
 
 /// Entry names of [`Native`], in field order.
@@ -112,14 +113,14 @@ pub(crate) struct Builder<'a> {
 /// The static word holding the error flag of gather and scatter-add (three i32s, zeroed).
 pub(crate) const ERR_WORDS: usize = 2;
 
-/// The head sizes of the attention launches of a launch plan.
-pub(crate) fn attention_head_sizes(plan: &launches::LaunchPlan) -> Vec<usize> {
+/// The (head size, storage of `qkv`) pairs of the attention launches of a launch plan, sorted.
+pub(crate) fn attention_kinds(plan: &launches::LaunchPlan) -> Vec<(usize, DType)> {
     let mut out = vec![];
     for (_, launches, _) in &plan.programs {
         for l in launches {
             if let LaunchOp::Attention(a) = &l.op {
-                if !out.contains(&a.dims.d) {
-                    out.push(a.dims.d);
+                if !out.contains(&(a.dims.d, a.dtype)) {
+                    out.push((a.dims.d, a.dtype));
                 }
             }
         }

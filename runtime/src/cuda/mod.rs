@@ -29,6 +29,7 @@ mod launch;
 mod lt;
 mod summary;
 
+use summary::attention_summary;
 pub use summary::{CudaBuild, CudaOptions, KernelStats};
 
 use std::collections::HashMap;
@@ -51,7 +52,7 @@ use crate::profile::Profile;
 use crate::programs::{Program, RunPrograms};
 pub use device::{check_libraries, start_driver};
 use device::{ck, ckb, Device};
-use launch::{attention_head_sizes, Addr, Arg, Builder, Launch, Loaded, Native, Step, ERR_WORDS, NATIVE_ENTRIES};
+use launch::{attention_kinds, Addr, Arg, Builder, Launch, Loaded, Native, Step, ERR_WORDS, NATIVE_ENTRIES};
 
 /// Bytes given to cuBLAS as its workspace (NVIDIA's recommendation for Hopper).
 const CUBLAS_WORKSPACE: u64 = 32 << 20;
@@ -120,10 +121,18 @@ impl CudaExecutor {
         let mut compiler = Compiler::new(&dev.sm())?;
         let mut items: Vec<(String, String)> = sources.iter().map(|s| (s.ident.clone(), s.source.clone())).collect();
         items.push((native::NAME.to_string(), native::source()));
-        let flash_dims = if opts.flash && opts.tf32 && dev.arch >= flash::MIN_ARCH { attention_head_sizes(&plan) } else { vec![] };
-        let flash_dims: Vec<usize> = flash_dims.into_iter().filter(|d| flash::supported(*d)).collect();
-        for d in &flash_dims {
-            items.push((flash::name(*d), flash::source(*d)));
+        // Flash modules for the attention launches of this run only: f32 attention where flash
+        // and TF32 are allowed; bf16 attention always (the score-matrix path is f32 only, and
+        // bf16 values are exact in TF32: see `flash`); both on sm_80+ for supported head sizes.
+        let kinds = attention_kinds(&plan);
+        let flash_mods: Vec<(usize, DType)> = kinds
+            .iter()
+            .copied()
+            .filter(|&(d, dt)| dev.arch >= flash::MIN_ARCH && flash::supported(d) && flash::storage_supported(dt))
+            .filter(|&(_, dt)| dt != DType::F32 || (opts.flash && opts.tf32))
+            .collect();
+        for &(d, dt) in &flash_mods {
+            items.push((flash::name(d, dt), flash::source(d, dt)));
         }
         phase("codegen");
         let images = compiler.compile_all(&items);
@@ -139,8 +148,8 @@ impl CudaExecutor {
             let f = dev.functions(compiler.key(&items[i].1), &img.bytes, &names).map_err(|e| format!("kernel `{}`: {e}", items[i].0))?;
             funcs.push(f);
         }
-        let flash_funcs: HashMap<usize, [sys::CUfunction; 3]> =
-            flash_dims.iter().zip(funcs.drain(sources.len() + 1..)).map(|(d, f)| (*d, [f[0], f[1], f[2]])).collect();
+        let flash_funcs: HashMap<(usize, DType), [sys::CUfunction; 3]> =
+            flash_mods.iter().zip(funcs.drain(sources.len() + 1..)).map(|(k, f)| (*k, [f[0], f[1], f[2]])).collect();
         let nf = funcs.pop().expect("the native module");
         phase("module load");
         let native = Native {
@@ -200,10 +209,7 @@ impl CudaExecutor {
             scratch_bytes: b.scratch,
             step_plan: plan.step_plan,
             lt_epilogues: lt_launches,
-            attention: match flash_dims.as_slice() {
-                [] => "score matrices: cuBLAS products and softmax kernels".into(),
-                d => format!("flash (TF32 tensor cores, head size {})", d.iter().map(|d| d.to_string()).collect::<Vec<_>>().join(", ")),
-            },
+            attention: attention_summary(&kinds, &flash_mods),
         };
         let sync_each = std::env::var_os("FUSEC_CUDA_SYNC").is_some_and(|v| v != "0");
         let ex = CudaExecutor {

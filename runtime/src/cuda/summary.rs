@@ -3,6 +3,7 @@
 
 use std::time::Duration;
 
+use fusec_ir::DType;
 use fusec_passes::memplan::MemPlan;
 
 /// Kernel compilation counts of a build.
@@ -27,6 +28,8 @@ pub struct CudaOptions {
     pub tf32: bool,
     /// Attention with the flash kernels where they apply (TF32 allowed, sm_80 or newer, head
     /// size a multiple of 8 up to 64); otherwise score matrices, cuBLAS and softmax kernels.
+    /// Attention on bf16 storage always runs on the flash kernels (it has no other path), off
+    /// or on and with or without TF32.
     pub flash: bool,
     /// Bias and bias + GELU epilogues inside cuBLASLt products (TF32 only); otherwise a cuBLAS
     /// product and an epilogue kernel.
@@ -66,4 +69,45 @@ pub struct CudaBuild {
     pub attention: String,
     /// Products whose bias (and GELU) runs inside a cuBLASLt call.
     pub lt_epilogues: usize,
+}
+
+/// How attention runs, for [`CudaBuild::attention`]: `kinds` are the (head size, storage)
+/// pairs of the run's attention launches, `flash` those that have flash modules.
+pub(crate) fn attention_summary(kinds: &[(usize, DType)], flash: &[(usize, DType)]) -> String {
+    let sizes = |dt: DType| flash.iter().filter(|k| k.1 == dt).map(|k| k.0.to_string()).collect::<Vec<_>>().join(", ");
+    let (f32_sizes, bf16_sizes) = (sizes(DType::F32), sizes(DType::BF16));
+    let f32_part = if f32_sizes.is_empty() {
+        "score matrices: cuBLAS products and softmax kernels".to_string()
+    } else {
+        format!("flash (TF32 tensor cores, head size {f32_sizes})")
+    };
+    if bf16_sizes.is_empty() {
+        return f32_part;
+    }
+    let bf16_part = format!("flash on bf16 storage (TF32 tensor cores, head size {bf16_sizes})");
+    if kinds.iter().any(|k| k.1 == DType::F32) {
+        format!("{f32_part}; {bf16_part}")
+    } else {
+        bf16_part
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_attention_summary_names_the_path_of_each_storage() {
+        let (f, b) = (DType::F32, DType::BF16);
+        assert_eq!(attention_summary(&[], &[]), "score matrices: cuBLAS products and softmax kernels");
+        assert_eq!(attention_summary(&[(64, f)], &[(64, f)]), "flash (TF32 tensor cores, head size 64)");
+        assert_eq!(
+            attention_summary(&[(32, b), (64, b)], &[(32, b), (64, b)]),
+            "flash on bf16 storage (TF32 tensor cores, head size 32, 64)"
+        );
+        assert_eq!(
+            attention_summary(&[(64, f), (64, b)], &[(64, b)]),
+            "score matrices: cuBLAS products and softmax kernels; flash on bf16 storage (TF32 tensor cores, head size 64)"
+        );
+    }
 }
