@@ -30,22 +30,26 @@ for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib; do
 done
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
 
-echo "== 1. llm.c parity (llmc-odd): fp32 (--no-tf32, limit 1e-5) and TF32 with flash attention (limit 1e-3)"
+echo "== 1. llm.c parity (llmc-odd): fp32 (--no-tf32, limit 1e-5), TF32 with flash attention (limit 1e-3), bf16 (relative 2e-2)"
 if [ -f "$REFS/reference.json" ]; then
   "$BIN" export gpt2 --like "$REFS/gpt2_odd_s4242.bin" -o "$OUTDIR/odd.graph"
-  for mode in fp32 tf32; do
-    flag=$([ $mode = fp32 ] && echo --no-tf32 || true)
+  for mode in fp32 tf32 bf16; do
+    flag=$(case $mode in fp32) echo --no-tf32;; bf16) echo --precision bf16;; esac)
     "$BIN" run "$OUTDIR/odd.graph" --target cuda $flag --init "$REFS/gpt2_odd_s4242.bin" \
       --data "$REFS/tokens_train_s11.bin" --val "$REFS/tokens_val_s12.bin" --val-every 100 \
       --batch 3 --seq 48 --steps 10 --lr 1e-3 --log-json "$OUTDIR/parity_$mode.jsonl" > "$OUTDIR/parity_$mode.txt"
     grep -E "attention" "$OUTDIR/parity_$mode.txt" | sed "s/^/$mode: /"
-    python3 - "$REFS/reference.json" "$OUTDIR/parity_$mode.jsonl" $([ $mode = fp32 ] && echo 1e-5 || echo 1e-3) <<'EOF'
+    python3 - "$REFS/reference.json" "$OUTDIR/parity_$mode.jsonl" $mode <<'EOF'
 import json, sys
 ref = json.load(open(sys.argv[1]))
 got = [json.loads(l) for l in open(sys.argv[2]) if l.strip()]
-limit = float(sys.argv[3])
-worst = max(abs(g["loss"] - w) for g, w in zip(got, ref["losses"]))
-print(f"parity: {len(got)} losses, worst difference from llm.c {worst:.3e} ({'PASS' if worst <= limit else 'FAIL'} at {limit:g})")
+mode = sys.argv[3]
+# fp32: absolute 1e-5; TF32: absolute 1e-3; bf16: relative 2e-2 (issue 12's target).
+rel = mode == "bf16"
+limit = {"fp32": 1e-5, "tf32": 1e-3, "bf16": 2e-2}[mode]
+worst = max(abs(g["loss"] - w) / (abs(w) if rel else 1.0) for g, w in zip(got, ref["losses"]))
+kind = "relative" if rel else "absolute"
+print(f"parity {mode}: {len(got)} losses, worst {kind} difference from llm.c fp32 {worst:.3e} ({'PASS' if worst <= limit else 'FAIL'} at {limit:g})")
 EOF
   done
 else
@@ -67,29 +71,50 @@ echo "== 2b. fusec without flash attention and cuBLASLt epilogues (score matrice
 "$BIN" run models/gpt2-124m.graph --target cuda --batch 16 --seq 1024 --steps 10 --val-every 1000000 \
   --no-flash-attention --no-cublaslt | grep -E "step time|throughput|peak memory"
 
-echo "== 2c. fusec with bf16 products (--precision bf16), $STEPS steps"
-"$BIN" run models/gpt2-124m.graph --target cuda --precision bf16 --batch 16 --seq 1024 --steps "$STEPS" --val-every 1000000 \
-  --log-json "$OUTDIR/fusec_bf16.jsonl" | grep -E "loss  |step time|throughput|peak memory"
+echo "== 2c. fusec bf16 (--precision bf16 / bf16+residual, each --recompute), $STEPS steps; the last one profiled"
+for v in "bf16 none" "bf16 gelu" "bf16 gelu+layernorm" "bf16+residual gelu" "bf16+residual gelu+layernorm"; do
+  set -- $v
+  tag="$1_$2"
+  "$BIN" run models/gpt2-124m.graph --target cuda --precision "$1" --recompute "$2" --batch 16 --seq 1024 --steps "$STEPS" \
+    --val-every 1000000 --log-json "$OUTDIR/fusec_$tag.jsonl" > "$OUTDIR/fusec_$tag.txt"
+  grep -E "peak memory" "$OUTDIR/fusec_$tag.txt" | sed "s/^/$tag: /"
+  "$BIN" dump models/gpt2-124m.graph --pass memplan --precision "$1" --recompute "$2" --batch 16 --seq 1024 | grep "#   total" | sed "s/^/$tag plan: /"
+done
+"$BIN" run models/gpt2-124m.graph --target cuda --precision bf16 --recompute ${BF16_RECOMPUTE:-gelu+layernorm} --batch 16 --seq 1024 \
+  --steps 10 --val-every 1000000 --profile --profile-json "$OUTDIR/profile_bf16.json" > "$OUTDIR/fusec_bf16_profile.txt"
+sed -n '/profile/,$p' "$OUTDIR/fusec_bf16_profile.txt" | head -60
 
-echo "== 3. PyTorch: eager-fp32, compile-bf16"
+echo "== 3. PyTorch: eager-fp32, eager-bf16, compile-bf16"
 python3 "$TORCH" --layers 12 --heads 12 --channels 768 --batch 16 --seq 1024 \
-  --modes eager-fp32,compile-bf16 | tee "$OUTDIR/torch.jsonl"
+  --modes eager-fp32,eager-bf16,compile-bf16 | tee "$OUTDIR/torch.jsonl"
 
-python3 - "$OUTDIR/fusec.jsonl" "$OUTDIR/fusec_bf16.jsonl" "$OUTDIR/torch.jsonl" <<'EOF'
-import json, sys
-def rate(path, what):
+python3 - "$OUTDIR" "$OUTDIR/torch.jsonl" <<'EOF2'
+import glob, json, os, re, sys
+out = sys.argv[1]
+def rate(path):
     steps = [json.loads(l) for l in open(path) if l.strip()]
     ms = sorted(s["ms"] for s in steps[1:]) or [steps[0]["ms"]]
     med = ms[len(ms) // 2]
-    tps = 16 * 1024 / (med / 1000.0)
-    print(f"fusec {what}: {med:.1f} ms/step (median of steps 1..), {tps:,.0f} tok/s, loss {steps[0]['loss']:.4f} -> {steps[-1]['loss']:.4f}")
-    return tps
-fusec, bf16 = rate(sys.argv[1], "cuda fp32/tf32"), rate(sys.argv[2], "cuda bf16 products")
-for l in open(sys.argv[3]):
-    l = l.strip()
-    if not l.startswith("{"):
-        continue
-    t = json.loads(l)
-    print(f"torch {t['mode']:>13}: {t['ms_per_step_median']:.1f} ms/step, {t['tokens_per_s']:,} tok/s, peak {t['peak_mem_mib']} MiB"
-          f"  -> fusec fp32 / torch = {fusec / t['tokens_per_s']:.2f}x, fusec bf16 / torch = {bf16 / t['tokens_per_s']:.2f}x")
-EOF
+    return med, 16 * 1024 / (med / 1000.0), steps[0]["loss"], steps[-1]["loss"]
+def alloc(txt):
+    m = re.search(r"peak memory\s+([\d.]+) MiB allocated", open(txt).read()) if os.path.exists(txt) else None
+    return float(m.group(1)) if m else float("nan")
+fusec = {"fp32/tf32": (rate(f"{out}/fusec.jsonl"), alloc(f"{out}/fusec.txt"))}
+for j in sorted(glob.glob(f"{out}/fusec_bf16*.jsonl")):
+    tag = os.path.basename(j)[6:-6]
+    fusec[tag] = (rate(j), alloc(j[:-6] + ".txt"))
+torch = [json.loads(l) for l in open(sys.argv[2]) if l.strip().startswith("{")]
+for name, ((med, tps, l0, l1), mib) in fusec.items():
+    print(f"fusec {name:>29}: {med:6.1f} ms/step, {tps:>9,.0f} tok/s, loss {l0:.4f} -> {l1:.4f}, {mib:,.0f} MiB allocated")
+    for t in torch:
+        print(f"    vs torch {t['mode']:>13} ({t['ms_per_step_median']:.1f} ms, {t['peak_mem_mib']:,} MiB): "
+              f"speed {tps / t['tokens_per_s']:.2f}x, memory {mib / t['peak_mem_mib']:.2f}x")
+EOF2
+
+if [ -n "${BIG:-}" ]; then
+  echo "== 4. GPT-2 1.5B (d48) B=8 T=1024: fusec bf16 vs torch.compile bf16, 10 steps"
+  "$BIN" export gpt2 --preset d48 -o "$OUTDIR/d48.graph"
+  "$BIN" run "$OUTDIR/d48.graph" --target cuda --precision bf16 --recompute ${BF16_RECOMPUTE:-gelu+layernorm} --batch 8 --seq 1024 \
+    --steps 10 --val-every 1000000 --log-json "$OUTDIR/fusec_d48.jsonl" | grep -E "step time|throughput|peak memory|compile"
+  python3 "$TORCH" --layers 48 --heads 25 --channels 1600 --batch 8 --seq 1024 --steps 10 --modes compile-bf16 | tee "$OUTDIR/torch_d48.jsonl"
+fi

@@ -6,7 +6,8 @@
 //! The forward is every node up to the one that produces the `loss` output; the backward is
 //! everything after it. A value is *recomputable* when a forward `gelu` produces it (with
 //! `gelu+layernorm`: or it is a forward `layernorm`'s normalized output), or a forward `cast` or
-//! `reshape` of a recomputable value does (the `amp` pass's bf16 copies). Each recomputable
+//! `reshape` of a recomputable value does (the `amp` pass's bf16 copies), or a forward widening
+//! `cast` does (bf16 to f32: free to redo, and twice its operand's size). Each recomputable
 //! value read in the backward is recomputed once, just before its first backward reader, from
 //! the non-recomputable values it derives from (the GELU pre-activation, which `gelu_grad`
 //! keeps alive anyway; the LayerNorm input and weights, which its gradient reads too); every
@@ -64,6 +65,9 @@ pub fn recompute(g: &Graph, policy: Recompute) -> Result<Graph, String> {
         let ok = match n.op {
             Op::Gelu => true,
             Op::LayerNorm { .. } => policy == Recompute::GeluLayernorm,
+            // A widening cast costs nothing to redo and is twice the size of its operand (the
+            // f32 view of a bf16 residual that a recomputed LayerNorm reads).
+            Op::Cast { to } if widens(g, n.inputs[0], to) => true,
             Op::Cast { .. } | Op::Reshape { .. } => from_recomputable,
             _ => false,
         };
@@ -85,6 +89,12 @@ pub fn recompute(g: &Graph, policy: Recompute) -> Result<Graph, String> {
         c.copy(n, &ins);
     }
     c.finish()
+}
+
+/// Whether casting `v` to `to` widens a float (bf16 to f32).
+fn widens(g: &Graph, v: ValueId, to: fusec_ir::DType) -> bool {
+    let from = g.ty(v).dtype;
+    from.is_float() && to.is_float() && to.size_bytes() > from.size_bytes()
 }
 
 /// The backward's copy of recomputable `v`, emitted now (with what it derives from) unless it

@@ -31,6 +31,11 @@ pub trait Executor {
     fn peak_device_bytes(&self) -> Option<u64> {
         None
     }
+    /// Device memory the executor allocated (its one allocation: the memory plan, scratch and
+    /// the cuBLAS workspace), for GPU executors: what `torch.cuda.max_memory_allocated` counts.
+    fn allocated_device_bytes(&self) -> Option<u64> {
+        None
+    }
     /// Per-kernel timings, for executors that profile.
     fn profile(&self) -> Option<Profile> {
         None

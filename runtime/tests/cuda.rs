@@ -138,23 +138,31 @@ fn tiny_gpt2_trains_like_the_cpu_target() {
 
 #[test]
 #[ignore = "needs an NVIDIA GPU: run with --ignored on the device"]
-fn tiny_gpt2_with_bf16_products_trains_like_the_interpreter() {
-    // bf16 matmul operands (the amp pass's casts, fused into the producers) on cuBLAS, against
-    // the reference interpreter on the unfused bf16 programs.
+fn tiny_gpt2_in_bf16_trains_like_the_interpreter() {
+    // The bf16 policy end to end (bf16 activations, bf16 gemm epilogues, bf16 attention, the
+    // AdamW-written bf16 weights, the in-place classifier gradient) against the interpreter on
+    // the same fused programs (same rounding points: 1e-3 on the loss covers accumulation order,
+    // TF32 attention and a bf16 rounding that falls the other way), and on the unfused programs
+    // (which round after every op: 2e-2, the numerics target of `--precision bf16`).
     let cfg = Gpt2Config::preset("tiny").unwrap();
     let (b, t, steps) = (4, 64, 3);
     let fwd = build_gpt2(&cfg, "tiny");
-    let bf16 = PipelineOptions { precision: fusec_passes::amp::Precision::Bf16, ..PipelineOptions::default() };
-    let ref_run = programs_with(&fwd, b, t, &PipelineOptions { no_fusion: true, ..bf16.clone() });
-    let mut reference = RefExecutor::new(&ref_run, fusec_ir::interp::Rounding::F32);
-    let want = tiny_losses(&mut reference, ref_run.step().unwrap(), &cfg, b, t, steps);
-    let run = programs_with(&fwd, b, t, &bf16);
-    for tf32 in [true, false] {
-        let (mut gpu, _) = CudaExecutor::new(&run, &cuda(false, tf32)).unwrap_or_else(|e| panic!("{e}"));
-        let got = tiny_losses(&mut gpu, run.step().unwrap(), &cfg, b, t, steps);
-        eprintln!("bf16 products, tf32 {tf32}: interpreter {want:?}\n                           gpu {got:?}");
-        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-            assert!(g.is_finite() && (g - w).abs() <= 1e-3, "loss {i}: gpu {g} vs interpreter {w}");
+    for precision in [fusec_passes::amp::Precision::Bf16, fusec_passes::amp::Precision::Bf16Residual] {
+        let bf16 = PipelineOptions { precision, ..PipelineOptions::default() };
+        let run = programs_with(&fwd, b, t, &bf16);
+        let unfused = programs_with(&fwd, b, t, &PipelineOptions { no_fusion: true, ..bf16.clone() });
+        let mut reference = RefExecutor::new(&run, fusec_ir::interp::Rounding::F32);
+        let same = tiny_losses(&mut reference, run.step().unwrap(), &cfg, b, t, steps);
+        let mut reference = RefExecutor::new(&unfused, fusec_ir::interp::Rounding::F32);
+        let per_op = tiny_losses(&mut reference, unfused.step().unwrap(), &cfg, b, t, steps);
+        for tf32 in [true, false] {
+            let (mut gpu, _) = CudaExecutor::new(&run, &cuda(false, tf32)).unwrap_or_else(|e| panic!("{e}"));
+            let got = tiny_losses(&mut gpu, run.step().unwrap(), &cfg, b, t, steps);
+            eprintln!("{precision:?}, tf32 {tf32}: interpreter {same:?}\n  unfused {per_op:?}\n  gpu {got:?}");
+            for (i, ((g, w), u)) in got.iter().zip(&same).zip(&per_op).enumerate() {
+                assert!(g.is_finite() && (g - w).abs() <= 1e-3 * w.abs(), "loss {i}: gpu {g} vs interpreter {w}");
+                assert!((g - u).abs() <= 2e-2 * u.abs(), "loss {i}: gpu {g} vs unfused interpreter {u}");
+            }
         }
     }
 }

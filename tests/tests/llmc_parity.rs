@@ -117,3 +117,27 @@ fn ten_steps_match_llmc_losses_and_parameters() {
         assert!(worst <= 1e-5, "params after 10 steps differ by {worst}");
     }
 }
+
+#[test]
+fn ten_bf16_steps_stay_within_2e_2_of_llmc_fp32_losses() {
+    // The numerics target of `--precision bf16` (and `bf16+residual`): every step's loss within
+    // 2e-2 relative of llm.c's fp32 loss, on the unfused programs (a rounding after every op)
+    // and the fused ones (the rounding points the GPU runs).
+    use fusec_passes::amp::Precision;
+    for precision in [Precision::Bf16, Precision::Bf16Residual] {
+        for (variant, opts) in variants() {
+            let opts = PipelineOptions { precision, ..opts };
+            let Some(mut s) = setup(&opts) else { return };
+            let cfg = TrainConfig::new(B, T, 10, s.json["lr"].as_f64().unwrap() as f32);
+            let logs = train(&mut s.ex, &cfg, &loader(&s.dir, "tokens_train_s11.bin"), None, |_| {}).unwrap();
+            let mut worst = 0.0f64;
+            for (log, want) in logs.iter().zip(s.json["losses"].as_array().unwrap()) {
+                let rel = (log.loss - want.as_f64().unwrap()).abs() / want.as_f64().unwrap().abs();
+                assert!(rel <= 2e-2, "{precision:?} {variant}: step {} loss {} vs llm.c {want} ({rel:e})", log.step, log.loss);
+                worst = worst.max(rel);
+            }
+            assert_eq!(logs.len(), 10);
+            eprintln!("{precision:?} {variant}: worst relative loss difference from llm.c fp32 {worst:e}");
+        }
+    }
+}

@@ -423,6 +423,10 @@ impl Executor for CudaExecutor {
         Some(self.peak)
     }
 
+    fn allocated_device_bytes(&self) -> Option<u64> {
+        Some(self.dev.size)
+    }
+
     fn set(&mut self, name: &str, t: Tensor) -> Result<(), String> {
         let (off, dt, n) = self.place(name)?;
         if t.data.len() != n {
