@@ -28,8 +28,9 @@ pub struct CudaOptions {
     /// Attention with the flash kernels where they apply (TF32 allowed, sm_80 or newer, head
     /// size a multiple of 8 up to 64); otherwise score matrices, cuBLAS and softmax kernels.
     pub flash: bool,
-    /// Bias and bias + GELU epilogues inside cuBLASLt products (TF32 only); otherwise a cuBLAS
-    /// product and an epilogue kernel.
+    /// Bias and bias + GELU epilogues inside cuBLASLt products (f32 operands on TF32, or bf16
+    /// operands; only with TF32 on, which opens cuBLASLt); otherwise a cuBLAS product and an
+    /// epilogue kernel.
     pub lt_epilogues: bool,
     /// Capture each program into a CUDA graph on its first run and replay it; otherwise launch
     /// one by one (`--no-cuda-graph`).
