@@ -15,6 +15,10 @@
 //! - `fusec_iota_f32` / `fusec_iota_i32`: `out[i] = (i / inner) % len`.
 //! - `fusec_gemm_epilogue`: after a cuBLAS product, `t (+ bias[c])`, GELU with the
 //!   pre-activation saved, `acc + t`, in `Op::Gemm`'s order (flags 1 bias, 2 GELU, 4 accumulate).
+//! - `fusec_gemm_epilogue_mixed`: the same after an f32 product when some of it is bf16 (the
+//!   [`EPILOGUE_BIAS_BF16`], [`EPILOGUE_PRE_BF16`], [`EPILOGUE_Y_BF16`] flags): loads widen,
+//!   the arithmetic stays f32 and only the stores round (as the CPU backend's bf16 products);
+//!   a bf16 result accumulates as the IR orders it, `acc + round(t)` rounded again.
 //!
 //! Fills are driver memsets (`cuMemsetD32`), not kernels.
 
@@ -24,6 +28,13 @@ use crate::emit::float_lit;
 pub const SCATTER_ROWS: u32 = 16;
 /// Score rows per block (one warp each) of the attention kernels.
 pub const ATTN_ROWS_PER_BLOCK: u32 = 8;
+
+/// `fusec_gemm_epilogue_mixed` flag: the bias is bf16.
+pub const EPILOGUE_BIAS_BF16: i32 = 8;
+/// `fusec_gemm_epilogue_mixed` flag: the pre-activation is stored as bf16.
+pub const EPILOGUE_PRE_BF16: i32 = 16;
+/// `fusec_gemm_epilogue_mixed` flag: the result (and the accumulator) are bf16.
+pub const EPILOGUE_Y_BF16: i32 = 32;
 
 /// The module's name (for error messages and the profiler).
 pub const NAME: &str = "fusec_native";
@@ -143,5 +154,22 @@ extern "C" __global__ void __launch_bounds__(256) fusec_gemm_epilogue(float* y, 
   if (flags & 2) { pre[i] = t; t = gelu_f(t); }
   if (flags & 4) t = acc[i] + t;
   y[i] = t;
+}
+extern "C" __global__ void __launch_bounds__(256) fusec_gemm_epilogue_mixed(void* y, const float* src, const void* bias, void* pre, const void* acc, long long total, int n, int flags) {
+  const long long i = (long long)blockIdx.x * 256 + threadIdx.x;
+  if (i >= total) return;
+  float t = src[i];
+  if (flags & 1) t = t + ((flags & 8) ? bf16_to_f32(((const unsigned short*)bias)[i % n]) : ((const float*)bias)[i % n]);
+  if (flags & 2) {
+    if (flags & 16) ((unsigned short*)pre)[i] = f32_to_bf16(t); else ((float*)pre)[i] = t;
+    t = gelu_f(t);
+  }
+  if (flags & 32) {
+    if (flags & 4) t = bf16_to_f32(((const unsigned short*)acc)[i]) + round_bf16(t);
+    ((unsigned short*)y)[i] = f32_to_bf16(t);
+  } else {
+    if (flags & 4) t = ((const float*)acc)[i] + t;
+    ((float*)y)[i] = t;
+  }
 }
 "#;

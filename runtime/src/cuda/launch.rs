@@ -8,6 +8,19 @@
 //! the static region (pointer tables: attention's batched-GEMM arrays, the operand table of
 //! kernels with too many operands for kernel parameters, the error word) — so the list can be
 //! built before the allocation exists.
+//!
+//! Products ([`Builder::product`]) take the fastest path their types and epilogue allow:
+//! 1. a bias (+ GELU) without accumulation, one product (no batch): one cuBLASLt call
+//!    (`lt.rs`: TF32 for f32 operands; bf16 operands with a bf16 or f32 result, bf16 bias and
+//!    pre-activation), when cuBLASLt is in use and offers an algorithm;
+//! 2. no bias or GELU: one cuBLAS call writing the result itself (`sgemm`, or `GemmEx` with
+//!    bf16 operands and an f32 or bf16 result; beta = 1 accumulates in place, f32 results
+//!    only);
+//! 3. otherwise the product in f32 (into the result, or scratch) and an epilogue kernel:
+//!    `fusec_gemm_epilogue` when everything is f32, else `fusec_gemm_epilogue_mixed`
+//!    (bf16 bias, pre-activation, result or accumulator).
+//!
+//! Operands and results other than f32 and bf16 (f16) are refused with an error.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -17,7 +30,7 @@ use fusec_codegen_cuda::gemm::{batched, Batched, ColMajor};
 use fusec_codegen_cuda::KernelSource;
 use fusec_ir::DType;
 
-use crate::cuda::lt::{Epilogue, LtPlans};
+use crate::cuda::lt::{Epilogue, LtKey, LtPlans, LtTypes};
 use crate::launches::{self, LaunchOp, Product};
 
 /// A place in the one allocation.
@@ -43,8 +56,9 @@ pub(crate) enum Arg {
 /// One call on the stream.
 pub(crate) enum Step {
     /// A strided-batched cuBLAS product (`c = b_op a_op`, column-major view), `beta` 0 or 1;
-    /// `bf16`: the operands are bf16 (fp32 accumulation and result).
-    Gemm { g: Batched, a: Addr, b: Addr, c: Addr, beta: f32, bf16: bool },
+    /// `ab`: the operands' type, `out`: the result's (f32 and f32, or bf16 and f32 / bf16;
+    /// f32 accumulation).
+    Gemm { g: Batched, a: Addr, b: Addr, c: Addr, beta: f32, ab: DType, out: DType },
     /// A cuBLASLt product with its epilogue: plan `plan` of the builder's list (operands as in
     /// `Gemm`; `aux` is GELU's pre-activation, unused for a bias alone).
     GemmLt { plan: usize, a: Addr, b: Addr, c: Addr, bias: Addr, aux: Addr },
@@ -76,13 +90,14 @@ pub(crate) struct Native {
     pub iota_f32: CUfunction,
     pub iota_i32: CUfunction,
     pub gemm_epilogue: CUfunction,
+    pub gemm_epilogue_mixed: CUfunction,
     /// The flash-attention entries ([`fusec_codegen_cuda::flash::ENTRIES`]) per head size and
     /// storage type of `qkv`.
     pub flash: HashMap<(usize, DType), [CUfunction; 3]>,
 }
 
 /// Entry names of [`Native`], in field order.
-pub(crate) const NATIVE_ENTRIES: [&str; 8] = [
+pub(crate) const NATIVE_ENTRIES: [&str; 9] = [
     "fusec_gather",
     "fusec_scatter_add",
     "fusec_attn_softmax",
@@ -91,6 +106,7 @@ pub(crate) const NATIVE_ENTRIES: [&str; 8] = [
     "fusec_iota_f32",
     "fusec_iota_i32",
     "fusec_gemm_epilogue",
+    "fusec_gemm_epilogue_mixed",
 ];
 
 /// A compiled fused kernel: its source (launch rules) and one function per rule.
@@ -154,8 +170,6 @@ impl Builder<'_> {
         for (i, l) in plan.iter().enumerate() {
             let err = |m: String| l.err(m);
             let product = matches!(l.op, LaunchOp::Product(_));
-            // bf16 operands of products (the `amp` pass's casts) are read as bf16 by cuBLAS.
-            let bf16 = product && l.dtypes[0] == DType::BF16;
             if product && l.dtypes[1] != l.dtypes[0] {
                 return Err(err(format!("a product of {} and {} operands", l.dtypes[0], l.dtypes[1])));
             }
@@ -173,7 +187,7 @@ impl Builder<'_> {
             let p = |o: u64| Arg::Ptr(Addr::Plan(o));
             match &l.op {
                 LaunchOp::Product(pr) => {
-                    let steps = self.product(pr, bf16, l.name != "matmul").map_err(err)?;
+                    let steps = self.product(pr).map_err(err)?;
                     push(steps, &l.name, l.flops);
                 }
                 LaunchOp::Kernel { kernel, ins, outs } => {
@@ -246,56 +260,197 @@ impl Builder<'_> {
         Ok(out)
     }
 
-    /// A product's steps: a cuBLASLt call with its epilogue where one applies, else a cuBLAS
-    /// product (accumulating with beta = 1), followed by the epilogue kernel when there is a
-    /// bias or GELU. `fused`: a `gemm` node (a plain `matmul` never carries an epilogue).
-    fn product(&mut self, pr: &Product, bf16: bool, fused: bool) -> Result<Vec<Step>, String> {
+    /// A product's steps, on the fastest of the paths in the module docs that applies.
+    pub(crate) fn product(&mut self, pr: &Product) -> Result<Vec<Step>, String> {
         let spec = &pr.spec;
-        if fused && pr.out != DType::F32 {
-            return Err(format!("a {} GEMM result is not supported by the CUDA target yet", pr.out));
+        let (ab, out) = (pr.operands, pr.out);
+        for (what, d) in [("operands", ab), ("results", out)] {
+            if !matches!(d, DType::F32 | DType::BF16) {
+                return Err(format!("{d} GEMM {what} are not supported by the CUDA target (f32 and bf16 are)"));
+            }
         }
         let bg = batched(spec)?;
         let (a, b, y) = (Addr::Plan(pr.a), Addr::Plan(pr.b), Addr::Plan(pr.y));
         let (bias, acc, pre) = (pr.bias.map(Addr::Plan), pr.acc.map(Addr::Plan), pr.pre.map(Addr::Plan));
-        let mut steps = vec![];
-        let total = spec.y_len() as u64;
-        let lt = match self.lt.as_mut() {
-            Some(lt) if spec.bias && !spec.accumulate && bg.batch == 1 && !bf16 => {
-                lt.plan(&bg.call, if spec.gelu { Epilogue::GeluAuxBias } else { Epilogue::Bias })?
-            }
-            _ => None,
-        };
-        if let (Some(plan), Some(bias)) = (lt, bias) {
-            steps.push(Step::GemmLt { plan, a, b, c: y, bias, aux: pre.unwrap_or(y) });
-        } else if !spec.bias && !spec.gelu {
-            if let Some(acc) = acc.filter(|&acc| acc != y) {
-                steps.push(Step::Copy { dst: y, src: acc, bytes: total * 4 });
-            }
-            steps.push(Step::Gemm { g: bg, a, b, c: y, beta: if spec.accumulate { 1.0 } else { 0.0 }, bf16 });
-        } else {
-            // The product into `y` (or scratch when `y` must first be read as the
-            // accumulator), then bias / GELU / accumulate in one pass.
-            let src = if acc.is_some() {
-                self.need_scratch(total * 4);
-                Addr::Scratch(0)
-            } else {
-                y
-            };
-            steps.push(Step::Gemm { g: bg, a, b, c: src, beta: 0.0, bf16 });
-            let flags = spec.bias as i32 | (spec.gelu as i32) << 1 | (spec.accumulate as i32) << 2;
-            let zero = Arg::Ptr(src);
-            let args = vec![
-                Arg::Ptr(y),
-                Arg::Ptr(src),
-                bias.map_or(zero, Arg::Ptr),
-                pre.map_or(zero, Arg::Ptr),
-                acc.map_or(zero, Arg::Ptr),
-                Arg::I64(total as i64),
-                Arg::I32(spec.n as i32),
-                Arg::I32(flags),
-            ];
-            steps.push(Step::Kernel { f: self.native.gemm_epilogue, grid: blocks(total, 256), block: [256, 1, 1], args });
+        if spec.bias != bias.is_some() || spec.gelu != pre.is_some() || spec.accumulate != acc.is_some() {
+            return Err("internal: a product's operands do not match its epilogue".into());
         }
+        let total = spec.y_len() as u64;
+        if let Some(bias) = bias.filter(|_| !spec.accumulate && bg.batch == 1) {
+            if let Some(plan) = self.lt_plan(pr, &bg.call)? {
+                return Ok(vec![Step::GemmLt { plan, a, b, c: y, bias, aux: pre.unwrap_or(y) }]);
+            }
+        }
+        let mut steps = vec![];
+        // cuBLAS writes f32 results from either operand type, and bf16 results from bf16
+        // operands (not accumulated: the IR rounds the product before adding it).
+        let direct = match (ab, out) {
+            (_, DType::F32) => true,
+            (DType::BF16, DType::BF16) => !spec.accumulate,
+            _ => false,
+        };
+        if !spec.bias && !spec.gelu && direct {
+            if let Some(acc) = acc.filter(|&acc| acc != y) {
+                steps.push(Step::Copy { dst: y, src: acc, bytes: total * out.size_bytes() as u64 });
+            }
+            steps.push(Step::Gemm { g: bg, a, b, c: y, beta: if spec.accumulate { 1.0 } else { 0.0 }, ab, out });
+            return Ok(steps);
+        }
+        // The f32 product into `y` (or scratch when `y` is bf16 or must first be read as the
+        // accumulator), then bias / GELU / accumulate / rounding in one pass.
+        let src = if acc.is_some() || out != DType::F32 {
+            self.need_scratch(total * 4);
+            Addr::Scratch(0)
+        } else {
+            y
+        };
+        steps.push(Step::Gemm { g: bg, a, b, c: src, beta: 0.0, ab, out: DType::F32 });
+        let mut flags = spec.bias as i32 | (spec.gelu as i32) << 1 | (spec.accumulate as i32) << 2;
+        let f = if ab == DType::F32 && out == DType::F32 {
+            self.native.gemm_epilogue
+        } else {
+            use fusec_codegen_cuda::native::{EPILOGUE_BIAS_BF16, EPILOGUE_PRE_BF16, EPILOGUE_Y_BF16};
+            let bf16 = ab == DType::BF16;
+            for (on, flag) in
+                [(bf16 && spec.bias, EPILOGUE_BIAS_BF16), (bf16 && spec.gelu, EPILOGUE_PRE_BF16), (out == DType::BF16, EPILOGUE_Y_BF16)]
+            {
+                flags |= if on { flag } else { 0 };
+            }
+            self.native.gemm_epilogue_mixed
+        };
+        let zero = Arg::Ptr(src);
+        let args = vec![
+            Arg::Ptr(y),
+            Arg::Ptr(src),
+            bias.map_or(zero, Arg::Ptr),
+            pre.map_or(zero, Arg::Ptr),
+            acc.map_or(zero, Arg::Ptr),
+            Arg::I64(total as i64),
+            Arg::I32(spec.n as i32),
+            Arg::I32(flags),
+        ];
+        steps.push(Step::Kernel { f, grid: blocks(total, 256), block: [256, 1, 1], args });
         Ok(steps)
+    }
+
+    /// The cuBLASLt plan of a bias (+ GELU) product, when cuBLASLt is used and has one: TF32
+    /// for f32 operands and result; bf16 operands (result bf16 or f32) when every pointer is
+    /// 16-byte aligned and, with GELU, the result's row stride is a multiple of 8 elements.
+    fn lt_plan(&mut self, pr: &Product, call: &ColMajor) -> Result<Option<usize>, String> {
+        let Some(lt) = self.lt.as_mut() else { return Ok(None) };
+        let spec = &pr.spec;
+        let epilogue = if spec.gelu { Epilogue::GeluAuxBias } else { Epilogue::Bias };
+        let types = match (pr.operands, pr.out) {
+            (DType::F32, DType::F32) => LtTypes::Tf32,
+            (DType::BF16, out) => {
+                let offsets = [Some(pr.a), Some(pr.b), Some(pr.y), pr.bias, pr.pre];
+                let align = offsets.into_iter().flatten().map(|o| 1u32 << o.trailing_zeros().min(8)).min().unwrap_or(256);
+                if align < 16 || (spec.gelu && call.ldc % 8 != 0) {
+                    return Ok(None);
+                }
+                LtTypes::Bf16 { out, align }
+            }
+            _ => return Ok(None),
+        };
+        lt.plan(&LtKey { call: *call, epilogue, types })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! Which steps a product becomes, without a GPU (no cuBLASLt: `lt` is `None`).
+    use super::*;
+    use fusec_ir::GemmSpec;
+
+    fn native() -> Native {
+        // Distinct fake entries: only compared, never launched.
+        let f = |k: usize| k as CUfunction;
+        Native {
+            gather: f(1),
+            scatter_add: f(2),
+            attn_softmax: f(3),
+            attn_probs: f(4),
+            attn_dscores: f(5),
+            iota_f32: f(6),
+            iota_i32: f(7),
+            gemm_epilogue: f(8),
+            gemm_epilogue_mixed: f(9),
+            flash: HashMap::new(),
+        }
+    }
+
+    /// `y[7, 13] = a[7, 37] b[13, 37]^T` with the given epilogue and types.
+    fn product(bias: bool, gelu: bool, accumulate: bool, operands: DType, out: DType) -> Product {
+        let mut spec = GemmSpec::new(7, 13, 37);
+        (spec.trans_b, spec.bias, spec.gelu, spec.accumulate) = (true, bias, gelu, accumulate);
+        let at = |i: u64| i * 4096;
+        Product {
+            spec,
+            a: at(0),
+            b: at(1),
+            bias: bias.then(|| at(2)),
+            acc: accumulate.then(|| at(3)),
+            y: at(3),
+            pre: gelu.then(|| at(4)),
+            operands,
+            out,
+        }
+    }
+
+    /// The steps as text: `gemm(ab->out, c, beta)`, `kernel(entry, flags)`, `copy`.
+    fn steps(p: &Product) -> Result<Vec<String>, String> {
+        let native = native();
+        let mut b = Builder { native: &native, words: vec![], scratch: 0, lt: None };
+        let steps = b.product(p)?;
+        Ok(steps
+            .iter()
+            .map(|s| match s {
+                Step::Gemm { c, beta, ab, out, .. } => format!("gemm({ab}->{out}, {c:?}, {beta})"),
+                Step::Kernel { f, args, .. } => {
+                    let flags = match args.last() {
+                        Some(Arg::I32(v)) => *v,
+                        _ => -1,
+                    };
+                    format!("kernel({}, {flags})", *f as usize)
+                }
+                Step::Copy { .. } => "copy".into(),
+                _ => "other".into(),
+            })
+            .collect())
+    }
+
+    const Y: &str = "Plan(12288)";
+
+    #[test]
+    fn f32_products_keep_their_steps() {
+        let f = DType::F32;
+        assert_eq!(steps(&product(false, false, false, f, f)).unwrap(), [format!("gemm(f32->f32, {Y}, 0)")]);
+        assert_eq!(steps(&product(false, false, true, f, f)).unwrap(), [format!("gemm(f32->f32, {Y}, 1)")]);
+        assert_eq!(steps(&product(true, true, false, f, f)).unwrap(), [format!("gemm(f32->f32, {Y}, 0)"), "kernel(8, 3)".into()]);
+        assert_eq!(steps(&product(true, false, true, f, f)).unwrap(), ["gemm(f32->f32, Scratch(0), 0)", "kernel(8, 5)"]);
+    }
+
+    #[test]
+    fn bf16_products_write_bf16_results_through_cublas_or_the_mixed_epilogue() {
+        let (b, f) = (DType::BF16, DType::F32);
+        // No epilogue: cuBLAS writes the bf16 (or f32, accumulated) result itself.
+        assert_eq!(steps(&product(false, false, false, b, b)).unwrap(), [format!("gemm(bf16->bf16, {Y}, 0)")]);
+        assert_eq!(steps(&product(false, false, true, b, f)).unwrap(), [format!("gemm(bf16->f32, {Y}, 1)")]);
+        // Bias + GELU into bf16 without cuBLASLt: f32 scratch, then bias, pre and y in bf16.
+        assert_eq!(steps(&product(true, true, false, b, b)).unwrap(), ["gemm(bf16->f32, Scratch(0), 0)", "kernel(9, 59)"]);
+        // An f32 result with a bf16 bias and pre-activation: the product in place.
+        assert_eq!(steps(&product(true, true, false, b, f)).unwrap(), [format!("gemm(bf16->f32, {Y}, 0)"), "kernel(9, 27)".into()]);
+        // A bf16 accumulator: product rounded, then added (the IR's order).
+        assert_eq!(steps(&product(false, false, true, b, b)).unwrap(), ["gemm(bf16->f32, Scratch(0), 0)", "kernel(9, 36)"]);
+        // f32 operands, bf16 result: cuBLAS cannot write it; the kernel rounds.
+        assert_eq!(steps(&product(false, false, false, f, b)).unwrap(), ["gemm(f32->f32, Scratch(0), 0)", "kernel(9, 32)"]);
+    }
+
+    #[test]
+    fn f16_products_are_an_error() {
+        let e = steps(&product(false, false, false, DType::F16, DType::F16)).unwrap_err();
+        assert!(e.contains("f16 GEMM operands are not supported"), "{e}");
+        let e = steps(&product(true, false, false, DType::BF16, DType::F16)).unwrap_err();
+        assert!(e.contains("f16 GEMM results"), "{e}");
     }
 }

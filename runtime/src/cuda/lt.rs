@@ -1,18 +1,32 @@
-//! cuBLASLt products with the bias and bias + GELU epilogues fused into the GEMM (TF32 mode).
+//! cuBLASLt products with the bias and bias + GELU epilogues fused into the GEMM.
 //!
 //! `Op::Gemm` nodes with a bias (and GELU) and no accumulation run as one cuBLASLt call instead
 //! of a cuBLAS product plus an epilogue kernel: `y = a b + bias` (`CUBLASLT_EPILOGUE_BIAS`) or
 //! `pre = a b + bias, y = gelu(pre)` (`CUBLASLT_EPILOGUE_GELU_AUX_BIAS`, the tanh form GPT-2
-//! uses). A plan (descriptor, layouts, the heuristic's first algorithm) is made once per launch
-//! when the launch list is built; the bias and auxiliary pointers are set at each call. When
-//! cuBLASLt offers no algorithm, or without TF32 (`--no-tf32` keeps the epilogue kernel, whose
-//! rounding order is the interpreter's), the launch falls back to cuBLAS + epilogue kernel.
+//! uses). A plan (descriptor, layouts, the heuristic's first algorithm) is made once per
+//! [`LtKey`] (shape, epilogue, [`LtTypes`]) when the launch list is built; the bias and
+//! auxiliary pointers are set at each call.
+//!
+//! Two kinds of plans ([`LtTypes`]):
+//! - f32 operands, bias and result on TF32 tensor cores (`CUBLAS_COMPUTE_32F_FAST_TF32`);
+//! - bf16 operands (`CUDA_R_16BF` A and B), f32 compute and scale, a bf16 or f32 result (C =
+//!   D), a bf16 bias (`CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE`) and a bf16 pre-activation (the
+//!   auxiliary output; its type is set only when it differs from D's, `EPILOGUE_AUX_DATA_TYPE`).
+//!   The heuristic is told the pointers' alignment (`CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_*`);
+//!   the caller only asks for such plans with 16-byte aligned pointers and, with GELU, a
+//!   result row stride that is a multiple of 8 elements (cuBLASLt's rule for the aux matrix).
+//!
+//! When cuBLASLt has no algorithm for a key, or rejects one of the bf16 attributes, the launch
+//! falls back to cuBLAS + the epilogue kernel; so does everything without TF32 (`--no-tf32`
+//! keeps the epilogue kernel, whose rounding order is the interpreter's, and opens no
+//! cuBLASLt handle).
 
 use std::collections::HashMap;
 use std::ffi::c_void;
 
 use cudarc::cublaslt::sys as lt;
 use fusec_codegen_cuda::gemm::ColMajor;
+use fusec_ir::DType;
 
 /// What the epilogue adds to the product.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -21,6 +35,27 @@ pub(crate) enum Epilogue {
     Bias,
     /// `+ bias`, then GELU, with the pre-activation stored to the auxiliary buffer.
     GeluAuxBias,
+}
+
+/// The storage and compute types of a plan.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) enum LtTypes {
+    /// f32 operands, bias and result; TF32 tensor cores.
+    Tf32,
+    /// bf16 operands, bias and pre-activation; `out` (bf16 or f32) is the result's type; f32
+    /// compute. `align`: the bytes every pointer of the call is aligned to (16 to 256).
+    Bf16 { out: DType, align: u32 },
+}
+
+/// What a plan is made for: the call (cuBLAS's column-major terms), epilogue and types.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) struct LtKey {
+    /// The product.
+    pub call: ColMajor,
+    /// What the epilogue adds.
+    pub epilogue: Epilogue,
+    /// Operand, result and compute types.
+    pub types: LtTypes,
 }
 
 /// One product's cuBLASLt plan.
@@ -48,15 +83,21 @@ unsafe fn set<T>(desc: lt::cublasLtMatmulDesc_t, attr: lt::cublasLtMatmulDescAtt
 }
 
 impl LtGemm {
-    /// The plan of `call` (cuBLAS's column-major terms) with `epilogue` on TF32 tensor cores,
-    /// using at most `max_workspace` bytes; `Ok(None)` when cuBLASLt has no algorithm for it.
-    pub fn new(handle: lt::cublasLtHandle_t, call: &ColMajor, epilogue: Epilogue, max_workspace: usize) -> Result<Option<LtGemm>, String> {
+    /// The plan of `key`, using at most `max_workspace` bytes; `Ok(None)` when cuBLASLt has no
+    /// algorithm for it (or, for bf16 plans, rejects one of their attributes).
+    pub fn new(handle: lt::cublasLtHandle_t, key: &LtKey, max_workspace: usize) -> Result<Option<LtGemm>, String> {
         use lt::cublasLtMatmulDescAttributes_t as A;
-        let f32 = lt::cudaDataType::CUDA_R_32F;
+        use lt::cublasLtMatmulPreferenceAttributes_t as P;
+        let (call, epilogue) = (&key.call, key.epilogue);
+        let (f32, bf16) = (lt::cudaDataType::CUDA_R_32F, lt::cudaDataType::CUDA_R_16BF);
+        let (compute, ab, cd) = match key.types {
+            LtTypes::Tf32 => (lt::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32, f32, f32),
+            LtTypes::Bf16 { out, .. } => (lt::cublasComputeType_t::CUBLAS_COMPUTE_32F, bf16, if out == DType::BF16 { bf16 } else { f32 }),
+        };
         // SAFETY: descriptors are created here, checked, and owned by the plan (freed on drop).
         unsafe {
             let mut desc = std::ptr::null_mut();
-            ck(lt::cublasLtMatmulDescCreate(&mut desc, lt::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32, f32), "descriptor")?;
+            ck(lt::cublasLtMatmulDescCreate(&mut desc, compute, f32), "descriptor")?;
             let mut plan = LtGemm {
                 desc,
                 a: std::ptr::null_mut(),
@@ -76,26 +117,52 @@ impl LtGemm {
             if epilogue == Epilogue::GeluAuxBias {
                 set(desc, A::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &(call.ldc as i64))?;
             }
+            if let LtTypes::Bf16 { .. } = key.types {
+                // The bias (and the pre-activation) keep the operands' type; a library that
+                // does not know an attribute gets the epilogue kernel instead.
+                if set(desc, A::CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bf16).is_err() {
+                    return Ok(None);
+                }
+                if epilogue == Epilogue::GeluAuxBias
+                    && cd != bf16
+                    && set(desc, A::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_DATA_TYPE, &bf16).is_err()
+                {
+                    return Ok(None);
+                }
+            }
             let (m, n, k) = (call.m as u64, call.n as u64, call.k as u64);
             let (ar, ac) = if call.trans_a { (k, m) } else { (m, k) };
             let (br, bc) = if call.trans_b { (n, k) } else { (k, n) };
-            ck(lt::cublasLtMatrixLayoutCreate(&mut plan.a, f32, ar, ac, call.lda as i64), "layout")?;
-            ck(lt::cublasLtMatrixLayoutCreate(&mut plan.b, f32, br, bc, call.ldb as i64), "layout")?;
-            ck(lt::cublasLtMatrixLayoutCreate(&mut plan.c, f32, m, n, call.ldc as i64), "layout")?;
+            ck(lt::cublasLtMatrixLayoutCreate(&mut plan.a, ab, ar, ac, call.lda as i64), "layout")?;
+            ck(lt::cublasLtMatrixLayoutCreate(&mut plan.b, ab, br, bc, call.ldb as i64), "layout")?;
+            ck(lt::cublasLtMatrixLayoutCreate(&mut plan.c, cd, m, n, call.ldc as i64), "layout")?;
             let mut pref = std::ptr::null_mut();
             ck(lt::cublasLtMatmulPreferenceCreate(&mut pref), "preference")?;
             let ws = max_workspace as u64;
-            let r = lt::cublasLtMatmulPreferenceSetAttribute(
+            let mut r = lt::cublasLtMatmulPreferenceSetAttribute(
                 pref,
-                lt::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                P::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
                 &ws as *const u64 as *const c_void,
                 8,
             );
+            if let LtTypes::Bf16 { align, .. } = key.types {
+                for attr in [
+                    P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
+                    P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+                    P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
+                    P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
+                ] {
+                    if r == lt::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+                        // The attribute is a uint32_t.
+                        r = lt::cublasLtMatmulPreferenceSetAttribute(pref, attr, &align as *const u32 as *const c_void, 4);
+                    }
+                }
+            }
             let mut found: lt::cublasLtMatmulHeuristicResult_t = std::mem::zeroed();
             let mut count = 0;
             let h = lt::cublasLtMatmulAlgoGetHeuristic(handle, desc, plan.a, plan.b, plan.c, plan.c, pref, 1, &mut found, &mut count);
             lt::cublasLtMatmulPreferenceDestroy(pref);
-            ck(r, "workspace preference")?;
+            ck(r, "preference")?;
             if h != lt::cublasStatus_t::CUBLAS_STATUS_SUCCESS || count == 0 || found.state != lt::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
                 return Ok(None);
             }
@@ -152,13 +219,13 @@ impl LtGemm {
     }
 }
 
-/// The plans of one build, one per (shape, epilogue), and how many launches use them.
+/// The plans of one build, one per [`LtKey`], and how many launches use them.
 pub(crate) struct LtPlans {
     handle: lt::cublasLtHandle_t,
     /// Bytes of workspace a plan may use.
     workspace: usize,
     pub plans: Vec<LtGemm>,
-    index: HashMap<(ColMajor, Epilogue), usize>,
+    index: HashMap<LtKey, usize>,
     /// Launches that use a plan.
     pub launches: usize,
 }
@@ -169,15 +236,15 @@ impl LtPlans {
         LtPlans { handle, workspace, plans: vec![], index: HashMap::new(), launches: 0 }
     }
 
-    /// The plan for one more launch of `call` with `epilogue` (made at its first use); `None`
-    /// when cuBLASLt has no algorithm for it.
-    pub fn plan(&mut self, call: &ColMajor, epilogue: Epilogue) -> Result<Option<usize>, String> {
-        let i = match self.index.get(&(*call, epilogue)) {
+    /// The plan for one more launch of `key` (made at its first use); `None` when cuBLASLt has
+    /// no algorithm for it.
+    pub fn plan(&mut self, key: &LtKey) -> Result<Option<usize>, String> {
+        let i = match self.index.get(key) {
             Some(&i) => i,
-            None => match LtGemm::new(self.handle, call, epilogue, self.workspace)? {
+            None => match LtGemm::new(self.handle, key, self.workspace)? {
                 Some(p) => {
                     self.plans.push(p);
-                    self.index.insert((*call, epilogue), self.plans.len() - 1);
+                    self.index.insert(*key, self.plans.len() - 1);
                     self.plans.len() - 1
                 }
                 None => return Ok(None),

@@ -1,6 +1,7 @@
 //! The CUDA target: one device allocation from the launch plan (shared by the programs as on
 //! the CPU, via [`crate::layout::SharedLayout`]), NVRTC-compiled fused kernels, cuBLAS
-//! products (bias / GELU epilogues inside cuBLASLt calls with TF32, `lt`), flash attention
+//! products in f32 or bf16 (bias / GELU epilogues inside cuBLASLt calls with TF32, `lt`;
+//! the paths a product can take are in `launch`'s docs), flash attention
 //! (TF32, sm_80+) or the score-matrix attention stages, hand-written gather / scatter-add, all
 //! launched in order on one stream; per-launch CUDA-event timing when profiling. The driver,
 //! context and cuBLAS can be opened in the background while the compiler works
@@ -161,6 +162,7 @@ impl CudaExecutor {
             iota_f32: nf[5],
             iota_i32: nf[6],
             gemm_epilogue: nf[7],
+            gemm_epilogue_mixed: nf[8],
             flash: flash_funcs,
         };
 
@@ -278,7 +280,7 @@ impl CudaExecutor {
         let op = |t: bool| if t { blas::cublasOperation_t::CUBLAS_OP_T } else { blas::cublasOperation_t::CUBLAS_OP_N };
         let one = 1f32;
         match st {
-            Step::Gemm { g, a, b, c, beta, bf16: false } => {
+            Step::Gemm { g, a, b, c, beta, ab: DType::F32, out: DType::F32 } => {
                 let k = &g.call;
                 // cuBLAS's A is the row-major product's `b`, its B is `a`.
                 let (pa, pb, pc) = (self.addr(*b) as *const f32, self.addr(*a) as *const f32, self.addr(*c) as *mut f32);
@@ -293,19 +295,27 @@ impl CudaExecutor {
                 };
                 ckb(r, "cuBLAS sgemm")
             }
-            Step::Gemm { g, a, b, c, beta, bf16: true } => {
-                // bf16 operands, fp32 accumulation and result.
+            Step::Gemm { g, a, b, c, beta, ab, out } => {
+                // bf16 operands, fp32 accumulation, an f32 or bf16 result.
+                let ty = |d: DType| match d {
+                    DType::BF16 => Ok(blas::cudaDataType::CUDA_R_16BF),
+                    DType::F32 => Ok(blas::cudaDataType::CUDA_R_32F),
+                    d => Err(format!("internal: a cuBLAS product with {d} data")),
+                };
+                if *ab != DType::BF16 {
+                    return Err(format!("internal: a cuBLAS product of {ab} operands with a {out} result"));
+                }
                 let k = &g.call;
                 let (pa, pb, pc) = (self.addr(*b) as *const c_void, self.addr(*a) as *const c_void, self.addr(*c) as *mut c_void);
-                let (bf, f32t) = (blas::cudaDataType::CUDA_R_16BF, blas::cudaDataType::CUDA_R_32F);
+                let (abt, ct) = (ty(*ab)?, ty(*out)?);
                 let (compute, alg) = (blas::cublasComputeType_t::CUBLAS_COMPUTE_32F, blas::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT);
                 let (al, be) = (&one as *const f32 as *const c_void, beta as *const f32 as *const c_void);
                 let (ta, tb) = (op(k.trans_a), op(k.trans_b));
                 let r = if g.batch == 1 {
-                    blas::cublasGemmEx(d.blas, ta, tb, k.m, k.n, k.k, al, pa, bf, k.lda, pb, bf, k.ldb, be, pc, f32t, k.ldc, compute, alg)
+                    blas::cublasGemmEx(d.blas, ta, tb, k.m, k.n, k.k, al, pa, abt, k.lda, pb, abt, k.ldb, be, pc, ct, k.ldc, compute, alg)
                 } else {
                     blas::cublasGemmStridedBatchedEx(
-                        d.blas, ta, tb, k.m, k.n, k.k, al, pa, bf, k.lda, g.stride_a, pb, bf, k.ldb, g.stride_b, be, pc, f32t, k.ldc,
+                        d.blas, ta, tb, k.m, k.n, k.k, al, pa, abt, k.lda, g.stride_a, pb, abt, k.ldb, g.stride_b, be, pc, ct, k.ldc,
                         g.stride_c, g.batch, compute, alg,
                     )
                 };

@@ -31,8 +31,9 @@ pub struct CudaOptions {
     /// Attention on bf16 storage always runs on the flash kernels (it has no other path), off
     /// or on and with or without TF32.
     pub flash: bool,
-    /// Bias and bias + GELU epilogues inside cuBLASLt products (TF32 only); otherwise a cuBLAS
-    /// product and an epilogue kernel.
+    /// Bias and bias + GELU epilogues inside cuBLASLt products (f32 operands on TF32, or bf16
+    /// operands; only with TF32 on, which opens cuBLASLt); otherwise a cuBLAS product and an
+    /// epilogue kernel.
     pub lt_epilogues: bool,
     /// Capture each program into a CUDA graph on its first run and replay it; otherwise launch
     /// one by one (`--no-cuda-graph`).
