@@ -182,10 +182,7 @@ pub fn kernel_source(k: &Kernel, bind: &Bindings) -> Result<KernelSource, String
             let entry = if segs.len() == 1 { name.clone() } else { format!("{name}_s{i}") };
             let p = s.p;
             let (grid, block) = match s.plan.mapping {
-                Mapping::Flat => {
-                    let per = if s.flat_wide() { 4 } else { 1 };
-                    (grid_1d((p.rows * p.cols).div_ceil(BLOCK as u64 * per))?, [BLOCK, 1, 1])
-                }
+                Mapping::Flat => (grid_1d((p.rows * p.cols).div_ceil(BLOCK as u64 * s.flat_width() as u64))?, [BLOCK, 1, 1]),
                 Mapping::Rows { team, tpb, teams } => (grid_1d(teams.div_ceil(tpb as u64))?, [team * tpb, 1, 1]),
                 Mapping::Cols { bx, by, chunks } => {
                     ([p.cols.div_ceil(bx as u64) as u32, u32::try_from(chunks / by as u64).map_err(|e| e.to_string())?, 1], [bx, by, 1])
@@ -226,8 +223,9 @@ pub fn kernel_source(k: &Kernel, bind: &Bindings) -> Result<KernelSource, String
 /// segment's function with its sizes and the indices of its pointers in `args`. Returns the
 /// total block count.
 fn merged(src: &mut String, name: &str, segs: &mut [Seg], ins: &[&str], outs: &[&str]) -> Result<u64, String> {
-    // Four elements a thread when every segment's rows allow it (one body shape for all).
-    let wide = segs.iter().all(|s| s.flat_wide());
+    // Four (eight) elements a thread when every segment's rows allow it (one body shape for
+    // all): widths are 1, 4 or 8, and a segment that allows 8 allows 4.
+    let w = segs.iter().map(|s| s.flat_width()).min().unwrap_or(1);
     let mut bodies: Vec<String> = vec![];
     let (mut group, mut first, mut total, mut cols, mut slot0, mut slots) = (vec![], vec![0u64], vec![], vec![], vec![], vec![]);
     for s in segs.iter_mut() {
@@ -242,7 +240,7 @@ fn merged(src: &mut String, name: &str, segs: &mut [Seg], ins: &[&str], outs: &[
             };
             let _ = writeln!(body, "  {t} a{k} = ({t})args[sl[{k}]];");
         }
-        s.flat(&mut body, "  ", 0, wide)?;
+        s.flat(&mut body, "  ", 0, w)?;
         let g = bodies.iter().position(|b| *b == body).unwrap_or_else(|| {
             bodies.push(body);
             bodies.len() - 1
@@ -257,7 +255,7 @@ fn merged(src: &mut String, name: &str, segs: &mut [Seg], ins: &[&str], outs: &[
             });
         }
         let n = p.rows * p.cols;
-        first.push(first.last().expect("starts at 0") + n.div_ceil(BLOCK as u64 * if wide { 4 } else { 1 }));
+        first.push(first.last().expect("starts at 0") + n.div_ceil(BLOCK as u64 * w as u64));
         total.push(n);
         cols.push(p.cols);
     }

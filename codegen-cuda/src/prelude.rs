@@ -7,6 +7,10 @@
 //! quiet NaN. `max_nan`/`min_nan` propagate NaN like the interpreter (compare + select, never
 //! `fmaxf`).
 //!
+//! `st_f32x4`/`st_b32x4`/`st_b32x2` store a vector register of a wide row loop (see
+//! `emit/rows.rs`) with one 16-byte (8-byte) `st.global`: NVRTC 11.2 splits a plain C store of a
+//! register filled one lane at a time into 4- or 2-byte stores.
+//!
 //! Team reductions combine a row's partial values held by the `TEAM` threads that work on it:
 //! a butterfly of `__shfl_xor_sync` inside each warp (every lane ends with the same bits, since
 //! each step adds the same two values in either order), then, for teams wider than a warp,
@@ -24,6 +28,15 @@ __device__ __forceinline__ float round_bf16(float f) {
   if (f != f) return f;
   unsigned u = __float_as_uint(f);
   return __uint_as_float((u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u);
+}
+__device__ __forceinline__ void st_f32x4(float* p, float4 v) {
+  asm volatile("st.global.v4.f32 [%0], {%1, %2, %3, %4};" :: "l"(p), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w) : "memory");
+}
+__device__ __forceinline__ void st_b32x4(unsigned short* p, uint4 v) {
+  asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" :: "l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
+}
+__device__ __forceinline__ void st_b32x2(unsigned short* p, uint2 v) {
+  asm volatile("st.global.v2.b32 [%0], {%1, %2};" :: "l"(p), "r"(v.x), "r"(v.y) : "memory");
 }
 __device__ __forceinline__ float max_nan(float a, float b) { return (b > a || b != b) ? b : a; }
 __device__ __forceinline__ float min_nan(float a, float b) { return (b < a || b != b) ? b : a; }

@@ -40,8 +40,9 @@ pub(crate) struct Seg<'p> {
     /// Printed as the body of a function shared by segments of the same shape of code: slots
     /// are `a{slot}`, and the sizes are the variables `first`, `total` and `cols`.
     pub generic: bool,
-    /// Inside a 4-wide column loop: views read from (or written to) a `float4` register named
-    /// here, element `j`, instead of memory.
+    /// Inside a wide column loop: views read from (or written to) the vector register named
+    /// here (`float4`, `float4[2]`, `uint2` or `uint4`; see `rows.rs`), element `j`, instead of
+    /// memory.
     pub vec: std::cell::RefCell<Vec<(View, String)>>,
 }
 
@@ -114,16 +115,18 @@ impl Seg<'_> {
         }
     }
 
-    /// The register element standing for `v` in a 4-wide loop, if any.
+    /// The register element standing for `v` in a wide loop, if any: an f32, or the 16 bits
+    /// of a bf16.
     fn vec_name(&self, v: &View) -> Option<String> {
-        self.vec.borrow().iter().find(|(w, _)| w == v).map(|(_, n)| format!("((float*)&{n})[j]"))
+        let t = if v.mem == Mem::Bf16 { "unsigned short" } else { "float" };
+        self.vec.borrow().iter().find(|(w, _)| w == v).map(|(_, n)| format!("(({t}*)&{n})[j]"))
     }
 
     fn load(&self, v: &View) -> R<String> {
-        if let Some(n) = self.vec_name(v) {
-            return Ok(n);
-        }
-        let a = format!("{}[{}]", self.slot_name(v.slot)?, self.offset(v));
+        let a = match self.vec_name(v) {
+            Some(n) => n,
+            None => format!("{}[{}]", self.slot_name(v.slot)?, self.offset(v)),
+        };
         Ok(match v.mem {
             Mem::Bf16 => format!("bf16_to_f32({a})"),
             Mem::F32 | Mem::I32 => a,
@@ -131,10 +134,10 @@ impl Seg<'_> {
     }
 
     fn store(&self, s: &Store) -> R<String> {
-        if let Some(n) = self.vec_name(&s.view) {
-            return Ok(format!("{n} = v{};", s.value));
-        }
-        let a = format!("{}[{}]", self.slot_name(s.view.slot)?, self.offset(&s.view));
+        let a = match self.vec_name(&s.view) {
+            Some(n) => n,
+            None => format!("{}[{}]", self.slot_name(s.view.slot)?, self.offset(&s.view)),
+        };
         let v = format!("v{}", s.value);
         Ok(match s.view.mem {
             Mem::Bf16 => format!("{a} = f32_to_bf16({v});"),
@@ -255,21 +258,25 @@ impl Seg<'_> {
     /// The body of the main kernel (after the signature), indented by two spaces.
     pub fn main_body(&self, out: &mut String) -> R<()> {
         match self.plan.mapping {
-            Mapping::Flat => self.flat(out, "  ", 0, self.flat_wide()),
+            Mapping::Flat => self.flat(out, "  ", 0, self.flat_width()),
             Mapping::Cols { bx, by, chunks } => self.cols(out, bx, by, chunks),
             Mapping::Rows { team, tpb, teams } => self.rows(out, team, tpb, teams),
         }
     }
 
-    /// Whether the flat body moves four elements a thread (whole rows of a multiple of four).
-    pub fn flat_wide(&self) -> bool {
-        self.p.cols.is_multiple_of(4)
+    /// Elements a thread of the flat body moves (1, 4 or 8: see `width`; rows of a multiple of
+    /// four or eight elements).
+    pub fn flat_width(&self) -> u32 {
+        let stores = self.plan.elem_stores.iter().map(|&s| &self.p.stores[s]);
+        let live: Vec<NodeId> = (0..self.p.nodes.len() as NodeId).filter(|&i| self.plan.main_live[i as usize]).collect();
+        self.width(&live, stores, 1)
     }
 
     /// The flat body: element `i` of this segment is thread `threadIdx.x` of block
-    /// `blockIdx.x - first_block`, or, `wide`, elements `4i .. 4i + 4` with 16-byte accesses
-    /// to the contiguous views.
-    pub fn flat(&self, out: &mut String, ind: &str, first_block: u64, wide: bool) -> R<()> {
+    /// `blockIdx.x - first_block`, or, `w > 1`, elements `w i .. w i + w` with vector accesses
+    /// to the contiguous views (a `w` from `flat_width`, or one that divides it).
+    pub fn flat(&self, out: &mut String, ind: &str, first_block: u64, w: u32) -> R<()> {
+        let wide = w > 1;
         let (p, plan) = (self.p, &self.plan);
         let total = p.rows * p.cols;
         let it = if total < (1 << 31) { "unsigned" } else { "unsigned long long" };
@@ -283,13 +290,13 @@ impl Seg<'_> {
         let ids: Vec<NodeId> = (0..p.nodes.len() as NodeId).filter(|&i| live[i as usize]).collect();
         let stores = || plan.elem_stores.iter().map(|&s| &p.stores[s]);
         let place = format!("const {it} r = i / {cols};\n{ind}const int c = (int)(i % {cols});");
-        // Where the 16-byte accesses of a wide body are: its first element's row and column.
+        // Where the vector accesses of a wide body are: its first element's row and column.
         let at = format!("const {it} i = i0, r = i / {cols}; const int c = (int)(i % {cols});");
         let inner = if wide {
-            let _ = writeln!(out, "{ind}const {it} i0 = ((({it}){b}) * {BLOCK}u + threadIdx.x) * 4u;");
+            let _ = writeln!(out, "{ind}const {it} i0 = ((({it}){b}) * {BLOCK}u + threadIdx.x) * {w}u;");
             let _ = writeln!(out, "{ind}if (i0 >= {total}) return;");
-            self.vector_io(out, (ind, &at), &ids, stores(), true)?;
-            let _ = writeln!(out, "#pragma unroll\n{ind}for (int j = 0; j < 4; ++j) {{");
+            self.vector_io(out, (ind, &at), &ids, stores(), w, true)?;
+            let _ = writeln!(out, "#pragma unroll\n{ind}for (int j = 0; j < {w}; ++j) {{");
             let inner = format!("{ind}  ");
             let _ = writeln!(out, "{inner}const {it} i = i0 + j;\n{inner}{}", place.replace(ind, &inner));
             inner
@@ -312,7 +319,7 @@ impl Seg<'_> {
         }
         if wide {
             let _ = writeln!(out, "{ind}}}");
-            self.vector_io(out, (ind, &at), &ids, stores(), false)?;
+            self.vector_io(out, (ind, &at), &ids, stores(), w, false)?;
         }
         Ok(())
     }

@@ -1,6 +1,25 @@
 //! The row mapping: a team of threads per row, passes over the row's columns between row
-//! reductions, column reductions as per-team partials (in registers when they fit), and
-//! 16-byte loads and stores where a pass's views are contiguous and aligned.
+//! reductions, column reductions as per-team partials (in registers when they fit), and vector
+//! loads and stores where a pass's views are contiguous and aligned.
+//!
+//! A pass's column loop is *wide* when the row allows it: each thread takes `W` adjacent
+//! columns at a time (`c0 .. c0 + W`), loads every vectorizable view the pass reads into
+//! registers before the per-column code and stores the pass's results from registers after it.
+//! `W` is 4 (f32 views: one 16-byte `float4`; bf16 views: one 8-byte `uint2`), or 8 when the
+//! pass touches a bf16 view and every vectorizable view allows it (bf16: one 16-byte `uint4`;
+//! f32: two `float4`). A pass that touches no bf16 view keeps `W = 4`, so f32 kernels print as
+//! before. With register partials, `W` also needs the row to be a multiple of `W` x team, and
+//! partial `k` is then column `(lane + (k / W) team) W + k % W`.
+//!
+//! A view is vectorizable when it is contiguous f32 or bf16 and all of its row strides are
+//! multiples of `W`: its first column's element offset is then a multiple of `W`, and the
+//! buffers themselves are 256-byte aligned. Other views stay scalar accesses inside the loop,
+//! as do whole loops over rows of other widths. bf16 lanes are widened and narrowed per column
+//! by the prelude's `bf16_to_f32`/`f32_to_bf16`, so every element is the bits of the scalar
+//! path; what `W` changes is which columns each lane adds into a row reduction before the team
+//! reduction (fixed by the shape: still deterministic). Column reductions keep their order.
+//! Stores other than 4-wide f32 go through the prelude's `st_*` helpers (one `st.global.v4` or
+//! `.v2` each).
 
 use std::fmt::Write;
 
@@ -10,7 +29,7 @@ use fusec_ir::ReduceOp;
 use super::{op_of, red_fn, red_init, Seg, R};
 use crate::plan::{arg, MAX_REG_PARTIALS};
 
-/// Indentation and the scope that places a 4-wide row loop's first column.
+/// Indentation and the scope that places a wide row loop's first column.
 const COLS: (&str, &str) = ("      ", "const int c = c0;");
 
 impl Seg<'_> {
@@ -20,9 +39,9 @@ impl Seg<'_> {
         let cols = p.cols;
         let k_count = cols.div_ceil(team as u64);
         let reg = k_count <= MAX_REG_PARTIALS;
-        // Register partials of column reductions, four adjacent columns a thread at a time:
-        // partial `k` is column `(lane + (k / 4) team) 4 + k % 4`.
-        let wide_reg = reg && cols % (4 * team as u64) == 0;
+        // Register partials of column reductions accumulated by a wide pass (`W` adjacent
+        // columns a thread at a time): partial `k` is column `(lane + (k / W) team) W + k % W`.
+        let mut reg_width: Vec<(NodeId, u32)> = vec![];
         if team > 32 {
             let _ = writeln!(out, "  __shared__ float sh[{}];", team / 32);
         } else {
@@ -74,18 +93,23 @@ impl Seg<'_> {
                     .chain(pass.stores.iter().map(|&s| p.stores[s].value))
                     .collect();
                 let body = self.needed(roots, |id| live[id as usize] && region(p, id) == Region::Col);
-                let wide = if unrolled { wide_reg } else { cols % 4 == 0 };
+                let stores = || pass.stores.iter().map(|&s| &p.stores[s]);
+                let w = self.width(&body, stores(), if unrolled { team as u64 } else { 1 });
+                let wide = w > 1;
+                reg_width.extend(pass.colreds.iter().map(|&c| (c, w)));
                 if wide && unrolled {
-                    let _ = writeln!(out, "#pragma unroll\n    for (int k4 = 0; k4 < {}; ++k4) {{", k_count / 4);
-                    let _ = writeln!(out, "      const int c0 = (lane + k4 * {team}) * 4;");
-                    self.vector_io(out, COLS, &body, pass.stores.iter().map(|&s| &p.stores[s]), true)?;
-                    let _ =
-                        writeln!(out, "#pragma unroll\n      for (int j = 0; j < 4; ++j) {{\n      const int c = c0 + j, k = k4 * 4 + j;");
+                    let _ = writeln!(out, "#pragma unroll\n    for (int k4 = 0; k4 < {}; ++k4) {{", k_count / w as u64);
+                    let _ = writeln!(out, "      const int c0 = (lane + k4 * {team}) * {w};");
+                    self.vector_io(out, COLS, &body, stores(), w, true)?;
+                    let _ = writeln!(
+                        out,
+                        "#pragma unroll\n      for (int j = 0; j < {w}; ++j) {{\n      const int c = c0 + j, k = k4 * {w} + j;"
+                    );
                 } else if wide {
-                    // 16-byte loads and stores: four columns a thread, in order.
-                    let _ = writeln!(out, "    for (int c0 = lane * 4; c0 < {cols}; c0 += {}) {{", team * 4);
-                    self.vector_io(out, COLS, &body, pass.stores.iter().map(|&s| &p.stores[s]), true)?;
-                    let _ = writeln!(out, "#pragma unroll\n      for (int j = 0; j < 4; ++j) {{\n      const int c = c0 + j;");
+                    // Vector loads and stores: `w` columns a thread, in order.
+                    let _ = writeln!(out, "    for (int c0 = lane * {w}; c0 < {cols}; c0 += {}) {{", team * w);
+                    self.vector_io(out, COLS, &body, stores(), w, true)?;
+                    let _ = writeln!(out, "#pragma unroll\n      for (int j = 0; j < {w}; ++j) {{\n      const int c = c0 + j;");
                 } else if unrolled {
                     let _ = writeln!(out, "#pragma unroll\n    for (int k = 0; k < {k_count}; ++k) {{");
                     let _ = writeln!(out, "      const int c = lane + k * {team};");
@@ -109,7 +133,7 @@ impl Seg<'_> {
                 }
                 if wide {
                     let _ = writeln!(out, "      }}");
-                    self.vector_io(out, COLS, &body, pass.stores.iter().map(|&s| &p.stores[s]), false)?;
+                    self.vector_io(out, COLS, &body, stores(), w, false)?;
                 }
                 let _ = writeln!(out, "    }}");
                 for &rr in &pass.rowreds {
@@ -138,8 +162,9 @@ impl Seg<'_> {
                 let _ = writeln!(out, "  if (lane == 0) scratch[{off} + team] = p{c};");
             } else if reg {
                 let _ = writeln!(out, "#pragma unroll\n  for (int k = 0; k < {k_count}; ++k) {{");
-                if wide_reg {
-                    let _ = writeln!(out, "    const int c = (lane + (k / 4) * {team}) * 4 + k % 4;");
+                let w = reg_width.iter().find(|&&(n, _)| n == c).map_or(1, |&(_, w)| w);
+                if w > 1 {
+                    let _ = writeln!(out, "    const int c = (lane + (k / {w}) * {team}) * {w} + k % {w};");
                 } else {
                     let _ = writeln!(out, "    const int c = lane + k * {team};");
                 }
@@ -149,38 +174,75 @@ impl Seg<'_> {
         Ok(())
     }
 
-    /// Around a 4-wide column loop (`c0`: its first column): before it (`open`), one `float4`
-    /// load per distinct contiguous fp32 view the body reads and a register per such store;
-    /// after it, the stores. Other views stay scalar accesses inside the loop.
+    /// The columns a thread takes at a time in a column loop over `body` and `stores` whose
+    /// threads step by `unit` wide groups (the team, or 1): 8 when a bf16 view is among the
+    /// vectorizable ones and all of them allow it, else 4, else 1 (a scalar loop).
+    pub(super) fn width<'s>(&self, body: &[NodeId], stores: impl Iterator<Item = &'s Store>, unit: u64) -> u32 {
+        let cols = self.p.cols;
+        let loads = body.iter().filter_map(|&id| match &self.p.node(id).expr {
+            Expr::Load(v) => Some(v),
+            _ => None,
+        });
+        let views: Vec<&View> = loads.chain(stores.map(|s| &s.view)).filter(|v| vectorizable(v, 4)).collect();
+        let eight = views.iter().any(|v| v.mem == Mem::Bf16) && views.iter().all(|v| vectorizable(v, 8));
+        if eight && cols.is_multiple_of(8 * unit) {
+            8
+        } else if cols.is_multiple_of(4 * unit) {
+            4
+        } else {
+            1
+        }
+    }
+
+    /// Around a `w`-wide column loop (`c0`: its first column): before it (`open`), one vector
+    /// load per distinct vectorizable view the body reads (f32: `float4`, two for `w = 8`;
+    /// bf16: `uint2`, or `uint4` for `w = 8`) and a register per such store; after it, the
+    /// stores (f32 with `w = 4` as a C store, as before; the others through the prelude's
+    /// `st_*` helpers, which NVRTC cannot split). Other views stay scalar accesses inside the
+    /// loop.
     pub(super) fn vector_io<'s>(
         &self,
         out: &mut String,
         (ind, at): (&str, &str),
         body: &[NodeId],
         stores: impl Iterator<Item = &'s Store>,
+        w: u32,
         open: bool,
     ) -> R<()> {
-        let wide = |v: &View| v.col && v.mem == Mem::F32 && v.row.iter().all(|t| t.stride % 4 == 0);
+        // The register type and how many of it hold `w` elements of a view.
+        let reg = |m: Mem| match (m, w) {
+            (Mem::Bf16, 4) => ("uint2", 1),
+            (Mem::Bf16, _) => ("uint4", 1),
+            (_, 4) => ("float4", 1),
+            _ => ("float4", 2),
+        };
+        let decl = |v: &View, n: &str| match reg(v.mem) {
+            (t, 1) => format!("{t} {n};"),
+            (t, k) => format!("{t} {n}[{k}];"),
+        };
         if open {
             let mut vec = vec![];
             for &id in body {
                 if let Expr::Load(v) = &self.p.node(id).expr {
-                    if wide(v) && !vec.iter().any(|(w, _)| w == v) {
+                    if vectorizable(v, w) && !vec.iter().any(|(x, _)| x == v) {
                         let n = format!("q{}", vec.len());
-                        let _ = writeln!(
-                            out,
-                            "{ind}float4 {n};\n{ind}{{ {at} {n} = *(const float4*)&{}[{}]; }}",
-                            self.slot_name(v.slot)?,
-                            self.offset(v)
-                        );
+                        let (s, off) = (self.slot_name(v.slot)?, self.offset(v));
+                        let load = match reg(v.mem) {
+                            (t, 1) => format!("{n} = *(const {t}*)&{s}[{off}];"),
+                            (t, k) => {
+                                let parts: Vec<String> = (0..k).map(|i| format!(" {n}[{i}] = vp[{i}];")).collect();
+                                format!("const {t}* vp = (const {t}*)&{s}[{off}];{}", parts.concat())
+                            }
+                        };
+                        let _ = writeln!(out, "{ind}{}\n{ind}{{ {at} {load} }}", decl(v, &n));
                         vec.push((v.clone(), n));
                     }
                 }
             }
             for s in stores {
-                if wide(&s.view) && !vec.iter().any(|(w, _)| *w == s.view) {
+                if vectorizable(&s.view, w) && !vec.iter().any(|(x, _)| *x == s.view) {
                     let n = format!("w{}", vec.len());
-                    let _ = writeln!(out, "{ind}float4 {n};");
+                    let _ = writeln!(out, "{ind}{}", decl(&s.view, &n));
                     vec.push((s.view.clone(), n));
                 }
             }
@@ -188,11 +250,24 @@ impl Seg<'_> {
         } else {
             let vec = self.vec.take();
             for s in stores {
-                if let Some((_, n)) = vec.iter().find(|(w, _)| *w == s.view) {
-                    let _ = writeln!(out, "{ind}{{ {at} *(float4*)&{}[{}] = {n}; }}", self.slot_name(s.view.slot)?, self.offset(&s.view));
+                if let Some((_, n)) = vec.iter().find(|(x, _)| *x == s.view) {
+                    let (sl, off) = (self.slot_name(s.view.slot)?, self.offset(&s.view));
+                    let store = match (s.view.mem, w) {
+                        (Mem::Bf16, 4) => format!("st_b32x2(&{sl}[{off}], {n});"),
+                        (Mem::Bf16, _) => format!("st_b32x4(&{sl}[{off}], {n});"),
+                        (_, 4) => format!("*(float4*)&{sl}[{off}] = {n};"),
+                        _ => format!("float* vp = &{sl}[{off}]; st_f32x4(vp, {n}[0]); st_f32x4(vp + 4, {n}[1]);"),
+                    };
+                    let _ = writeln!(out, "{ind}{{ {at} {store} }}");
                 }
             }
         }
         Ok(())
     }
+}
+
+/// Whether a view's `w` columns from a multiple of `w` are one aligned vector: contiguous f32
+/// or bf16 with every row stride a multiple of `w` (buffers are 256-byte aligned).
+fn vectorizable(v: &View, w: u32) -> bool {
+    v.col && matches!(v.mem, Mem::F32 | Mem::Bf16) && v.row.iter().all(|t| t.stride.is_multiple_of(w as u64))
 }

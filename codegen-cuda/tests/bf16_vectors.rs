@@ -1,0 +1,207 @@
+//! Vector loads and stores of bf16 views (`uint2`/`uint4`) in generated kernels: which widths
+//! the emitter picks for which rows, the 124M bf16 training step's kernels, and (when libnvrtc
+//! can be loaded) that the vector paths compile to vector instructions without local memory.
+
+use fusec_codegen_cuda::{kernel_source, nvrtc, KernelSource};
+use fusec_ir::text::parse;
+use fusec_ir::{Bindings, Op};
+use fusec_models::{build_gpt2, Gpt2Config};
+use fusec_passes::amp::Precision;
+use fusec_passes::pipeline::{compile, Mode, PipelineOptions};
+
+/// A kernel's source without the shared prelude.
+fn body(src: &str) -> String {
+    src.replacen(fusec_codegen_cuda::prelude::PRELUDE, "", 1)
+}
+
+/// The source of the one kernel of a graph written in the text form.
+fn source(text: &str) -> KernelSource {
+    let g = parse(text, "test.graph").unwrap_or_else(|e| panic!("{e:?}\n{text}"));
+    let k = g.nodes.iter().find_map(|n| if let Op::Kernel(k) = &n.op { Some(k) } else { None }).expect("a kernel");
+    kernel_source(k, &Bindings::default()).unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// A LayerNorm backward over `[r, c]` reading bf16 `dy`, `x` and residual gradient, writing a
+/// bf16 `dx` and accumulating f32 `grad.w`, `grad.b` (column reductions).
+fn layernorm_grad_bf16(r: u64, c: u64) -> KernelSource {
+    let (rc, b) = (format!("[{r}, {c}]"), format!("bf16[{r}, {c}]"));
+    let ins = format!(
+        "%0 = input \"{{p}}0\" : {b}\n  %1 = input \"{{p}}1\" : {b}\n  %2 = input \"{{p}}2\" : f32[{c}]\n  %3 = input \"{{p}}3\" : f32[{r}]\n  %4 = input \"{{p}}4\" : f32[{r}]\n  %5 = input \"{{p}}5\" : {b}\n  %6 = input \"{{p}}6\" : f32[{c}]\n  %7 = input \"{{p}}7\" : f32[{c}]"
+    );
+    source(&format!(
+        "graph g() {{
+  {outer}
+  %8, %9, %10 = kernel \"ln_grad_bf16\" %0, %1, %2, %3, %4, %5, %6, %7 : {b}, f32[{c}], f32[{c}] {{
+    {inner}
+    %8 = cast %0 : f32{rc}
+    %9 = cast %1 : f32{rc}
+    %10, %11, %12 = layernorm_grad %8, %9, %2, %3, %4 : f32{rc}, f32[{c}], f32[{c}]
+    %13 = cast %5 : f32{rc}
+    %14 = add %13, %10 : f32{rc}
+    %15 = cast %14 : {b}
+    %16 = add %6, %11 : f32[{c}]
+    %17 = add %7, %12 : f32[{c}]
+    output \"out0\" = %15
+    output \"out1\" = %16
+    output \"out2\" = %17
+  }}
+  output \"dx\" = %8
+  output \"gw\" = %9
+  output \"gb\" = %10
+}}",
+        outer = ins.replace("{p}", "x"),
+        inner = ins.replace("{p}", "in").replace("\n  ", "\n    "),
+    ))
+}
+
+/// A pointwise kernel over `[r, c]`: f32 `x * y` of a bf16 and an f32 operand, stored as bf16.
+fn mul_cast_bf16(r: u64, c: u64) -> KernelSource {
+    let (f, b) = (format!("f32[{r}, {c}]"), format!("bf16[{r}, {c}]"));
+    source(&format!(
+        "graph g() {{
+  %0 = input \"x\" : {b}
+  %1 = input \"y\" : {f}
+  %2 = kernel \"mul_cast\" %0, %1 : {b} {{
+    %0 = input \"in0\" : {b}
+    %1 = input \"in1\" : {f}
+    %2 = cast %0 : {f}
+    %3 = mul %2, %1 : {f}
+    %4 = cast %3 : {b}
+    output \"out0\" = %4
+  }}
+  output \"z\" = %2
+}}"
+    ))
+}
+
+/// Whether a source has bf16 vector accesses.
+fn vectors(src: &str) -> bool {
+    let b = body(src);
+    b.contains("uint2") || b.contains("uint4")
+}
+
+#[test]
+fn bf16_row_loops_move_eight_or_four_columns_a_thread() {
+    // 768 columns, a warp a row, 24 register partials a lane: every pass 8 wide (16-byte
+    // `uint4` for bf16, two `float4` for f32), partials of 8 adjacent columns.
+    let s = body(&layernorm_grad_bf16(64, 768).source);
+    assert!(s.contains("for (int k4 = 0; k4 < 3; ++k4) {\n      const int c0 = (lane + k4 * 32) * 8;"), "{s}");
+    assert!(s.contains("const int c = c0 + j, k = k4 * 8 + j;"), "{s}");
+    assert!(s.contains("q0 = *(const uint4*)&in0[r * 768 + c];"), "{s}");
+    assert!(s.contains("const float4* vp = (const float4*)&in2[c]; q2[0] = vp[0]; q2[1] = vp[1];"), "gamma: two float4\n{s}");
+    assert!(s.contains("bf16_to_f32(((unsigned short*)&q0)[j])"), "{s}");
+    assert!(s.contains("for (int c0 = lane * 8; c0 < 768; c0 += 256) {"), "{s}");
+    assert!(s.contains("((unsigned short*)&w") && s.contains("st_b32x4(&out0[r * 768 + c], w"), "{s}");
+    assert!(s.contains("const int c = (lane + (k / 8) * 32) * 8 + k % 8;"), "scratch from the same layout:\n{s}");
+    assert!(!s.contains("bf16_to_f32(in") && !s.contains("out0[r * 768 + c] = f32_to_bf16"), "no scalar bf16 access:\n{s}");
+
+    // 384 columns: register partials 4 wide (384 is not a multiple of 8 x 32), the output
+    // pass (no column reductions) 8 wide.
+    let s = body(&layernorm_grad_bf16(64, 384).source);
+    assert!(s.contains("const int c = c0 + j, k = k4 * 4 + j;") && s.contains("q0 = *(const uint2*)&in0[r * 384 + c];"), "{s}");
+    assert!(s.contains("for (int c0 = lane * 8; c0 < 384; c0 += 256) {") && s.contains("st_b32x4(&out0[r * 384 + c], w"), "{s}");
+    assert!(s.contains("const int c = (lane + (k / 4) * 32) * 4 + k % 4;"), "{s}");
+
+    // 36 columns: 4 wide (8-byte `uint2`) where no register layout is needed, else scalar.
+    let s = body(&layernorm_grad_bf16(64, 36).source);
+    assert!(s.contains("for (int c0 = lane * 4; c0 < 36; c0 += 128) {") && s.contains("st_b32x2(&out0[r * 36 + c], w"), "{s}");
+    assert!(!s.contains("uint4") && s.contains("bf16_to_f32(in0[r * 36 + c])"), "{s}");
+
+    // 30 columns: scalar accesses only.
+    let s = layernorm_grad_bf16(64, 30).source;
+    assert!(!vectors(&s) && !s.contains("c0"), "{s}");
+}
+
+#[test]
+fn bf16_pointwise_kernels_move_eight_or_four_elements_a_thread() {
+    let k = mul_cast_bf16(64, 24);
+    let s = &k.source;
+    assert!(s.contains("* 256u + threadIdx.x) * 8u;") && s.contains("for (int j = 0; j < 8; ++j)"), "{s}");
+    assert!(s.contains("q0 = *(const uint4*)&in0[r * 24 + c];") && s.contains("st_b32x4(&out0[r * 24 + c], w2);"), "{s}");
+    assert_eq!(k.launches[0].grid, [1, 1, 1], "64 x 24 elements, 8 a thread");
+    let k = mul_cast_bf16(64, 20);
+    assert!(k.source.contains("* 256u + threadIdx.x) * 4u;") && k.source.contains("st_b32x2(&out0[r * 20 + c], w2);"), "{}", k.source);
+    assert_eq!(k.launches[0].grid, [2, 1, 1], "64 x 20 elements, 4 a thread");
+    let k = mul_cast_bf16(64, 6);
+    assert!(!vectors(&k.source) && k.source.contains("out0[r * 6 + c] = f32_to_bf16("), "{}", k.source);
+}
+
+/// Every distinct kernel source of the 124M step (B=16, T=1024) at `precision`.
+fn step_124m(precision: Precision) -> Vec<KernelSource> {
+    let cfg = Gpt2Config::preset("d12").unwrap();
+    let g = build_gpt2(&cfg, "d12");
+    let mut bind = Bindings::default();
+    bind.set("B", 16).set("T", 1024);
+    let opts = PipelineOptions { precision, ..PipelineOptions::default() };
+    let step = compile(&g, "schedule", Mode::Step, &opts, &bind).unwrap().graph;
+    let mut out: Vec<KernelSource> = vec![];
+    for n in &step.nodes {
+        if let Op::Kernel(k) = &n.op {
+            let ks = kernel_source(k, &bind).unwrap_or_else(|e| panic!("{}: {e}", k.name));
+            if !out.iter().any(|o| o.source == ks.source) {
+                out.push(ks);
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn the_124m_bf16_step_reads_and_writes_bf16_rows_16_bytes_a_thread() {
+    let bf = step_124m(Precision::Bf16);
+    let get = |name: &str| &bf.iter().find(|s| s.name == name).unwrap_or_else(|| panic!("no {name}")).source;
+    // Cross-entropy backward over bf16 logits [16384, 50304]: three passes, 8 columns a thread.
+    let ce = get("cast_cross_entropy_grad");
+    assert_eq!(ce.matches("for (int c0 = lane * 8; c0 < 50304; c0 += 2048) {").count(), 3, "{ce}");
+    assert_eq!(ce.matches("q0 = *(const uint4*)&in0[r * 50304 + c];").count(), 3, "{ce}");
+    assert!(ce.contains("st_b32x4(&out0[r * 50304 + c], w"), "{ce}");
+    assert!(!ce.contains("bf16_to_f32(in0[") && !ce.contains("out0[r * 50304 + c] = f32_to_bf16("), "{ce}");
+    assert!(get("cast_cross_entropy").contains("*(const uint4*)&in0[r * 50304 + c]"));
+    // The LayerNorm forward's bf16 output (the f32 passes of the mean and variance stay 4 wide).
+    let ln = get("add_layernorm_cast");
+    assert!(ln.contains("for (int c0 = lane * 4; c0 < 768; c0 += 128) {") && ln.contains("for (int c0 = lane * 8; c0 < 768; c0 += 256) {"));
+    assert!(ln.contains("st_b32x4(&out3[r * 768 + c], w"), "{ln}");
+    // AdamW's bf16 weight copies: 8 bytes a thread (the f32 segments keep one 4-wide body).
+    assert!(get("adamw").contains("st_b32x2(&a"), "{}", get("adamw"));
+    // fp32 kernels print no bf16 vectors.
+    for s in step_124m(Precision::F32) {
+        assert!(!vectors(&s.source), "{}", s.name);
+    }
+}
+
+#[test]
+fn bf16_vector_paths_compile_to_vector_instructions_without_local_memory() {
+    if let Err(e) = nvrtc::available() {
+        fusec_ir::testkit::skip("NVRTC compile tests", &e);
+        return;
+    }
+    let mut sources = step_124m(Precision::Bf16);
+    for c in [768, 192, 36, 30] {
+        sources.push(layernorm_grad_bf16(64, c));
+    }
+    for c in [24, 20, 6] {
+        sources.push(mul_cast_bf16(64, c));
+    }
+    for s in &sources {
+        let img =
+            nvrtc::compile(&s.source, &s.ident, "sm_80").unwrap_or_else(|e| panic!("{e}\n--- source of {} ---\n{}", s.name, s.source));
+        assert!(!img.ptx && !img.bytes.is_empty(), "{}: a CUBIN", s.name);
+        if !vectors(&s.source) {
+            continue;
+        }
+        // PTX (a virtual architecture): one vector instruction per vector load and store of the
+        // source, and the 16-bit lanes of the registers are register moves, not a stack copy.
+        let img = nvrtc::compile(&s.source, &s.ident, "compute_80").unwrap_or_else(|e| panic!("{e}"));
+        assert!(img.ptx);
+        let ptx = String::from_utf8_lossy(&img.bytes).replace('\0', "");
+        assert!(!ptx.contains(".local"), "{}: local memory\n{ptx}", s.name);
+        let count = |pat: &str| ptx.lines().filter(|l| l.trim_start().starts_with(pat)).count();
+        let loads = |v: &str| count(&format!("ld.global.{v}")) + count(&format!("ld.global.nc.{v}"));
+        let src = body(&s.source);
+        assert!(loads("v4.u32") >= src.matches("= *(const uint4*)&").count(), "{}: uint4 loads\n{ptx}", s.name);
+        assert!(loads("v2.u32") >= src.matches("= *(const uint2*)&").count(), "{}: uint2 loads\n{ptx}", s.name);
+        assert!(count("st.global.v4.b32") >= src.matches(" st_b32x4(").count(), "{}\n{ptx}", s.name);
+        assert!(count("st.global.v2.b32") >= src.matches(" st_b32x2(").count(), "{}\n{ptx}", s.name);
+        assert!(!ptx.contains("st.global.u16") && !ptx.contains("st.global.v2.u16"), "{}: no 2-byte stores of bf16 rows\n{ptx}", s.name);
+    }
+}
