@@ -8,11 +8,15 @@
 #
 # Runs:
 #   1. llm.c parity on llmc-odd, 10 losses vs reference.json: plain fp32 products (--no-tf32,
-#      score-matrix attention) within 1e-5, and TF32 products with flash attention within 1e-3
+#      score-matrix attention) within 1e-5, TF32 products with flash attention within 1e-3, and
+#      --precision bf16 within 2e-2 relative
 #   2. GPT-2 124M, fp32 (TF32 products), B=16 T=1024, 30 steps from random init, --profile
-#   2c. the same with bf16 products (--precision bf16)
-#   3. PyTorch on the same shape: eager-fp32 (TF32 allowed, as the bench sets it) and compile-bf16
-# and prints fusec's tokens/s next to each PyTorch mode's, with the ratio.
+#   2c. the same in bf16: --precision bf16 / bf16+residual with each --recompute; one profiled
+#   3. PyTorch on the same shape: eager-fp32 (TF32 allowed, as the bench sets it), eager-bf16
+#      (autocast) and compile-bf16
+#   4. with BIG=1: GPT-2 1.5B (d48) B=8, fusec bf16 and torch.compile bf16
+# and prints fusec's ms/step, tokens/s and allocated memory next to each PyTorch mode's, with
+# the ratios (PyTorch's peak is torch.cuda.max_memory_allocated; fusec's the one allocation).
 #
 # Output files go to $OUT (the device tool's result folder) or /tmp/fusec-gpu-bench.
 set -euo pipefail

@@ -44,9 +44,10 @@ pub struct DumpArgs {
     /// `bf16+residual` (the residual stream in bf16 too); `--pass amp` prints the policy.
     #[arg(long, default_value = "fp32", value_parser = precision_parser())]
     precision: Precision,
-    /// What the backward recomputes instead of storing: `none`, `gelu`, or `gelu+layernorm`.
-    #[arg(long, default_value = "none", value_parser = recompute_parser())]
-    recompute: Recompute,
+    /// What the backward recomputes instead of storing: `none`, `gelu`, or `gelu+layernorm`
+    /// (default: `none` in fp32, `gelu+layernorm` in bf16, as `fusec run`).
+    #[arg(long, value_parser = recompute_parser())]
+    recompute: Option<Recompute>,
     /// Include global-norm gradient clipping in the optimizer.
     #[arg(long)]
     grad_clip: bool,
@@ -88,7 +89,7 @@ pub fn dump(a: DumpArgs) -> CliResult {
     let opts = PipelineOptions {
         adamw: AdamWConfig { clip: a.grad_clip, ..AdamWConfig::default() },
         precision: a.precision,
-        recompute: a.recompute,
+        recompute: a.recompute.unwrap_or(Recompute::default_for(a.precision)),
         no_fusion: false,
         memplan: MemplanOptions { reuse: !a.no_reuse },
     };

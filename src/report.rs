@@ -88,7 +88,7 @@ pub fn profile_table(p: &Profile, steps: usize) -> String {
         );
     }
     s += &format!(
-        "{} launches timed over {steps} step(s): {:.1} ms per step\n",
+        "{} launches timed over {steps} step(s) (the first, warm-up, and validation not timed): {:.1} ms per step\n",
         p.rows().iter().map(|r| r.1.calls).sum::<u64>(),
         total * 1e3 / steps.max(1) as f64
     );

@@ -84,8 +84,9 @@ pub struct RunArgs {
     pub precision: Precision,
     /// What the backward recomputes instead of storing: `none`, `gelu` (GELU outputs: less
     /// memory, one more elementwise kernel per layer) or `gelu+layernorm` (also LayerNorm outputs).
-    #[arg(long, default_value = "none", value_parser = recompute_parser())]
-    pub recompute: Recompute,
+    /// Default: `none` in fp32, `gelu+layernorm` in bf16 (chosen by measurement, see the README).
+    #[arg(long, value_parser = recompute_parser())]
+    pub recompute: Option<Recompute>,
     /// Exact fp32 matmuls on CUDA (default: TF32 tensor cores, as PyTorch allows).
     #[arg(long)]
     pub no_tf32: bool,

@@ -18,6 +18,7 @@ use std::time::Instant;
 use fusec_models::Gpt2Config;
 use fusec_passes::optimizer::AdamWConfig;
 use fusec_passes::pipeline::{PassRun, PipelineOptions};
+use fusec_passes::recompute::Recompute;
 use fusec_runtime::checkpoint::Checkpoint;
 use fusec_runtime::corpus::markov_tokens;
 use fusec_runtime::data::DataLoader;
@@ -55,7 +56,7 @@ pub fn run(a: RunArgs) -> CliResult {
         // The reference target runs the unfused programs: it is the oracle.
         no_fusion: a.target == Target::Ref,
         precision: a.precision,
-        recompute: a.recompute,
+        recompute: a.recompute.unwrap_or(Recompute::default_for(a.precision)),
         ..PipelineOptions::default()
     };
     let t_compile = Instant::now();
@@ -138,7 +139,7 @@ pub fn run(a: RunArgs) -> CliResult {
     out!("{}", table("summary", &rows))?;
     if let Some(p) = ex.profile() {
         if a.profile {
-            out!("{}", profile_table(&p, logs.len()))?;
+            out!("{}", profile_table(&p, p.steps as usize))?;
         }
         if let Some(path) = &a.profile_json {
             std::fs::write(path, profile_json(&p)).map_err(|e| format!("{}: {e}", path.display()))?;

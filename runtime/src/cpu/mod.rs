@@ -254,8 +254,9 @@ impl Executor for CpuExecutor {
     fn run(&mut self, program: Program) -> Result<StepOutputs, String> {
         let prog = self.programs.get(&program).ok_or_else(|| format!("program {program:?} was not compiled"))?;
         let mut profile = self.profile.take();
+        let timed = profile.as_mut().is_some_and(|p| p.begin(program));
         for (i, l) in prog.launches.iter().enumerate() {
-            let t0 = profile.is_some().then(Instant::now);
+            let t0 = timed.then(Instant::now);
             // SAFETY: launches were built against this arena's plan.
             let r = unsafe { self.exec(l) }.map_err(|e| format!("{} ({program:?} launch {i}): {e}", l.name));
             if let (Some(p), Some(t0)) = (profile.as_mut(), t0) {

@@ -507,7 +507,8 @@ impl Executor for CudaExecutor {
         }
         self.dev.sync(&format!("{program:?} program (set FUSEC_CUDA_SYNC=1 to find the failing launch)"))?;
         if let Some(mut p) = self.profile.take() {
-            for (i, l) in prog.launches.iter().enumerate() {
+            let timed = p.begin(program);
+            for (i, l) in prog.launches.iter().enumerate().filter(|_| timed) {
                 // SAFETY: both events were recorded and the stream is idle.
                 let ms = unsafe { cudarc::driver::result::event::elapsed(self.events[i].0, self.events[i].1) }.unwrap_or(0.0);
                 p.record(&l.name, l.bytes, l.flops, Duration::from_secs_f64(ms.max(0.0) as f64 / 1e3));
