@@ -87,7 +87,8 @@ pub fn dump(a: DumpArgs) -> CliResult {
     let g = load_graph(&a.file)?;
     let parse_time = t0.elapsed();
     let opts = PipelineOptions {
-        adamw: AdamWConfig { clip: a.grad_clip, ..AdamWConfig::default() },
+        // As `fusec run` builds its step without `--grad-accum`: gradients are transients.
+        adamw: AdamWConfig { clip: a.grad_clip, fresh_grads: true, ..AdamWConfig::default() },
         precision: a.precision,
         recompute: a.recompute.unwrap_or(Recompute::default_for(a.precision)),
         no_fusion: false,

@@ -5,6 +5,12 @@
 //! `grad_clip` (the maximum global norm). Per parameter `P` the optimizer state `m.P` and `v.P`
 //! are inputs. Outputs: `loss`, then the updated `P`, `m.P`, `v.P` (an output named like an
 //! input or parameter is written back to it after the step), and with clipping `grad_norm`.
+//!
+//! With `fresh_grads` (a step without gradient accumulation: the runtime zeroes the
+//! accumulators after every step anyway) the `grad.P` accumulators are dropped: each update reads
+//! its gradient as the backward produced it, so gradients are transients of the step — alive
+//! from their first write to the update — instead of persistent buffers alive through the
+//! forward (GPT-2 124M: 475 MiB less at the peak; 1.5B: 6.2 GB).
 
 use std::collections::HashSet;
 
@@ -12,7 +18,7 @@ use fusec_ir::text::quote;
 use fusec_ir::{BinaryOp, DType, Graph, Op, Type, UnaryOp, ValueId};
 
 use crate::autodiff::grad_name;
-use crate::rewrite::{output_unique, Emit};
+use crate::rewrite::{output_unique, Copier, Emit};
 
 /// AdamW hyperparameters that are constants of the graph.
 #[derive(Clone, Debug, PartialEq)]
@@ -27,12 +33,14 @@ pub struct AdamWConfig {
     pub weight_decay: f64,
     /// Whether to clip the global gradient norm to the runtime scalar `grad_clip`.
     pub clip: bool,
+    /// Start from zero gradients: no `grad.P` accumulators (see the module docs).
+    pub fresh_grads: bool,
 }
 
 impl Default for AdamWConfig {
     /// llm.c's and PyTorch's defaults, with llm.c's zero weight decay and no clipping.
     fn default() -> Self {
-        AdamWConfig { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0, clip: false }
+        AdamWConfig { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0, clip: false, fresh_grads: false }
     }
 }
 
@@ -78,7 +86,8 @@ pub fn optimizer(g: &Graph, cfg: &AdamWConfig) -> Result<Graph, String> {
 }
 
 fn optimizer_inner(g: &Graph, cfg: &AdamWConfig) -> Result<Graph, String> {
-    let mut out = g.clone();
+    let mut out = if cfg.fresh_grads { without_accumulators(g)? } else { g.clone() };
+    let g = &out.clone();
     let params: Vec<(String, ValueId)> = g.params().into_iter().map(|(n, v)| (n.to_string(), v)).collect();
     let mut grads = vec![];
     for (name, _) in &params {
@@ -128,6 +137,35 @@ fn optimizer_inner(g: &Graph, cfg: &AdamWConfig) -> Result<Graph, String> {
         output_unique(&mut out, &mut taken, "grad_norm", n)?;
     }
     Ok(out)
+}
+
+/// `g` without the `grad.P` accumulator inputs: `add(grad.P, d)` becomes `d` (the accumulator
+/// holds zero), and an accumulator read any other way is an error.
+fn without_accumulators(g: &Graph) -> Result<Graph, String> {
+    let names: HashSet<String> = g.params().into_iter().map(|(n, _)| grad_name(n)).collect();
+    let accumulators: std::collections::HashMap<ValueId, &str> =
+        g.inputs().into_iter().filter(|(n, _)| names.contains(*n)).map(|(n, v)| (v, n)).collect();
+    let mut c = Copier::new(g, "optimizer");
+    for n in &g.nodes {
+        if n.results.iter().any(|r| accumulators.contains_key(r)) {
+            continue;
+        }
+        let acc = n.inputs.iter().position(|v| accumulators.contains_key(v));
+        match (acc, &n.op) {
+            (None, _) => {
+                let ins = c.get_all(&n.inputs)?;
+                c.copy(n, &ins);
+            }
+            (Some(k), Op::Binary(BinaryOp::Add)) if n.inputs.len() == 2 && !accumulators.contains_key(&n.inputs[1 - k]) => {
+                let d = c.get(n.inputs[1 - k])?;
+                c.set(n.results[0], d);
+            }
+            (Some(k), op) => {
+                return Err(format!("the accumulator {} is read by `{}`, not only added to", quote(accumulators[&n.inputs[k]]), op.mnemonic()))
+            }
+        }
+    }
+    c.finish()
 }
 
 /// `min(1, max_norm / (norm + 1e-6))` and the global norm itself (0 without parameters).

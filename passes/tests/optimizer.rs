@@ -171,7 +171,7 @@ fn adamw_with_weight_decay() {
 #[test]
 fn adamw_with_other_constants() {
     // Distinct betas and a large eps, so that swapping or dropping one shows.
-    let cfg = AdamWConfig { beta1: 0.8, beta2: 0.95, eps: 1e-3, weight_decay: 0.1, clip: false };
+    let cfg = AdamWConfig { beta1: 0.8, beta2: 0.95, eps: 1e-3, weight_decay: 0.1, clip: false, fresh_grads: false };
     check_step(&cfg, Step { lr: 2e-2, t: 3, clip_factor: 0.0 }, 5);
 }
 
@@ -283,4 +283,37 @@ fn repeated_steps_reduce_the_loss() {
         }
     }
     assert!(losses[19] < losses[0] - 0.5, "loss did not go down: {losses:?}");
+}
+
+#[test]
+fn fresh_gradients_equal_accumulation_from_zero_without_accumulator_inputs() {
+    // `fresh_grads` drops the `grad.P` accumulators: its step must equal the accumulating step
+    // fed zero accumulators, on the GPT-2 tiny model through the whole pipeline (fused), with and
+    // without clipping (which reads every gradient).
+    let cfg = fusec_models::Gpt2Config::preset("tiny").unwrap();
+    let fwd = fusec_models::build_gpt2(&cfg, "tiny");
+    let mut bind = Bindings::default();
+    bind.set("B", 2).set("T", 8);
+    for clip in [false, true] {
+        let acc = PipelineOptions { adamw: AdamWConfig { clip, ..AdamWConfig::default() }, ..PipelineOptions::default() };
+        let fresh = PipelineOptions { adamw: AdamWConfig { fresh_grads: true, ..acc.adamw.clone() }, ..acc.clone() };
+        let a = compile(&fwd, "fuse", Mode::Step, &acc, &bind).unwrap().graph;
+        let f = compile(&fwd, "fuse", Mode::Step, &fresh, &bind).unwrap().graph;
+        assert!(f.inputs().iter().all(|(n, _)| !n.starts_with("grad.")), "no accumulators");
+        assert!(a.inputs().iter().any(|(n, _)| n.starts_with("grad.")));
+        let mut feeds = fusec_ir::testkit::random_feeds(&a, &bind, &mut Rng::new(3), 250).unwrap();
+        for (name, t) in feeds.iter_mut() {
+            match name.as_str() {
+                n if n.starts_with("grad.") => t.data.iter_mut().for_each(|x| *x = 0.0),
+                n if n.starts_with("v.") => t.data.iter_mut().for_each(|x| *x = x.abs()),
+                "bc1" | "bc2" => t.data[0] = 0.5,
+                "grad_clip" => t.data[0] = 0.1,
+                _ => {}
+            }
+        }
+        let (ra, rf) = (interp::run(&a, &bind, &feeds, Rounding::F32).unwrap(), interp::run(&f, &bind, &feeds, Rounding::F32).unwrap());
+        for (((name, _), x), y) in a.outputs.iter().zip(&ra).zip(&rf) {
+            assert_eq!(x.data, y.data, "output {name} (clip {clip})");
+        }
+    }
 }

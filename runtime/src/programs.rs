@@ -46,11 +46,14 @@ pub struct RunPrograms {
 
 impl RunPrograms {
     /// Compiles Eval, Grad and Step (and Logits when `logits`, for sampling) from a forward +
-    /// loss graph through `schedule` (targets plan memory themselves).
+    /// loss graph through `schedule` (targets plan memory themselves). With
+    /// `opts.adamw.fresh_grads` the step has no gradient accumulators and there is no Grad
+    /// program (no micro-steps to accumulate).
     pub fn compile(fwd: &Graph, opts: &PipelineOptions, bind: &Bindings, logits: bool) -> Result<RunPrograms, String> {
         let mut graphs = HashMap::new();
         let mut pass_runs = vec![];
-        for p in [Program::Eval, Program::Grad, Program::Step] {
+        let grad = (!opts.adamw.fresh_grads).then_some(Program::Grad);
+        for p in [Some(Program::Eval), grad, Some(Program::Step)].into_iter().flatten() {
             let c = compile(fwd, "schedule", p.mode(), opts, bind)?;
             if p == Program::Step {
                 pass_runs = c.runs;

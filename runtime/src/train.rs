@@ -91,7 +91,11 @@ pub fn init_state(ex: &mut dyn Executor, step_graph: &Graph, params: &HashMap<St
         }
         let shape = t.shape.clone();
         for prefix in ["m.", "v.", "grad."] {
-            ex.set_zeros(&format!("{prefix}{name}"), DType::F32, shape.clone())?;
+            let state = format!("{prefix}{name}");
+            // A step without accumulation has no `grad.P` (the gradients are its transients).
+            if prefix != "grad." || inputs.contains(state.as_str()) {
+                ex.set_zeros(&state, DType::F32, shape.clone())?;
+            }
         }
     }
     Ok(())

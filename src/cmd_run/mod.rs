@@ -52,7 +52,13 @@ pub fn run(a: RunArgs) -> CliResult {
     let (train_data, val_data, val_batches) = load_data(&a, &model)?;
 
     let opts = PipelineOptions {
-        adamw: AdamWConfig { weight_decay: a.weight_decay, clip: a.grad_clip.is_some(), ..AdamWConfig::default() },
+        // Without accumulation over micro-steps the gradients are transients of the step.
+        adamw: AdamWConfig {
+            weight_decay: a.weight_decay,
+            clip: a.grad_clip.is_some(),
+            fresh_grads: a.grad_accum <= 1,
+            ..AdamWConfig::default()
+        },
         // The reference target runs the unfused programs: it is the oracle.
         no_fusion: a.target == Target::Ref,
         precision: a.precision,
