@@ -4,9 +4,10 @@
 //! which `fusec dump --pass amp` prints above the graph):
 //!
 //! - **product** (`matmul`): bf16 operands, fp32 accumulation, a bf16 result — the activations
-//!   (qkv, fc pre-activation, logits, activation gradients) are stored in bf16. A result that is
-//!   accumulated into fp32 state (added to a graph input: the weight gradients) or is a graph
-//!   output is widened back to f32 at once, which `fuse-epilogue` makes the gemm's `out`.
+//!   (qkv, fc pre-activation, logits, activation gradients) are stored in bf16. A parameter
+//!   gradient (a product that reaches an `adamw` or a `grad.P` output through adds and scales,
+//!   or that is added to a graph input) or a graph output is widened back to f32 at once, which
+//!   `fuse-epilogue` makes the gemm's `out`.
 //! - **bf16** (`attention`, `attention_grad`): q, k, v, out, dout and dqkv in bf16; the
 //!   softmax statistics are f32 by the op's type rule.
 //! - **f32** (LayerNorm and its gradient, softmax, cross-entropy, reductions, gather, scatter,
@@ -30,7 +31,7 @@
 //! so each fuses into its reader's kernel. Every cast is an explicit op — a rounding point that
 //! fusion keeps. Graph outputs keep their declared dtypes.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use fusec_ir::{DType, Graph, Op, ValueId};
 
@@ -210,6 +211,31 @@ fn written_back(g: &Graph) -> HashMap<String, Option<ValueId>> {
     out
 }
 
+/// The products whose results become parameter gradients: those reached backwards from an
+/// `adamw`'s gradient operand or a `grad.P` output through adds, scales, views and casts (a
+/// gradient summed from several products, clipped, or fresh without an accumulator).
+fn gradient_products(g: &Graph) -> HashSet<ValueId> {
+    let mut stack: Vec<ValueId> = g.nodes.iter().filter(|n| matches!(n.op, Op::AdamW { .. })).map(|n| n.inputs[1]).collect();
+    stack.extend(g.outputs.iter().filter(|(n, _)| n.starts_with("grad.")).map(|(_, v)| *v));
+    let (mut seen, mut out) = (HashSet::new(), HashSet::new());
+    while let Some(v) = stack.pop() {
+        if !seen.insert(v) {
+            continue;
+        }
+        let p = g.producer(v);
+        match p.op {
+            Op::MatMul { .. } => {
+                out.insert(v);
+            }
+            Op::Binary(fusec_ir::BinaryOp::Add | fusec_ir::BinaryOp::Mul) | Op::Reshape { .. } | Op::Broadcast { .. } | Op::Cast { .. } => {
+                stack.extend(p.inputs.iter().copied())
+            }
+            _ => {}
+        }
+    }
+    out
+}
+
 /// Whether old value `v` is accumulated into f32 state: a graph output, or only ever added to
 /// a graph input (a gradient accumulator).
 fn accumulated(g: &Graph, uses: &Uses, v: ValueId) -> bool {
@@ -229,6 +255,7 @@ pub fn amp(g: &Graph, policy: Precision) -> Result<Graph, String> {
     }
     let residual = if policy == Precision::Bf16Residual { DType::BF16 } else { DType::F32 };
     let uses = Uses::of(g);
+    let grads = gradient_products(g);
     let mut a = Amp { c: Copier::new(g, "amp"), narrowed: HashMap::new(), copyable: written_back(g) };
     let mut copies: Vec<(String, ValueId)> = vec![];
     for n in &g.nodes {
@@ -271,7 +298,7 @@ pub fn amp(g: &Graph, policy: Precision) -> Result<Graph, String> {
             copies.push((format!("{COPY_PREFIX}{}", param_name(g, n.inputs[0])), copy));
         }
         for (&old, &new) in n.results.iter().zip(rs.iter()) {
-            let widen = rule(&n.op) == Rule::Product && accumulated(g, &uses, old);
+            let widen = rule(&n.op) == Rule::Product && (grads.contains(&old) || accumulated(g, &uses, old));
             let new = if widen { a.convert(new, g.ty(old).dtype)? } else { new };
             a.c.set(old, new);
         }

@@ -315,5 +315,23 @@ fn fresh_gradients_equal_accumulation_from_zero_without_accumulator_inputs() {
         for (((name, _), x), y) in a.outputs.iter().zip(&ra).zip(&rf) {
             assert_eq!(x.data, y.data, "output {name} (clip {clip})");
         }
+        // In bf16 (both residual policies), fresh weight gradients stay f32: every add or scale
+        // on the way to an update is f32 (a bf16 product is widened right after it).
+        for precision in [fusec_passes::amp::Precision::Bf16, fusec_passes::amp::Precision::Bf16Residual] {
+            let bf16 = PipelineOptions { precision, ..fresh.clone() };
+            let m = compile(&fwd, "amp", Mode::Step, &bf16, &bind).unwrap().graph;
+            let mut stack: Vec<_> = m.nodes.iter().filter(|n| matches!(n.op, Op::AdamW { .. })).map(|n| n.inputs[1]).collect();
+            while let Some(v) = stack.pop() {
+                let p = m.producer(v);
+                match p.op {
+                    Op::Binary(_) | Op::Reshape { .. } | Op::Broadcast { .. } => {
+                        assert_eq!(m.ty(v).dtype, DType::F32, "{precision:?}: a gradient computed in bf16 (clip {clip})");
+                        stack.extend(p.inputs.iter().copied());
+                    }
+                    Op::Cast { .. } => stack.extend(p.inputs.iter().copied()),
+                    _ => {}
+                }
+            }
+        }
     }
 }
