@@ -585,3 +585,29 @@ fn feed_and_index_errors() {
     bad.outputs.push(("out0".into(), bad.outputs[0].1));
     assert!(run(&bad, &b, &ok, F32).is_err());
 }
+
+#[test]
+fn bf16_rounding_of_f32_values_is_nearest_even() {
+    // The fast path of `round_to(BF16, ..)` for f32 values (bit arithmetic, as the CUDA
+    // prelude does it) against the definition: the nearest bf16 value, ties to the even one,
+    // overflow to infinity, NaN kept. Every 65,537th f32 bit pattern and the edge cases.
+    let bf = |bits: u32| f32::from_bits(bits) as f64;
+    let mut patterns: Vec<u32> = (0..u32::MAX).step_by(65_537).collect();
+    patterns.extend([0, 1, 0x8000, 0x8001, 0x7fff, 0x1_8000, 0x7f7f_8000, 0x7f7f_7fff, 0x7f7f_ffff, 0x7f80_0000, 0x0080_0000]);
+    for u in patterns.iter().flat_map(|&u| [u, u | 0x8000_0000]) {
+        let x = f32::from_bits(u);
+        let got = fusec_ir::interp::round_to(DType::BF16, x as f64);
+        if x.is_nan() {
+            assert!(got.is_nan());
+            continue;
+        }
+        let (lo, hi) = (u & 0xffff_0000, (u & 0xffff_0000).wrapping_add(0x1_0000));
+        // Past the largest bf16 the next value is 2^128 with an unbounded exponent: rounding to
+        // it overflows to infinity.
+        let overflow = (hi & 0x7f80_0000) == 0x7f80_0000;
+        let (a, b) = (bf(lo), if overflow { 2f64.powi(128).copysign(x as f64) } else { bf(hi) });
+        let (da, db) = ((x as f64 - a).abs(), (x as f64 - b).abs());
+        let want = if da < db || (da == db && (lo >> 16) & 1 == 0) { a } else if overflow { b.signum() * f64::INFINITY } else { b };
+        assert!(got == want || (got == 0.0 && want == 0.0), "{u:#x}: {got} vs {want}");
+    }
+}

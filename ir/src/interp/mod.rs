@@ -345,10 +345,24 @@ pub fn round_to(dtype: DType, x: f64) -> f64 {
     match dtype {
         DType::F32 => x as f32 as f64,
         // bf16: 7 fraction bits, exponents -126..=127. f16: 10 fraction bits, -14..=15.
-        DType::BF16 => round_binary(x, 7, -126, 127),
+        DType::BF16 => match x as f32 {
+            // An f32 value (parameters, every f32 result): RNE on its bits, 50x faster.
+            f if f as f64 == x => bf16_of_f32(f) as f64,
+            _ => round_binary(x, 7, -126, 127),
+        },
         DType::F16 => round_binary(x, 10, -14, 15),
         DType::I32 => x.round_ties_even(),
     }
+}
+
+/// `f` rounded to bf16 (nearest, ties to even; NaN stays NaN), as an f32: what the CUDA
+/// prelude's `f32_to_bf16` computes.
+pub fn bf16_of_f32(f: f32) -> f32 {
+    if f.is_nan() {
+        return f;
+    }
+    let u = f.to_bits();
+    f32::from_bits(u.wrapping_add(0x7fff + ((u >> 16) & 1)) & 0xffff_0000)
 }
 
 pub(super) fn round_slice(dtype: DType, xs: &mut [f64]) {
