@@ -1,6 +1,8 @@
 //! `fuse-epilogue`: bias add, GELU and a cast folded into the matmul that produces them.
 //!
-//! `add(matmul(a, b), broadcast(bias))` becomes `gemm {bias}`; a following `gelu` joins as the
+//! `add(matmul(a, b), broadcast(bias))` becomes `gemm {bias}` (on bf16 operands only when
+//! something other than elementwise ops reads the sum: see `bf16-bias-left-to-consumer`); a
+//! following `gelu` joins as the
 //! GELU epilogue (the pre-GELU value, which the backward's `gelu_grad` reads, becomes the gemm's
 //! second result); a `cast` of the matmul's result becomes the `out` dtype. Each refusal names
 //! its predicate for `--explain-fusion`. The unfused lowering stays available: a `gemm` is
@@ -8,7 +10,7 @@
 
 use std::collections::HashMap;
 
-use fusec_ir::{BinaryOp, Gemm, Graph, Op, ValueId};
+use fusec_ir::{BinaryOp, DType, Gemm, Graph, Op, ValueId};
 
 use crate::explain::FusionLog;
 use crate::rewrite::{rebuild, value_names, Replacement, Uses};
@@ -30,8 +32,21 @@ pub fn fuse_epilogue(g: &Graph, log: &mut FusionLog) -> Result<Graph, String> {
         let mut gm = Gemm { trans_a, trans_b, bias: false, gelu: false, out: g.ty(y).dtype, accumulate: false };
         let mut inputs = vec![n.inputs[0], n.inputs[1]];
         let (mut root, mut cur, mut exposes) = (mi, y, vec![y]);
-        // Bias: the matmul's only user adds a vector broadcast along the last axis.
-        if let Some((ai, bias)) = bias_add(g, &uses, mi, y) {
+        // Bias: the matmul's only user adds a vector broadcast along the last axis. On bf16
+        // operands a bias whose sum only elementwise ops read (the residual add) is left to
+        // their kernel, where it costs no pass: cuBLASLt's bf16 bias epilogue runs at 462
+        // TFLOP/s against 724 for the plain product (H100, GPT-2 124M projections).
+        let bias = bias_add(g, &uses, mi, y);
+        let left = bias.filter(|&(ai, _)| {
+            let sum = g.nodes[ai].results[0];
+            g.ty(n.inputs[0]).dtype == DType::BF16
+                && !uses.is_output[sum.0 as usize]
+                && uses.users[sum.0 as usize].iter().all(|&u| g.nodes[u].op.is_elementwise() && g.nodes[u].op != Op::Gelu)
+        });
+        if left.is_some() {
+            log.refuse(PASS, &at, "bf16-bias-left-to-consumer", "only elementwise ops read the biased bf16 value: their kernel adds the bias");
+        }
+        if let Some((ai, bias)) = bias.filter(|_| left.is_none()) {
             gm.bias = true;
             inputs.push(bias);
             deleted[ai] = true;
@@ -49,7 +64,7 @@ pub fn fuse_epilogue(g: &Graph, log: &mut FusionLog) -> Result<Graph, String> {
                     cur = g.nodes[gi].results[0];
                 }
             }
-        } else if uses.users[y.0 as usize].iter().any(|&u| adds_a_broadcast(g, u, y)) {
+        } else if left.is_none() && uses.users[y.0 as usize].iter().any(|&u| adds_a_broadcast(g, u, y)) {
             log.refuse(
                 PASS,
                 &at,

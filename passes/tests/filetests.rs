@@ -245,7 +245,7 @@ const RULES: &[(&str, &[&str])] = &[
             "targets-shape",
         ],
     ),
-    ("fuse-epilogue", &["bias-is-row-vector", "pre-gelu-used-before-gelu"]),
+    ("fuse-epilogue", &["bias-is-row-vector", "bf16-bias-left-to-consumer", "pre-gelu-used-before-gelu"]),
     ("fuse-grad-accum", &["no-gelu-epilogue", "product-has-other-users", "acc-has-other-users", "same-type"]),
     (
         "fuse-elementwise",
