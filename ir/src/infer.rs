@@ -171,7 +171,7 @@ pub fn result_types(op: &Op, ins: &[&Type]) -> Result<SmallVec<[Type; 3]>, Strin
             check(*mean == stat && *rstd == stat, || format!("layernorm_grad statistics must be {stat}, found {mean} and {rstd}"))?;
             Ok(smallvec![x.clone(), w.clone(), w.clone()])
         }
-        CrossEntropy { vocab } | CrossEntropyGrad { vocab } => {
+        CrossEntropy { vocab } | CrossEntropyGrad { vocab } | CrossEntropyWithGrad { vocab } => {
             let (l, t) = (ins[0], ins[1]);
             let (rows, vp) = split_last(l, "cross_entropy logits")?;
             float(l, "logits")?;
@@ -183,6 +183,9 @@ pub fn result_types(op: &Op, ins: &[&Type]) -> Result<SmallVec<[Type; 3]>, Strin
                 one(loss)
             } else {
                 check(*ins[2] == loss, || format!("dloss must be {loss}, found {}", ins[2]))?;
+                if matches!(op, CrossEntropyWithGrad { .. }) {
+                    return Ok(smallvec![loss, l.clone()]);
+                }
                 one(l.clone())
             }
         }
@@ -265,7 +268,7 @@ pub fn expected_arity(op: &Op) -> Option<usize> {
         Binary(_) | Compare(_) | MatMul { .. } | Gather | ScatterAdd { .. } | GeluGrad | SoftmaxGrad => 2,
         CrossEntropy { .. } => 2,
         Attention { .. } => 1,
-        Select | LayerNorm { .. } | CrossEntropyGrad { .. } => 3,
+        Select | LayerNorm { .. } | CrossEntropyGrad { .. } | CrossEntropyWithGrad { .. } => 3,
         AttentionGrad { .. } => 4,
         LayerNormGrad => 5,
         Concat { .. } | Kernel(_) | AdamW { .. } => return None,

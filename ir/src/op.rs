@@ -150,6 +150,10 @@ pub enum Op {
     /// Gradient of `CrossEntropy`: `(logits, targets, dloss: f32[S]) -> dlogits: f32[S, Vp]`,
     /// `(softmax(logits[:vocab]) - onehot(target)) * dloss`, zero in the padding columns.
     CrossEntropyGrad { vocab: u64 },
+    /// `CrossEntropy` and its gradient in one pass over the logits (llm.c's fused classifier):
+    /// `(logits, targets, dloss: f32[S]) -> (loss: f32[S], dlogits)`. Made by `fuse-classifier`
+    /// from a `cross_entropy` and a `cross_entropy_grad` of the same logits.
+    CrossEntropyWithGrad { vocab: u64 },
     /// Causal multi-head attention on packed projections, as llm.c lays them out:
     /// `(qkv: f32[S, T, 3C]) -> (out: f32[S, T, C], lse: f32[S, heads, T])`. Channels `0..C` are
     /// the queries, `C..2C` the keys, `2C..3C` the values; head `h` uses channels
@@ -269,6 +273,7 @@ impl Op {
             SoftmaxGrad => "softmax_grad",
             CrossEntropy { .. } => "cross_entropy",
             CrossEntropyGrad { .. } => "cross_entropy_grad",
+            CrossEntropyWithGrad { .. } => "cross_entropy_with_grad",
             Attention { .. } => "attention",
             AttentionGrad { .. } => "attention_grad",
             AdamW { .. } => "adamw",

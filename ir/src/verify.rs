@@ -256,7 +256,7 @@ fn check_attrs(op: &Op, syms: &HashSet<&str>) -> Result<(), String> {
         Op::Reshape { shape } | Op::Broadcast { shape, .. } => check_shape(shape, syms),
         Op::ScatterAdd { rows } => check_dim(rows, syms),
         Op::Slice { start, end, .. } if start >= end => Err(format!("slice {start}..{end} is empty")),
-        Op::CrossEntropy { vocab } | Op::CrossEntropyGrad { vocab } if *vocab > i32::MAX as u64 => {
+        Op::CrossEntropy { vocab } | Op::CrossEntropyGrad { vocab } | Op::CrossEntropyWithGrad { vocab } if *vocab > i32::MAX as u64 => {
             Err(format!("vocab {vocab} does not fit in i32"))
         }
         Op::LayerNorm { eps } if !(eps.is_finite() && *eps > 0.0) => Err(format!("layernorm eps must be positive, found {eps}")),

@@ -6,8 +6,9 @@
 //! - **product** (`matmul`): bf16 operands, fp32 accumulation, a bf16 result — the activations
 //!   (qkv, fc pre-activation, logits, activation gradients) are stored in bf16. A parameter
 //!   gradient (a product that reaches an `adamw` or a `grad.P` output through adds and scales,
-//!   or that is added to a graph input) or a graph output is widened back to f32 at once, which
-//!   `fuse-epilogue` makes the gemm's `out`.
+//!   or that is added to a graph input) is emitted as `gemm {out = f32}`: f32 accumulation and
+//!   result, never rounded to bf16. A reader that computes in f32 widens a bf16 product itself
+//!   (inside its kernel: the product is stored once, in bf16).
 //! - **bf16** (`attention`, `attention_grad`): q, k, v, out, dout and dqkv in bf16; the
 //!   softmax statistics are f32 by the op's type rule.
 //! - **f32** (LayerNorm and its gradient, softmax, cross-entropy, reductions, gather, scatter,
@@ -293,13 +294,20 @@ pub fn amp(g: &Graph, policy: Precision) -> Result<Graph, String> {
                 conv.push(copy);
             }
         }
-        let rs = a.c.out.try_add(n.op.clone(), &conv).map_err(|e| format!("amp: `{}`: {e}", n.op.mnemonic()))?;
+        // A parameter gradient is a product with an f32 result (`gemm {out = f32}`): f32
+        // accumulation, never rounded to bf16.
+        let op = match n.op {
+            Op::MatMul { trans_a, trans_b } if grads.contains(&n.results[0]) || accumulated(g, &uses, n.results[0]) => {
+                let out = g.ty(n.results[0]).dtype;
+                Op::Gemm(fusec_ir::Gemm { trans_a, trans_b, bias: false, gelu: false, out, accumulate: false })
+            }
+            _ => n.op.clone(),
+        };
+        let rs = a.c.out.try_add(op, &conv).map_err(|e| format!("amp: `{}`: {e}", n.op.mnemonic()))?;
         if let (Op::AdamW { .. }, Some(&copy)) = (&n.op, rs.get(3)) {
             copies.push((format!("{COPY_PREFIX}{}", param_name(g, n.inputs[0])), copy));
         }
         for (&old, &new) in n.results.iter().zip(rs.iter()) {
-            let widen = rule(&n.op) == Rule::Product && (grads.contains(&old) || accumulated(g, &uses, old));
-            let new = if widen { a.convert(new, g.ty(old).dtype)? } else { new };
             a.c.set(old, new);
         }
     }

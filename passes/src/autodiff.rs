@@ -267,7 +267,9 @@ fn backward_rule(e: &mut Emit, op: &Op, xs: &[ValueId], ys: &[ValueId], dys: &[O
         Op::GeluGrad | Op::LayerNormGrad | Op::SoftmaxGrad | Op::CrossEntropyGrad { .. } | Op::AttentionGrad { .. } | Op::AdamW { .. } => {
             return Err("has no backward rule (second-order or optimizer op)".into())
         }
-        Op::Gemm(_) | Op::Kernel(_) => return Err("fused ops are made after autodiff and have no backward rule".into()),
+        Op::Gemm(_) | Op::Kernel(_) | Op::CrossEntropyWithGrad { .. } => {
+            return Err("fused ops are made after autodiff and have no backward rule".into())
+        }
     })
 }
 

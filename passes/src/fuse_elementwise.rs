@@ -150,7 +150,9 @@ fn classify(op: &Op) -> Class {
         _ if op.is_elementwise() => Class::Pointwise,
         Const { .. } | Iota { .. } | Broadcast { .. } | Reshape { .. } => Class::Absorb,
         Reduce { .. } => Class::Reduce,
-        LayerNorm { .. } | LayerNormGrad | Softmax | SoftmaxGrad | CrossEntropy { .. } | CrossEntropyGrad { .. } => Class::Composite,
+        LayerNorm { .. } | LayerNormGrad | Softmax | SoftmaxGrad | CrossEntropy { .. } | CrossEntropyGrad { .. } | CrossEntropyWithGrad { .. } => {
+            Class::Composite
+        }
         AdamW { .. } => Class::AdamW,
         _ => Class::Fixed,
     }

@@ -4,7 +4,7 @@
 //! something other than elementwise ops reads the sum: see `bf16-bias-left-to-consumer`); a
 //! following `gelu` joins as the
 //! GELU epilogue (the pre-GELU value, which the backward's `gelu_grad` reads, becomes the gemm's
-//! second result); a `cast` of the matmul's result becomes the `out` dtype. Each refusal names
+//! second result); a `cast` of the matmul's result that does not widen becomes the `out` dtype. Each refusal names
 //! its predicate for `--explain-fusion`. The unfused lowering stays available: a `gemm` is
 //! defined as exactly that op sequence, so a backend may always expand it.
 
@@ -72,10 +72,12 @@ pub fn fuse_epilogue(g: &Graph, log: &mut FusionLog) -> Result<Graph, String> {
                 "the add's other operand is not a vector broadcast along the last axis, or the matmul result has other users",
             );
         }
-        // Cast: the current result's only user is a cast to a float type (a gemm's result).
+        // Cast: the current result's only user is a cast to a float type (a gemm's result), one
+        // that does not widen: a widened bf16 product is widened by its reader, in its kernel,
+        // so the product is stored in bf16 (`amp` makes parameter gradients f32 gemms).
         if let [ci] = uses.users[cur.0 as usize][..] {
             if let Op::Cast { to } = g.nodes[ci].op {
-                if !uses.is_output[cur.0 as usize] && to.is_float() {
+                if !uses.is_output[cur.0 as usize] && to.is_float() && to.size_bytes() <= g.ty(cur).dtype.size_bytes() {
                     gm.out = to;
                     deleted[ci] = true;
                     root = ci;

@@ -9,6 +9,7 @@ pub mod amp;
 pub mod autodiff;
 pub mod canonicalize;
 pub mod explain;
+pub mod fuse_classifier;
 pub mod fuse_elementwise;
 pub mod fuse_epilogue;
 pub mod fuse_grad_accum;

@@ -2,7 +2,8 @@
 //!
 //! ```text
 //! parse → canonicalize → fuse-layernorm → autodiff → optimizer → amp → recompute
-//!       → fuse-epilogue → fuse-grad-accum → fuse-elementwise → schedule → memplan
+//!       → fuse-classifier → fuse-epilogue → fuse-grad-accum → fuse-elementwise → schedule
+//!       → memplan
 //! ```
 //!
 //! Decision (differs from the original design notes, which ran `fuse-elementwise` before the
@@ -30,6 +31,7 @@ pub const PASSES: &[&str] = &[
     "optimizer",
     "amp",
     "recompute",
+    "fuse-classifier",
     "fuse-epilogue",
     "fuse-grad-accum",
     "fuse-elementwise",
@@ -99,7 +101,9 @@ pub fn compile(g: &Graph, last: &str, mode: Mode, opts: &PipelineOptions, bind: 
             "recompute" => mode == Mode::Forward || opts.recompute == Recompute::None,
             "optimizer" => mode != Mode::Step,
             "fuse" => true,
-            "canonicalize" | "fuse-layernorm" | "fuse-epilogue" | "fuse-grad-accum" | "fuse-elementwise" => opts.no_fusion,
+            "canonicalize" | "fuse-layernorm" | "fuse-classifier" | "fuse-epilogue" | "fuse-grad-accum" | "fuse-elementwise" => {
+                opts.no_fusion
+            }
             _ => false,
         };
         if skip {
@@ -137,6 +141,7 @@ pub fn run_pass(
         "optimizer" => crate::optimizer::optimizer(g, &opts.adamw)?,
         "amp" => crate::amp::amp(g, opts.precision)?,
         "recompute" => crate::recompute::recompute(g, opts.recompute)?,
+        "fuse-classifier" => crate::fuse_classifier::fuse_classifier(g, log)?,
         "fuse-epilogue" => crate::fuse_epilogue::fuse_epilogue(g, log)?,
         "fuse-grad-accum" => crate::fuse_grad_accum::fuse_grad_accum(g, log)?,
         "fuse-elementwise" => crate::fuse_elementwise::fuse_elementwise(g, log)?,

@@ -245,6 +245,7 @@ const RULES: &[(&str, &[&str])] = &[
             "targets-shape",
         ],
     ),
+    ("fuse-classifier", &["no-matching-loss", "dloss-reads-loss"]),
     ("fuse-epilogue", &["bias-is-row-vector", "bf16-bias-left-to-consumer", "pre-gelu-used-before-gelu"]),
     ("fuse-grad-accum", &["no-gelu-epilogue", "product-has-other-users", "acc-has-other-users", "same-type"]),
     (
@@ -286,7 +287,12 @@ fn hyphenated_literals(src: &str) -> Vec<String> {
 fn every_refusal_rule_has_a_near_miss_file() {
     let src_dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
     let mut sources = String::new();
-    let mut files = vec![src_dir.join("fuse_layernorm.rs"), src_dir.join("fuse_epilogue.rs"), src_dir.join("fuse_grad_accum.rs")];
+    let mut files = vec![
+        src_dir.join("fuse_layernorm.rs"),
+        src_dir.join("fuse_classifier.rs"),
+        src_dir.join("fuse_epilogue.rs"),
+        src_dir.join("fuse_grad_accum.rs"),
+    ];
     // Every file under fuse_elementwise/, folders included.
     let mut dirs = vec![src_dir.join("fuse_elementwise")];
     while let Some(d) = dirs.pop() {

@@ -331,6 +331,10 @@ fn eval(op: &Op, ins: &[&Tensor], outs: &[(DType, Vec<usize>)], prec: Rounding) 
         SoftmaxGrad => one(composite::softmax_grad(ins[0], ins[1])),
         CrossEntropy { vocab } => composite::cross_entropy(ins[0], ins[1], *vocab as usize).map(|t| vec![t]),
         CrossEntropyGrad { vocab } => composite::cross_entropy_grad(ins[0], ins[1], ins[2], *vocab as usize).map(|t| vec![t]),
+        CrossEntropyWithGrad { vocab } => Ok(vec![
+            composite::cross_entropy(ins[0], ins[1], *vocab as usize)?,
+            composite::cross_entropy_grad(ins[0], ins[1], ins[2], *vocab as usize)?,
+        ]),
         Attention { heads, scale } => Ok(composite::attention_packed(ins[0], *heads as usize, *scale)),
         AttentionGrad { heads, scale } => Ok(vec![composite::attention_grad_packed(ins, *heads as usize, *scale)]),
         AdamW { beta1, beta2, eps, weight_decay } => Ok(composite::adamw(ins, [*beta1, *beta2, *eps, *weight_decay], prec)),

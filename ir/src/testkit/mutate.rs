@@ -181,7 +181,7 @@ fn mutate_attr(rng: &mut Rng, g: &mut Graph, i: usize) {
         }
         Op::ScatterAdd { rows } => *rows = dim(rng, &syms),
         Op::LayerNorm { eps } => *eps = float(rng),
-        Op::CrossEntropy { vocab } | Op::CrossEntropyGrad { vocab } => *vocab = big(rng),
+        Op::CrossEntropy { vocab } | Op::CrossEntropyGrad { vocab } | Op::CrossEntropyWithGrad { vocab } => *vocab = big(rng),
         Op::Attention { heads, scale } | Op::AttentionGrad { heads, scale } => {
             if rng.chance(0.6) {
                 *heads = big(rng);

@@ -87,6 +87,7 @@ impl Parser<'_> {
             SoftmaxGrad => Op::SoftmaxGrad,
             CrossEntropy => Op::CrossEntropy { vocab: out.int("vocab")? },
             CrossEntropyGrad => Op::CrossEntropyGrad { vocab: out.int("vocab")? },
+            CrossEntropyWithGrad => Op::CrossEntropyWithGrad { vocab: out.int("vocab")? },
             Attention => Op::Attention { heads: out.int("heads")?, scale: out.float("scale")? },
             AttentionGrad => Op::AttentionGrad { heads: out.int("heads")?, scale: out.float("scale")? },
             Gemm => Op::Gemm(crate::Gemm {

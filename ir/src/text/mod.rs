@@ -239,7 +239,7 @@ fn print_attrs(out: &mut String, op: &Op) {
             ("accumulate", gm.accumulate.to_string()),
         ],
         Op::LayerNorm { eps } => vec![("eps", f(*eps))],
-        Op::CrossEntropy { vocab } | Op::CrossEntropyGrad { vocab } => {
+        Op::CrossEntropy { vocab } | Op::CrossEntropyGrad { vocab } | Op::CrossEntropyWithGrad { vocab } => {
             vec![("vocab", vocab.to_string())]
         }
         Op::Attention { heads, scale } | Op::AttentionGrad { heads, scale } => {

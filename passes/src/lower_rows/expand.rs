@@ -56,6 +56,12 @@ pub(crate) fn composite(l: &mut Lowerer, ni: usize) -> R<Vec<NodeId>> {
             let (x, t, dl) = (l.lower(ins[0], &e)?, l.lower(ins[1], &row)?, l.lower(ins[2], &row)?);
             Ok(vec![cross_entropy_grad(l, x, t, dl, vocab)?])
         }
+        Op::CrossEntropyWithGrad { vocab } => {
+            // Both from one row: the max and the sum of exponentials are shared (the builder
+            // merges equal nodes), so the pair costs the passes of the gradient alone.
+            let (x, t, dl) = (l.lower(ins[0], &e)?, l.lower(ins[1], &row)?, l.lower(ins[2], &row)?);
+            Ok(vec![cross_entropy(l, x, t, vocab)?, cross_entropy_grad(l, x, t, dl, vocab)?])
+        }
         Op::AdamW { beta1, beta2, eps, weight_decay } => {
             let mut v = Vec::new();
             for &i in &ins[..4] {

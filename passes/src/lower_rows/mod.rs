@@ -130,7 +130,8 @@ fn lower_segment(body: &Body, name: &str, seg: &Seg) -> Result<Prog, String> {
             | Op::Softmax
             | Op::SoftmaxGrad
             | Op::CrossEntropy { .. }
-            | Op::CrossEntropyGrad { .. } => Some(n.saturating_sub(1)),
+            | Op::CrossEntropyGrad { .. }
+            | Op::CrossEntropyWithGrad { .. } => Some(n.saturating_sub(1)),
             _ => None,
         };
         match (want, split) {
@@ -296,7 +297,14 @@ impl Lowerer<'_, '_> {
             Op::LayerNorm { .. } if idx > 0 => self.row_ctx(),
             Op::LayerNormGrad if idx > 0 => self.col_ctx(),
             Op::CrossEntropy { .. } => self.row_ctx(),
-            Op::LayerNorm { .. } | Op::LayerNormGrad | Op::Softmax | Op::SoftmaxGrad | Op::CrossEntropyGrad { .. } | Op::AdamW { .. } => {
+            Op::CrossEntropyWithGrad { .. } if idx == 0 => self.row_ctx(),
+            Op::LayerNorm { .. }
+            | Op::LayerNormGrad
+            | Op::Softmax
+            | Op::SoftmaxGrad
+            | Op::CrossEntropyGrad { .. }
+            | Op::CrossEntropyWithGrad { .. }
+            | Op::AdamW { .. } => {
                 self.elem_ctx()
             }
             op => return Err(format!("`{}` cannot be lowered into a row program", op.mnemonic())),
@@ -517,6 +525,7 @@ impl Lowerer<'_, '_> {
             | Op::SoftmaxGrad
             | Op::CrossEntropy { .. }
             | Op::CrossEntropyGrad { .. }
+            | Op::CrossEntropyWithGrad { .. }
             | Op::AdamW { .. } => {
                 let idx = self.b.g.values[v.0 as usize].index as usize;
                 if self.natural(v)?.as_deref() != Some(ctx) {

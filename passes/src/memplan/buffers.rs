@@ -237,11 +237,12 @@ fn is_pointwise(op: &Op) -> bool {
     op.is_elementwise() || matches!(op, Op::AdamW { .. })
 }
 
-/// A `cross_entropy_grad` reached only through its logits: backends read a whole row of logits
-/// (its maximum and sum) before writing that row's gradient, and then write element `i` right
-/// after reading it, so the gradient may overwrite the logits (llm.c's fused classifier does).
+/// A `cross_entropy_grad` (or `cross_entropy_with_grad`) reached only through its logits:
+/// backends read a whole row of logits (its maximum and sum; the loss needs nothing more) before
+/// writing that row's gradient, and then write element `i` right after reading it, so the
+/// gradient may overwrite the logits (llm.c's fused classifier does).
 fn reads_row_before_writing(n: &fusec_ir::Node, reach: &[bool]) -> bool {
-    matches!(n.op, Op::CrossEntropyGrad { .. }) && n.inputs.iter().skip(1).all(|v| !reach[v.0 as usize])
+    matches!(n.op, Op::CrossEntropyGrad { .. } | Op::CrossEntropyWithGrad { .. }) && n.inputs.iter().skip(1).all(|v| !reach[v.0 as usize])
 }
 
 /// The in-place options of `node`; see [`InPlace`]. Conservative: an elementwise op may overwrite
@@ -286,7 +287,10 @@ pub(crate) fn in_place_options(node: &fusec_ir::Node, g: &Graph) -> InPlace {
                 for n in &body.nodes {
                     if n.inputs.iter().any(|v| reach[v.0 as usize]) {
                         pointwise &= is_pointwise(&n.op) || reads_row_before_writing(n, &reach);
-                        n.results.iter().for_each(|r| reach[r.0 as usize] = true);
+                        // The fused classifier's loss is complete before its gradient is
+                        // written: only the gradient counts as written from the logits.
+                        let skip = usize::from(matches!(n.op, Op::CrossEntropyWithGrad { .. }));
+                        n.results.iter().skip(skip).for_each(|r| reach[r.0 as usize] = true);
                     }
                 }
                 if pointwise {
