@@ -10,7 +10,7 @@
 //! too: [`fusec_passes::lower_rows`] lowers the body into *row programs* ([`fusec_ir::rows`]: the
 //! kernel's domain as `[R, C]`, values per element / row / column / kernel, reduction levels),
 //! so both backends agree on what a kernel computes and differ only in how it is scheduled.
-//! `plan` picks the thread layout (flat, one team per row, one thread per column) and `emit`
+//! `plan` picks the thread layout (flat, one team per row, a few adjacent columns a thread) and `emit`
 //! prints the kernels: one statement per IR operation, deterministic team reductions (warp
 //! shuffles, then shared memory in warp order), column reductions as per-team or per-chunk
 //! partials summed in a fixed order by a second *finalize* kernel. The module starts with
@@ -51,7 +51,7 @@ use fusec_passes::lower_rows::lower_kernel;
 
 pub use emit::LaunchRule;
 use emit::Seg;
-use plan::{plan, Mapping, BLOCK};
+use plan::{plan, Mapping, BLOCK, COL_BX, COL_BY};
 
 /// Bumped whenever the generated code changes for the same kernel (part of the cache key).
 pub const CODEGEN_REVISION: &str = "fusec-codegen-cuda/1";
@@ -184,8 +184,9 @@ pub fn kernel_source(k: &Kernel, bind: &Bindings) -> Result<KernelSource, String
             let (grid, block) = match s.plan.mapping {
                 Mapping::Flat => (grid_1d((p.rows * p.cols).div_ceil(BLOCK as u64 * s.flat_width() as u64))?, [BLOCK, 1, 1]),
                 Mapping::Rows { team, tpb, teams } => (grid_1d(teams.div_ceil(tpb as u64))?, [team * tpb, 1, 1]),
-                Mapping::Cols { bx, by, chunks } => {
-                    ([p.cols.div_ceil(bx as u64) as u32, u32::try_from(chunks / by as u64).map_err(|e| e.to_string())?, 1], [bx, by, 1])
+                Mapping::Cols { chunks } => {
+                    let gx = (p.cols / s.col_width() as u64).div_ceil(COL_BX as u64);
+                    ([grid_1d(gx)?[0], u32::try_from(chunks).map_err(|e| e.to_string())?, 1], [COL_BX, COL_BY, 1])
                 }
             };
             src.push_str(&sig(&entry, block[0] * block[1]));

@@ -5,9 +5,11 @@
 //!
 //! - [`Mapping::Flat`] (no reductions: pointwise chains, AdamW): one thread per element, 256
 //!   threads a block, row values recomputed per element.
-//! - [`Mapping::Cols`] (column reductions only: bias gradients): one thread per column, blocks
-//!   of 256 columns (or several row chunks of narrower domains), each thread walking a fixed
-//!   chunk of rows in order and keeping its column partials in registers.
+//! - [`Mapping::Cols`] (column reductions only: bias gradients): blocks of 32 x 8 threads, a
+//!   block per `32 W` columns and chunk of rows, each thread taking `W` adjacent columns
+//!   (vector accesses, `W` = 1, 4 or 8: see `emit/cols.rs`) and every 8th row of the chunk in
+//!   order, keeping its column partials in registers; the block adds its 8 row slices in
+//!   order before writing one partial per column and chunk.
 //! - [`Mapping::Rows`] (row reductions, with or without column reductions: LayerNorm, softmax,
 //!   cross-entropy, their gradients): a *team* of threads per row — one warp for rows up to
 //!   4096 columns, else a block of 256 (1024 when there are few rows) — making one pass over
@@ -32,9 +34,13 @@ use fusec_ir::rows::{liveness, Expr, Liveness, NodeId, Prog};
 pub(crate) const BLOCK: u32 = 256;
 /// Row-kernel teams when the program has column reductions (each keeps its own partials).
 pub(crate) const MAX_TEAMS: u64 = 2048;
-/// Rows each column-kernel thread aims to walk.
-pub(crate) const ROWS_PER_CHUNK: u64 = 32;
-/// The most row chunks of a column kernel.
+/// Column-kernel blocks: `COL_BX` threads along the columns (`W` columns each) by `COL_BY`
+/// row slices.
+pub(crate) const COL_BX: u32 = 32;
+pub(crate) const COL_BY: u32 = 8;
+/// Rows each column-kernel thread aims to walk (a chunk is `COL_BY` times that).
+pub(crate) const ROWS_PER_THREAD: u64 = 8;
+/// The most row chunks (blocks along the rows) of a column kernel.
 pub(crate) const MAX_CHUNKS: u64 = 1024;
 /// Column partials kept in registers per thread at most (beyond: in scratch).
 pub(crate) const MAX_REG_PARTIALS: u64 = 32;
@@ -46,8 +52,8 @@ pub(crate) enum Mapping {
     Flat,
     /// `team` threads per row, `tpb` teams a block, `teams` teams in all.
     Rows { team: u32, tpb: u32, teams: u64 },
-    /// Blocks of `bx` columns by `by` row chunks; `chunks` chunks in all.
-    Cols { bx: u32, by: u32, chunks: u64 },
+    /// Blocks of [`COL_BX`] x [`COL_BY`] threads; `chunks` row chunks (blocks along the rows).
+    Cols { chunks: u64 },
 }
 
 /// One pass over the columns of a row (row mapping).
@@ -96,10 +102,7 @@ pub(crate) fn plan(p: &Prog) -> Plan {
     let mapping = if rowreds.is_empty() && colreds.is_empty() {
         Mapping::Flat
     } else if rowreds.is_empty() && row_colreds.is_empty() && row_stores.is_empty() {
-        let bx = cols.div_ceil(32).clamp(1, 8) as u32 * 32;
-        let by = BLOCK / bx;
-        let want = (rows / ROWS_PER_CHUNK).clamp(1, MAX_CHUNKS);
-        Mapping::Cols { bx, by, chunks: want.div_ceil(by as u64) * by as u64 }
+        Mapping::Cols { chunks: (rows / (ROWS_PER_THREAD * COL_BY as u64)).clamp(1, MAX_CHUNKS) }
     } else {
         let team: u32 = if cols <= 4096 {
             32

@@ -1,6 +1,7 @@
 //! Vector loads and stores of bf16 views (`uint2`/`uint4`) in generated kernels: which widths
-//! the emitter picks for which rows, the 124M bf16 training step's kernels, and (when libnvrtc
-//! can be loaded) that the vector paths compile to vector instructions without local memory.
+//! the emitter picks for which rows (row, pointwise and column kernels), the 124M bf16 training
+//! step's kernels, and (when libnvrtc can be loaded) that the vector paths compile to vector
+//! instructions without local memory.
 
 use fusec_codegen_cuda::{kernel_source, nvrtc, KernelSource};
 use fusec_ir::text::parse;
@@ -74,6 +75,30 @@ fn mul_cast_bf16(r: u64, c: u64) -> KernelSource {
     ))
 }
 
+/// A bias gradient over `[r, c]`: the f32 column sums of a bf16 `dy` times an f32 `x`, and
+/// the product stored as bf16 (a column kernel with an element store).
+fn col_sum_bf16(r: u64, c: u64) -> KernelSource {
+    let (f, b) = (format!("f32[{r}, {c}]"), format!("bf16[{r}, {c}]"));
+    source(&format!(
+        "graph g() {{
+  %0 = input \"x\" : {b}
+  %1 = input \"y\" : {f}
+  %2, %3 = kernel \"mul_cast_reduce_sum\" %0, %1 : {b}, f32[{c}] {{
+    %0 = input \"in0\" : {b}
+    %1 = input \"in1\" : {f}
+    %2 = cast %0 : {f}
+    %3 = mul %2, %1 : {f}
+    %4 = cast %3 : {b}
+    %5 = reduce_sum %3 {{axes = [0]}} : f32[{c}]
+    output \"out0\" = %4
+    output \"out1\" = %5
+  }}
+  output \"z\" = %2
+  output \"s\" = %3
+}}"
+    ))
+}
+
 /// Whether a source has bf16 vector accesses.
 fn vectors(src: &str) -> bool {
     let b = body(src);
@@ -126,6 +151,36 @@ fn bf16_pointwise_kernels_move_eight_or_four_elements_a_thread() {
     assert!(!vectors(&k.source) && k.source.contains("out0[r * 6 + c] = f32_to_bf16("), "{}", k.source);
 }
 
+#[test]
+fn bf16_column_kernels_move_eight_or_four_columns_a_thread() {
+    // 768 columns: 8 a thread (bf16 `uint4`, f32 two `float4`), 96 column groups, blocks of 32
+    // groups x 8 row slices, 8 rows a thread (2048 rows: 32 row chunks).
+    let k = col_sum_bf16(2048, 768);
+    let s = body(&k.source);
+    assert_eq!(k.launches[0].grid, [3, 32, 1], "{:?}", k.launches);
+    assert_eq!(k.launches[0].block, [32, 8, 1]);
+    assert!(s.contains("if (g < 96) {\n    const int c0 = g * 8;"), "{s}");
+    assert!(s.contains("for (long long r = r0 + y; r < r1; r += 8) {"), "{s}");
+    assert!(s.contains("q0 = *(const uint4*)&in0[r * 768 + c];"), "{s}");
+    assert!(s.contains("const float4* vp = (const float4*)&in1[r * 768 + c]; q1[0] = vp[0]; q1[1] = vp[1];"), "{s}");
+    assert!(s.contains("bf16_to_f32(((unsigned short*)&q0)[j])") && s.contains("= f32_to_bf16(v"), "per-lane RNE:\n{s}");
+    assert!(s.contains("st_b32x4(&out0[r * 768 + c], w"), "{s}");
+    assert!(s.contains("p4[j] = red_sum(p4[j], v2);"), "{s}");
+    assert!(s.contains("sh[y][threadIdx.x * 8 + j] = p4[j];") && s.contains("scratch[0 + (long long)blockIdx.y * 768 + c] = a;"), "{s}");
+    assert!(!s.contains("bf16_to_f32(in") && !s.contains("out0[r * 768 + c] = f32_to_bf16"), "no scalar bf16 access:\n{s}");
+    assert_eq!(k.scratch_bytes, 32 * 768 * 4, "one partial per column and row chunk");
+
+    // 36 columns: 4 a thread (8-byte `uint2`, one `float4`).
+    let s = body(&col_sum_bf16(64, 36).source);
+    assert!(s.contains("const int c0 = g * 4;") && s.contains("q0 = *(const uint2*)&in0[r * 36 + c];"), "{s}");
+    assert!(s.contains("st_b32x2(&out0[r * 36 + c], w") && !s.contains("uint4"), "{s}");
+
+    // 30 columns: a column a thread, scalar accesses.
+    let s = col_sum_bf16(64, 30).source;
+    assert!(!vectors(&s) && s.contains("const int c0 = g * 1;") && s.contains("out0[r * 30 + c] = f32_to_bf16("), "{s}");
+    assert!(s.contains("p4[0] = red_sum(p4[0], v2);"), "{s}");
+}
+
 /// Every distinct kernel source of the 124M step (B=16, T=1024) at `precision`.
 fn step_124m(precision: Precision) -> Vec<KernelSource> {
     let cfg = Gpt2Config::preset("d12").unwrap();
@@ -163,6 +218,12 @@ fn the_124m_bf16_step_reads_and_writes_bf16_rows_16_bytes_a_thread() {
     assert!(ln.contains("st_b32x4(&out3[r * 768 + c], w"), "{ln}");
     // AdamW's bf16 weight copies: 8 bytes a thread (the f32 segments keep one 4-wide body).
     assert!(get("adamw").contains("st_b32x2(&a"), "{}", get("adamw"));
+    // Bias gradients (column kernels): 8 columns a thread, 16-byte loads and stores.
+    let gg = get("gelu_grad_cast_reduce_sum_add");
+    assert!(gg.contains("q0 = *(const uint4*)&in0[r * 3072 + c];") && gg.contains("st_b32x4(&out0[r * 3072 + c], w"), "{gg}");
+    let rc = get("reduce_sum_add_cast");
+    assert!(rc.contains("(const float4*)&in0[r * 768 + c]") && rc.contains("st_b32x4(&out1[r * 768 + c], w"), "{rc}");
+    assert!(get("cast_reduce_sum_add").contains("q0 = *(const uint4*)&in0[r * 2304 + c];"));
     // fp32 kernels print no bf16 vectors.
     for s in step_124m(Precision::F32) {
         assert!(!vectors(&s.source), "{}", s.name);
@@ -181,6 +242,9 @@ fn bf16_vector_paths_compile_to_vector_instructions_without_local_memory() {
     }
     for c in [24, 20, 6] {
         sources.push(mul_cast_bf16(64, c));
+    }
+    for c in [768, 36, 30] {
+        sources.push(col_sum_bf16(2048, c));
     }
     for s in &sources {
         let img =

@@ -100,9 +100,11 @@ fn column_reductions_have_a_finalize_kernel() {
     assert_eq!(lg.launches.iter().map(|l| l.entry.as_str()).collect::<Vec<_>>(), ["layernorm_grad_add", "layernorm_grad_add_fin"]);
     assert!(lg.source.contains("[2];\n#pragma unroll"), "dw, db partials in registers (64 columns, 2 a lane):\n{}", lg.source);
     assert!(lg.scratch_bytes >= 2 * 16 * 64 * 4);
-    let rs = s.iter().find(|k| k.name == "reduce_sum_add" && k.source.contains("if (c >= 64) return;")).expect("a 64-column bias gradient");
-    assert_eq!(rs.launches[0].block, [64, 4, 1], "one thread per column, four row chunks a block");
-    assert!(rs.source.contains("for (long long r = r0; r < r1; ++r)"));
+    let rs = s.iter().find(|k| k.name == "reduce_sum_add" && k.source.contains("if (g < 16) {")).expect("a 64-column bias gradient");
+    assert_eq!(rs.launches[0].block, [32, 8, 1], "4 columns a thread, 8 row slices a block");
+    assert!(rs.source.contains("for (long long r = r0 + y; r < r1; r += 8)"), "{}", rs.source);
+    assert!(rs.source.contains("q0 = *(const float4*)&in0[r * 64 + c];"), "f32 rows 16 bytes a thread:\n{}", rs.source);
+    assert!(rs.source.contains("for (int k = 1; k < 8; ++k) a = red_sum(a, sh[k][i]);"), "row slices in order");
     assert!(rs.source.contains("for (int j = 1; j < 8; ++j) v2 = red_sum(v2, f2[j][x]);"), "fixed combine order");
     let ce = m["cross_entropy_grad"];
     assert!(ce.source.contains("expf(") && !ce.source.contains("__expf"), "accurate exp, no fast math");

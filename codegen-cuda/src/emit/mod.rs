@@ -14,10 +14,11 @@ use std::fmt::Write;
 use fusec_ir::rows::{region, Expr, Mem, NodeId, Prog, Region, RowTerm, Slot, Store, Ty, View};
 use fusec_ir::{BinaryOp, CmpOp, ReduceOp, UnaryOp};
 
-use crate::plan::{arg, Mapping, Plan, BLOCK};
+use crate::plan::{Mapping, Plan, BLOCK};
 
 type R<T> = Result<T, String>;
 
+mod cols;
 mod rows;
 
 /// One generated kernel entry and how to launch it.
@@ -259,7 +260,7 @@ impl Seg<'_> {
     pub fn main_body(&self, out: &mut String) -> R<()> {
         match self.plan.mapping {
             Mapping::Flat => self.flat(out, "  ", 0, self.flat_width()),
-            Mapping::Cols { bx, by, chunks } => self.cols(out, bx, by, chunks),
+            Mapping::Cols { chunks } => self.cols(out, chunks),
             Mapping::Rows { team, tpb, teams } => self.rows(out, team, tpb, teams),
         }
     }
@@ -320,39 +321,6 @@ impl Seg<'_> {
         if wide {
             let _ = writeln!(out, "{ind}}}");
             self.vector_io(out, (ind, &at), &ids, stores(), w, false)?;
-        }
-        Ok(())
-    }
-
-    fn cols(&self, out: &mut String, bx: u32, by: u32, chunks: u64) -> R<()> {
-        let (p, plan) = (self.p, &self.plan);
-        let live = &plan.main_live;
-        self.lines(out, "  ", &self.entry_nodes(live))?;
-        let _ = writeln!(out, "  const int c = blockIdx.x * {bx} + threadIdx.x;");
-        let _ = writeln!(out, "  const long long chunk = (long long)blockIdx.y * {by} + threadIdx.y;");
-        let _ = writeln!(out, "  if (c >= {}) return;", p.cols);
-        let roots: Vec<NodeId> =
-            plan.colreds.iter().map(|&c| arg(p, c)).chain(plan.elem_stores.iter().map(|&s| p.stores[s].value)).collect();
-        let in_loop = |id: NodeId| live[id as usize] && matches!(region(p, id), Region::Col | Region::Row);
-        let all = self.needed(roots, in_loop);
-        let (hoisted, body): (Vec<NodeId>, Vec<NodeId>) = all.into_iter().partition(|&i| !p.node(i).space.has_row());
-        self.lines(out, "  ", &hoisted)?;
-        for &c in &plan.colreds {
-            let _ = writeln!(out, "  float p{c} = {};", red_init(op_of(&p.node(c).expr)));
-        }
-        let rows = p.rows;
-        let _ = writeln!(out, "  const long long r0 = chunk * {rows} / {chunks}, r1 = (chunk + 1) * {rows} / {chunks};");
-        let _ = writeln!(out, "  for (long long r = r0; r < r1; ++r) {{");
-        self.lines(out, "    ", &body)?;
-        for &c in &plan.colreds {
-            let _ = writeln!(out, "    p{c} = {}(p{c}, v{});", red_fn(op_of(&p.node(c).expr)), arg(p, c));
-        }
-        for &s in &plan.elem_stores {
-            let _ = writeln!(out, "    {}", self.store(&p.stores[s])?);
-        }
-        let _ = writeln!(out, "  }}");
-        for &c in &plan.colreds {
-            let _ = writeln!(out, "  scratch[{} + chunk * {} + c] = p{c};", self.scratch_of(c), p.cols);
         }
         Ok(())
     }

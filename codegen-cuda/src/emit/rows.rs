@@ -20,6 +20,10 @@
 //! reduction (fixed by the shape: still deterministic). Column reductions keep their order.
 //! Stores other than 4-wide f32 go through the prelude's `st_*` helpers (one `st.global.v4` or
 //! `.v2` each).
+//!
+//! `width` and `vector_io` serve the other mappings too: the flat body (`w` elements a thread)
+//! and the column kernels (`cols.rs`: `W` adjacent columns a thread, one register partial per
+//! column, the row walked in the same fixed order whatever `W`).
 
 use std::fmt::Write;
 
