@@ -205,13 +205,15 @@ fn step_124m(precision: Precision) -> Vec<KernelSource> {
 fn the_124m_bf16_step_reads_and_writes_bf16_rows_16_bytes_a_thread() {
     let bf = step_124m(Precision::Bf16);
     let get = |name: &str| &bf.iter().find(|s| s.name == name).unwrap_or_else(|| panic!("no {name}")).source;
-    // Cross-entropy backward over bf16 logits [16384, 50304]: three passes, 8 columns a thread.
-    let ce = get("cast_cross_entropy_grad");
+    // The fused classifier over bf16 logits [16384, 50304]: three passes (max; sum and the
+    // target's logit; gradient written in place), 8 columns a thread.
+    let ce = get("cast_cross_entropy_with_grad");
     assert_eq!(ce.matches("for (int c0 = lane * 8; c0 < 50304; c0 += 2048) {").count(), 3, "{ce}");
     assert_eq!(ce.matches("q0 = *(const uint4*)&in0[r * 50304 + c];").count(), 3, "{ce}");
-    assert!(ce.contains("st_b32x4(&out0[r * 50304 + c], w"), "{ce}");
-    assert!(!ce.contains("bf16_to_f32(in0[") && !ce.contains("out0[r * 50304 + c] = f32_to_bf16("), "{ce}");
-    assert!(get("cast_cross_entropy").contains("*(const uint4*)&in0[r * 50304 + c]"));
+    assert!(ce.contains("st_b32x4(&out1[r * 50304 + c], w"), "{ce}");
+    // One scalar load a row: the target's logit, read directly for the loss.
+    assert_eq!(ce.matches("bf16_to_f32(in0[").count(), 1, "{ce}");
+    assert!(!ce.contains("out1[r * 50304 + c] = f32_to_bf16("), "{ce}");
     // The LayerNorm forward's bf16 output (the f32 passes of the mean and variance stay 4 wide).
     let ln = get("add_layernorm_cast");
     assert!(ln.contains("for (int c0 = lane * 4; c0 < 768; c0 += 128) {") && ln.contains("for (int c0 = lane * 8; c0 < 768; c0 += 256) {"));

@@ -106,7 +106,7 @@ fn column_reductions_have_a_finalize_kernel() {
     assert!(rs.source.contains("q0 = *(const float4*)&in0[r * 64 + c];"), "f32 rows 16 bytes a thread:\n{}", rs.source);
     assert!(rs.source.contains("for (int k = 1; k < 8; ++k) a = red_sum(a, sh[k][i]);"), "row slices in order");
     assert!(rs.source.contains("for (int j = 1; j < 8; ++j) v2 = red_sum(v2, f2[j][x]);"), "fixed combine order");
-    let ce = m["cross_entropy_grad"];
+    let ce = m["cross_entropy_with_grad"];
     assert!(ce.source.contains("expf(") && !ce.source.contains("__expf"), "accurate exp, no fast math");
     let adam = m["adamw"];
     assert_eq!(adam.launches.len(), 1, "one launch for every parameter's update");
@@ -122,7 +122,7 @@ fn column_reductions_have_a_finalize_kernel() {
 fn bf16_and_special_values_print_exactly() {
     assert!(fusec_codegen_cuda::prelude::PRELUDE.contains("(u + 0x7fffu + ((u >> 16) & 1u)) >> 16"));
     let (s, _) = step_sources("tiny", 2, 8);
-    let ce = by_name(&s)["cross_entropy"];
+    let ce = by_name(&s)["cross_entropy_with_grad"];
     assert!(ce.source.contains("__uint_as_float(0xff800000u)"), "-inf as bits");
     assert_eq!(fusec_codegen_cuda::ident("9 odd-name"), "k_9_odd_name");
 }
