@@ -58,6 +58,11 @@ impl Precision {
     pub fn is_bf16(self) -> bool {
         self != Precision::F32
     }
+
+    /// The name `--precision` takes for it.
+    pub fn name(self) -> &'static str {
+        Precision::NAMES[self as usize]
+    }
 }
 
 impl std::str::FromStr for Precision {
@@ -106,15 +111,11 @@ pub fn rule(op: &Op) -> Rule {
 /// The policy as `#` comment lines (printed by `fusec dump --pass amp`).
 pub fn describe(p: Precision) -> String {
     let residual = if p == Precision::Bf16Residual { "bf16 (llm.c)" } else { "f32 (autocast)" };
-    let mut s = format!("# amp policy `{}`; residual stream: {residual}\n", name(p));
+    let mut s = format!("# amp policy `{}`; residual stream: {residual}\n", p.name());
     for (ops, r, why) in POLICY {
         s += &format!("#   {:<58} {:<8} {why}\n", ops.join(", "), format!("{r:?}").to_lowercase());
     }
     s + "#   (other ops)                                                follow   the operands' type\n"
-}
-
-fn name(p: Precision) -> &'static str {
-    Precision::NAMES[p as usize]
 }
 
 /// The prefix of the persistent bf16 copies of parameters (`bf16.wte`).

@@ -170,7 +170,8 @@ impl RunArgs {
             return Err("--profile and --profile-json time compiled kernels: use --target cpu or --target cuda".into());
         }
         if self.precision.is_bf16() && self.target == Target::Cpu {
-            return Err("--precision bf16 needs --target cuda or --target ref (the CPU target's products are fp32)".into());
+            let name = self.precision.name();
+            return Err(format!("--precision {name} needs --target cuda or --target ref (the CPU target runs fp32 programs only)"));
         }
         for (flag, path) in [("--save", &self.save), ("--profile-json", &self.profile_json), ("--log-json", &self.log_json)] {
             if let Some(p) = path {
