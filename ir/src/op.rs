@@ -288,6 +288,22 @@ impl Op {
         matches!(self, Op::Unary(_) | Op::Binary(_) | Op::Compare(_) | Op::Select | Op::Cast { .. } | Op::Gelu | Op::GeluGrad)
     }
 
+    /// Whether the op is a composite row op: one that reads and writes whole rows of its last
+    /// axis (LayerNorm, softmax, cross-entropy and their gradients), which fusion keeps as one
+    /// kernel's core and `lower_rows` expands.
+    pub fn is_row_composite(&self) -> bool {
+        matches!(
+            self,
+            Op::LayerNorm { .. }
+                | Op::LayerNormGrad
+                | Op::Softmax
+                | Op::SoftmaxGrad
+                | Op::CrossEntropy { .. }
+                | Op::CrossEntropyGrad { .. }
+                | Op::CrossEntropyWithGrad { .. }
+        )
+    }
+
     /// Whether the op has no inputs.
     pub fn is_source(&self) -> bool {
         matches!(self, Op::Param { .. } | Op::Input { .. } | Op::Const { .. } | Op::Iota { .. })

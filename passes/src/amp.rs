@@ -159,9 +159,10 @@ impl Amp<'_> {
                     cur = src;
                 }
                 (Op::Param { name, ty }, _) if self.copyable.contains_key(name) => {
-                    let (name, shape) = (format!("{COPY_PREFIX}{name}"), ty.shape.clone());
-                    let c = self.c.out.try_add(Op::Input { name, ty: fusec_ir::Type::new(to, shape) }, &[])?[0];
-                    *self.copyable.get_mut(&param_name(&self.c.out, cur)).expect("listed") = Some(c);
+                    let (param, shape) = (name.clone(), ty.shape.clone());
+                    let input = Op::Input { name: format!("{COPY_PREFIX}{param}"), ty: fusec_ir::Type::new(to, shape) };
+                    let c = self.c.out.try_add(input, &[])?[0];
+                    self.copyable.insert(param, Some(c));
                     self.narrowed.insert(cur, c);
                     break c;
                 }

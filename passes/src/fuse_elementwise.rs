@@ -150,9 +150,7 @@ fn classify(op: &Op) -> Class {
         _ if op.is_elementwise() => Class::Pointwise,
         Const { .. } | Iota { .. } | Broadcast { .. } | Reshape { .. } => Class::Absorb,
         Reduce { .. } => Class::Reduce,
-        LayerNorm { .. } | LayerNormGrad | Softmax | SoftmaxGrad | CrossEntropy { .. } | CrossEntropyGrad { .. } | CrossEntropyWithGrad { .. } => {
-            Class::Composite
-        }
+        _ if op.is_row_composite() => Class::Composite,
         AdamW { .. } => Class::AdamW,
         _ => Class::Fixed,
     }

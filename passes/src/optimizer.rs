@@ -86,8 +86,14 @@ pub fn optimizer(g: &Graph, cfg: &AdamWConfig) -> Result<Graph, String> {
 }
 
 fn optimizer_inner(g: &Graph, cfg: &AdamWConfig) -> Result<Graph, String> {
-    let mut out = if cfg.fresh_grads { without_accumulators(g)? } else { g.clone() };
-    let g = &out.clone();
+    let stripped;
+    let g = if cfg.fresh_grads {
+        stripped = without_accumulators(g)?;
+        &stripped
+    } else {
+        g
+    };
+    let mut out = g.clone();
     let params: Vec<(String, ValueId)> = g.params().into_iter().map(|(n, v)| (n.to_string(), v)).collect();
     let mut grads = vec![];
     for (name, _) in &params {

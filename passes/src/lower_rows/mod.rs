@@ -125,13 +125,7 @@ fn lower_segment(body: &Body, name: &str, seg: &Seg) -> Result<Prog, String> {
                 }
                 wanted_split(axes, n)?
             }
-            Op::LayerNorm { .. }
-            | Op::LayerNormGrad
-            | Op::Softmax
-            | Op::SoftmaxGrad
-            | Op::CrossEntropy { .. }
-            | Op::CrossEntropyGrad { .. }
-            | Op::CrossEntropyWithGrad { .. } => Some(n.saturating_sub(1)),
+            op if op.is_row_composite() => Some(n.saturating_sub(1)),
             _ => None,
         };
         match (want, split) {
@@ -298,15 +292,7 @@ impl Lowerer<'_, '_> {
             Op::LayerNormGrad if idx > 0 => self.col_ctx(),
             Op::CrossEntropy { .. } => self.row_ctx(),
             Op::CrossEntropyWithGrad { .. } if idx == 0 => self.row_ctx(),
-            Op::LayerNorm { .. }
-            | Op::LayerNormGrad
-            | Op::Softmax
-            | Op::SoftmaxGrad
-            | Op::CrossEntropyGrad { .. }
-            | Op::CrossEntropyWithGrad { .. }
-            | Op::AdamW { .. } => {
-                self.elem_ctx()
-            }
+            op if op.is_row_composite() || matches!(op, Op::AdamW { .. }) => self.elem_ctx(),
             op => return Err(format!("`{}` cannot be lowered into a row program", op.mnemonic())),
         };
         Ok(Some(self.norm(&ctx, self.b.shape(v))))
@@ -519,14 +505,7 @@ impl Lowerer<'_, '_> {
                 };
                 self.round(r, dt)
             }
-            Op::LayerNorm { .. }
-            | Op::LayerNormGrad
-            | Op::Softmax
-            | Op::SoftmaxGrad
-            | Op::CrossEntropy { .. }
-            | Op::CrossEntropyGrad { .. }
-            | Op::CrossEntropyWithGrad { .. }
-            | Op::AdamW { .. } => {
+            op if op.is_row_composite() || matches!(op, Op::AdamW { .. }) => {
                 let idx = self.b.g.values[v.0 as usize].index as usize;
                 if self.natural(v)?.as_deref() != Some(ctx) {
                     return Err(format!("a result of `{}` read through a layout change", node.op.mnemonic()));
