@@ -197,11 +197,11 @@ pub fn kernel_source(k: &Kernel, bind: &Bindings) -> Result<KernelSource, String
             let mut fin = String::new();
             if let Some(gx) = s.fin_body(&mut fin).map_err(err)? {
                 let fe = format!("{entry}_fin");
-                src.push_str(&sig(&fe, BLOCK));
+                src.push_str(&sig(&fe, 32 * plan::FIN_SLICES));
                 src.push_str(&decls(s, "  "));
                 src.push_str(&fin);
                 src.push_str("}\n");
-                launches.push(LaunchRule { entry: fe, grid: [gx, 1, 1], block: [32, 8, 1] });
+                launches.push(LaunchRule { entry: fe, grid: [gx, 1, 1], block: [32, plan::FIN_SLICES, 1] });
             }
         }
     }

@@ -2,10 +2,15 @@
 //!
 //! - `fusec_gather`: embedding rows, one thread per output element; an index outside the table
 //!   writes 0 and raises the error word (`err[0] = 1`, `err[1]` the index, `err[2]` the position).
-//! - `fusec_scatter_add`: the adjoint, deterministic: each block owns [`SCATTER_ROWS`] output
-//!   rows, zeroes them, then scans the indices in order (256 a step, warp ballots) and adds each
-//!   matching source row; a thread owns its columns, so every output element is `0 + src[s0] +
-//!   src[s1] + ...` in increasing `s`, exactly the CPU's and the interpreter's order.
+//! - Scatter-add, the adjoint, deterministic, in [`SCATTER_ENTRIES`]' five launches: the
+//!   positions of each output row as a CSR list (`count`: integer atomics, `offsets`: one block's
+//!   prefix sum, `fill`: each position into its row's list), `sort`: a block per output row
+//!   sorts its list into increasing position (a bitonic sort in shared memory up to
+//!   [`SCATTER_SORT`] entries, ranks from global memory beyond), `sum`: a block per output row and 128 columns; warp `w` sums
+//!   the `w`-th eighth of the sorted list, the eight partial rows are added in warp order. The
+//!   order of every sum is a function of the indices alone (no float atomics): same input,
+//!   same bits. Every output row is written (0 where no index points). The earlier design (a
+//!   block per 16 output rows scanning every index) took 0.67 ms a GPT-2 124M step on an H100.
 //! - Causal attention around cuBLAS products (the runtime runs `q k^T`, `p v` and the backward
 //!   products as batched GEMMs): `fusec_attn_softmax` (row max, sum of `exp`, the log-sum-exp
 //!   saved, `p = exp(scale s - lse)` below the diagonal, 0 above), `fusec_attn_probs` (`p` again
@@ -24,8 +29,13 @@
 
 use crate::emit::float_lit;
 
-/// Output rows per block of `fusec_scatter_add`.
-pub const SCATTER_ROWS: u32 = 16;
+/// The scatter-add launches, in order (see the module docs).
+pub const SCATTER_ENTRIES: [&str; 5] =
+    ["fusec_scatter_count", "fusec_scatter_offsets", "fusec_scatter_fill", "fusec_scatter_sort", "fusec_scatter_sum"];
+/// List entries `fusec_scatter_sort` sorts in shared memory (32 KiB).
+pub const SCATTER_SORT: u32 = 8192;
+/// Columns a thread of `fusec_scatter_sum` adds (one `float4`); a block takes 32 times that.
+pub const SCATTER_VEC: u32 = 4;
 /// Score rows per block (one warp each) of the attention kernels.
 pub const ATTN_ROWS_PER_BLOCK: u32 = 8;
 
@@ -44,7 +54,7 @@ pub fn source() -> String {
     let scale = ((2.0f64 / std::f64::consts::PI) as f32).sqrt();
     let mut s = format!("// {NAME} (fusec: {})\n", crate::CODEGEN_REVISION);
     s.push_str(crate::prelude::PRELUDE);
-    s.push_str(&BODY.replace("GELU_SCALE", &float_lit(scale)).replace("SCATTER_ROWS", &SCATTER_ROWS.to_string()));
+    s.push_str(&BODY.replace("GELU_SCALE", &float_lit(scale)).replace("SCATTER_SORT", &SCATTER_SORT.to_string()).replace("SCATTER_VEC", &SCATTER_VEC.to_string()));
     s
 }
 
@@ -70,31 +80,98 @@ extern "C" __global__ void __launch_bounds__(256) fusec_gather(const float* tabl
   }
   out[i] = table[(long long)t * cols + c];
 }
-extern "C" __global__ void __launch_bounds__(256) fusec_scatter_add(const float* src, const int* idx, float* out, int rows, int cols, int n, int* err) {
-  __shared__ unsigned masks[8];
-  const int v0 = blockIdx.x * SCATTER_ROWS;
-  const int nv = min(SCATTER_ROWS, rows - v0);
-  for (int v = 0; v < nv; ++v)
-    for (int c = threadIdx.x; c < cols; c += 256) out[(long long)(v0 + v) * cols + c] = 0.0f;
-  for (int base = 0; base < n; base += 256) {
-    const int s = base + threadIdx.x;
-    const int t = s < n ? idx[s] : -1;
-    if (blockIdx.x == 0 && s < n && (t < 0 || t >= rows)) { err[0] = 1; err[1] = t; err[2] = s; }
-    const unsigned m = __ballot_sync(0xffffffffu, t >= v0 && t < v0 + nv);
+extern "C" __global__ void __launch_bounds__(256) fusec_scatter_count(const int* idx, int* count, int rows, int n, int* err) {
+  const int s = blockIdx.x * 256 + threadIdx.x;
+  if (s >= n) return;
+  const int t = idx[s];
+  if (t < 0 || t >= rows) { err[0] = 1; err[1] = t; err[2] = s; return; }
+  atomicAdd(&count[t], 1);
+}
+extern "C" __global__ void __launch_bounds__(1024) fusec_scatter_offsets(const int* count, int* offs, int* cursor, int rows) {
+  __shared__ int part[1024];
+  const int per = (rows + 1023) / 1024;
+  const int lo = min(rows, (int)threadIdx.x * per), hi = min(rows, lo + per);
+  int sum = 0;
+  for (int r = lo; r < hi; ++r) sum += count[r];
+  part[threadIdx.x] = sum;
+  __syncthreads();
+  for (int o = 1; o < 1024; o <<= 1) {
+    const int v = threadIdx.x >= o ? part[threadIdx.x - o] : 0;
     __syncthreads();
-    if ((threadIdx.x & 31) == 0) masks[threadIdx.x >> 5] = m;
+    part[threadIdx.x] += v;
     __syncthreads();
-    for (int w = 0; w < 8; ++w) {
-      unsigned mm = masks[w];
-      while (mm) {
-        const int b = __ffs(mm) - 1;
-        mm &= mm - 1;
-        const int ss = base + w * 32 + b;
-        const float* sr = src + (long long)ss * cols;
-        float* o = out + (long long)idx[ss] * cols;
-        for (int c = threadIdx.x; c < cols; c += 256) o[c] = o[c] + sr[c];
+  }
+  int run = part[threadIdx.x] - sum;
+  for (int r = lo; r < hi; ++r) { offs[r] = run; cursor[r] = run; run += count[r]; }
+  if (threadIdx.x == 1023) offs[rows] = part[1023];
+}
+extern "C" __global__ void __launch_bounds__(256) fusec_scatter_fill(const int* idx, int* cursor, int* slots, int rows, int n) {
+  const int s = blockIdx.x * 256 + threadIdx.x;
+  if (s >= n) return;
+  const int t = idx[s];
+  if (t >= 0 && t < rows) slots[atomicAdd(&cursor[t], 1)] = s;
+}
+extern "C" __global__ void __launch_bounds__(256) fusec_scatter_sort(const int* offs, const int* slots, int* sorted) {
+  __shared__ int sl[SCATTER_SORT];
+  const int o = offs[blockIdx.x], len = offs[blockIdx.x + 1] - o;
+  if (len <= SCATTER_SORT) {
+    // Bitonic sort of the list padded to a power of two with INT_MAX.
+    int p = 1;
+    while (p < len) p <<= 1;
+    for (int i = threadIdx.x; i < p; i += 256) sl[i] = i < len ? slots[o + i] : 0x7fffffff;
+    __syncthreads();
+    for (int k = 2; k <= p; k <<= 1) {
+      for (int j = k >> 1; j > 0; j >>= 1) {
+        for (int i = threadIdx.x; i < p; i += 256) {
+          const int l = i ^ j;
+          if (l > i) {
+            const int a = sl[i], b = sl[l];
+            if ((a > b) == ((i & k) == 0)) { sl[i] = b; sl[l] = a; }
+          }
+        }
+        __syncthreads();
       }
     }
+    for (int i = threadIdx.x; i < len; i += 256) sorted[o + i] = sl[i];
+    return;
+  }
+  // Longer lists (one index repeated more than SCATTER_SORT times): each entry's rank.
+  for (int i = threadIdx.x; i < len; i += 256) {
+    const int v = slots[o + i];
+    int k = 0;
+    for (int j = 0; j < len; ++j) k += slots[o + j] < v;
+    sorted[o + k] = v;
+  }
+}
+extern "C" __global__ void __launch_bounds__(256) fusec_scatter_sum(const float* src, const int* offs, const int* sorted, float* out, int cols) {
+  __shared__ float part[8][32 * SCATTER_VEC];
+  const int r = blockIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int o = offs[r], len = offs[r + 1] - o;
+  const int j0 = (int)((long long)len * warp / 8), j1 = (int)((long long)len * (warp + 1) / 8);
+  const int c0 = blockIdx.y * 32 * SCATTER_VEC + lane * SCATTER_VEC;
+  float a[SCATTER_VEC];
+#pragma unroll
+  for (int k = 0; k < SCATTER_VEC; ++k) a[k] = 0.0f;
+  if (cols % SCATTER_VEC == 0 && c0 < cols) {
+#pragma unroll 4
+    for (int j = j0; j < j1; ++j) {
+      const float4 v = *(const float4*)&src[(long long)sorted[o + j] * cols + c0];
+      a[0] = a[0] + v.x; a[1] = a[1] + v.y; a[2] = a[2] + v.z; a[3] = a[3] + v.w;
+    }
+  } else {
+    for (int j = j0; j < j1; ++j)
+#pragma unroll
+      for (int k = 0; k < SCATTER_VEC; ++k)
+        if (c0 + k < cols) a[k] = a[k] + src[(long long)sorted[o + j] * cols + c0 + k];
+  }
+#pragma unroll
+  for (int k = 0; k < SCATTER_VEC; ++k) part[warp][lane * SCATTER_VEC + k] = a[k];
+  __syncthreads();
+  const int i = threadIdx.x;
+  if (i < 32 * SCATTER_VEC && blockIdx.y * 32 * SCATTER_VEC + i < cols) {
+    float v = part[0][i];
+    for (int w = 1; w < 8; ++w) v = v + part[w][i];
+    out[(long long)r * cols + blockIdx.y * 32 * SCATTER_VEC + i] = v;
   }
 }
 extern "C" __global__ void __launch_bounds__(256) fusec_attn_softmax(float* sc, float* lse, int T, long long nrows, float scale) {

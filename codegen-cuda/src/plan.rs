@@ -18,8 +18,8 @@
 //!   takes rows `t, t + teams, ...`) and keep column partials per team.
 //!
 //! Column partials land in scratch (`[parts, C]` per reduction); a *finalize* kernel sums them
-//! in a fixed order (each of 8 thread rows sums a contiguous slice of the partials in order,
-//! then the 8 slice sums are added in order) and runs the column-space epilogue. It also
+//! in a fixed order (each of [`FIN_SLICES`] thread rows sums a contiguous slice of the partials,
+//! then the slice sums are added in order) and runs the column-space epilogue. It also
 //! stores every result that has no row axis (as on the CPU: written once, after every row has
 //! read the operands it might overwrite in place). Nothing depends on timing: same inputs,
 //! same bits.
@@ -38,6 +38,9 @@ pub(crate) const MAX_TEAMS: u64 = 2048;
 /// row slices.
 pub(crate) const COL_BX: u32 = 32;
 pub(crate) const COL_BY: u32 = 8;
+/// Thread rows of a finalize kernel's block (32 columns wide): slices of the partials summed
+/// side by side.
+pub(crate) const FIN_SLICES: u32 = 32;
 /// Rows each column-kernel thread aims to walk (a chunk is `COL_BY` times that).
 pub(crate) const ROWS_PER_THREAD: u64 = 8;
 /// The most row chunks (blocks along the rows) of a column kernel.

@@ -179,7 +179,7 @@ fn tiny_pipeline_graph(layers: usize) -> Graph {
 }
 
 #[test]
-fn after_the_other_passes_a_block_takes_at_most_12_non_matmul_launches() {
+fn after_the_other_passes_a_block_takes_at_most_8_non_matmul_launches() {
     let (one, _) = fuse(&tiny_pipeline_graph(1));
     let g2 = tiny_pipeline_graph(2);
     let (two, _) = fuse(&g2);
@@ -192,11 +192,14 @@ fn after_the_other_passes_a_block_takes_at_most_12_non_matmul_launches() {
         launches(&g2),
         launches(&two)
     );
-    assert!(per_block <= 12, "{per_block}\n{}", launch_list(&two));
-    // add + layernorm forward; layernorm_grad with the residual-gradient add backward.
+    assert!(per_block <= 8, "{per_block}\n{}", launch_list(&two));
+    // add + layernorm forward; layernorm_grad with the residual-gradient add backward, and the
+    // bias gradient of the projection that produced the residual (except the first block's
+    // first LayerNorm: the embeddings have no bias).
     let names = kernels(&two);
     assert_eq!(names.iter().filter(|n| **n == "add_layernorm").count(), 5, "{names:?}");
-    assert_eq!(names.iter().filter(|n| **n == "layernorm_grad_add").count(), 5, "{names:?}");
+    assert_eq!(names.iter().filter(|n| **n == "layernorm_grad_add_reduce_sum").count(), 4, "{names:?}");
+    assert_eq!(names.iter().filter(|n| **n == "layernorm_grad_add").count(), 1, "{names:?}");
     assert_eq!(names.iter().filter(|n| **n == "adamw").count(), 1, "{names:?}");
 }
 

@@ -252,6 +252,27 @@ impl State<'_, '_> {
         }
     }
 
+    /// The core of the group in `set` built around a row composite when `n` reduces one of that
+    /// composite's row-shaped results' shape over every axis but the last (a bias gradient of
+    /// LayerNorm's input gradient): the kernel adds the column partials in its last pass over
+    /// each row instead of a new kernel reading the rows again.
+    fn column_epilogue(&self, set: &[u32], n: usize) -> Option<Core> {
+        let g = self.cx.g;
+        let node = &g.nodes[n];
+        let Op::Reduce { axes, .. } = &node.op else { return None };
+        let input = &g.ty(node.inputs[0]).shape;
+        let rank = input.rank();
+        if rank < 2 || *axes != (0..rank - 1).collect::<Vec<_>>() {
+            return None;
+        }
+        set.iter().map(|&gid| &self.groups[gid as usize].core).find_map(|core| match core {
+            Core::Composite(c) if g.nodes[*c as usize].op.is_row_composite() && g.ty(g.nodes[*c as usize].results[0]).shape == *input => {
+                Some(core.clone())
+            }
+            _ => None,
+        })
+    }
+
     /// Whether node `n` may join the union of the groups `set` (the last one being the new
     /// candidate; the others were accepted already), and if so the merged group's facts.
     fn check(&self, set: &[u32], n: usize, reads: &[Read]) -> Result<Merged, Refusal> {
@@ -275,17 +296,19 @@ impl State<'_, '_> {
         }
         let class = cx.class[n];
         let reads_post = reads.iter().any(|r| !r.layout && in_set(r.root) && self.post[cx.prod(r.root)]);
-        if class == Class::Reduce && reads_post {
+        let col_epilogue = self.column_epilogue(set, n);
+        if class == Class::Reduce && reads_post && col_epilogue.is_none() {
             return Err(("recompute-in-reduction", format!("{me} reduces a value computed after the kernel's reduction or composite: chained row operations would need the first one recomputed, so the value is exported and reduced by a new kernel")));
         }
         let (own, own_domain) = self.own_core(n);
         let mut post = own != Core::None || reads_post;
-        let mut core = own;
+        let mut core = col_epilogue.clone().unwrap_or(own);
         for &gid in set {
             let other = &self.groups[gid as usize].core;
             match (&core, other) {
                 (_, Core::None) => {}
                 (Core::None, c) => core = c.clone(),
+                (a, b) if a == b && col_epilogue.is_some() => {}
                 (Core::Composite(_), _) | (_, Core::Composite(_)) => {
                     return Err((
                         "one-composite-per-kernel",
@@ -357,6 +380,7 @@ impl State<'_, '_> {
                         }
                     }
                 } else {
+                    let shape_n = if col_epilogue.is_some() { &g.ty(g.nodes[n].inputs[0]).shape } else { shape_n };
                     if !outs.contains(&shape_n) {
                         return mismatch(shape_n, format!("the results of composite {} ({})", cx.node_name(*c as usize), outs_text()));
                     }

@@ -83,7 +83,8 @@ pub(crate) struct Launch {
 /// The hand-written kernels' entries.
 pub(crate) struct Native {
     pub gather: CUfunction,
-    pub scatter_add: CUfunction,
+    /// [`fusec_codegen_cuda::native::SCATTER_ENTRIES`], in order.
+    pub scatter: [CUfunction; 5],
     pub attn_softmax: CUfunction,
     pub attn_probs: CUfunction,
     pub attn_dscores: CUfunction,
@@ -97,9 +98,13 @@ pub(crate) struct Native {
 }
 
 /// Entry names of [`Native`], in field order.
-pub(crate) const NATIVE_ENTRIES: [&str; 9] = [
+pub(crate) const NATIVE_ENTRIES: [&str; 13] = [
     "fusec_gather",
-    "fusec_scatter_add",
+    "fusec_scatter_count",
+    "fusec_scatter_offsets",
+    "fusec_scatter_fill",
+    "fusec_scatter_sort",
+    "fusec_scatter_sum",
     "fusec_attn_softmax",
     "fusec_attn_probs",
     "fusec_attn_dscores",
@@ -162,6 +167,38 @@ impl Builder<'_> {
         self.scratch = self.scratch.max(bytes.div_ceil(256) * 256);
     }
 
+    /// The five launches of a deterministic scatter-add (see `fusec_codegen_cuda::native`): the
+    /// CSR lists of positions per output row live in scratch (`count`, `offs`, `cursor`,
+    /// `slots`, `sorted`: 32-bit words, `3 rows + 2 n + 1` of them).
+    fn scatter_add(&mut self, s: &launches::ScatterAdd, err: Addr) -> Result<Vec<Step>, String> {
+        let too_big = || format!("scatter_add: {} rows and {} indices exceed the kernels' 32-bit indexing", s.rows, s.n);
+        let words = s.rows.checked_mul(3).and_then(|w| w.checked_add(s.n.checked_mul(2)?)).and_then(|w| w.checked_add(1)).ok_or_else(too_big)?;
+        let col_blocks = (s.cols as u64).div_ceil(32 * fusec_codegen_cuda::native::SCATTER_VEC as u64);
+        if i32::try_from(words).is_err() || col_blocks > 65535 {
+            return Err(too_big());
+        }
+        if s.rows == 0 {
+            return Ok(vec![]);
+        }
+        self.need_scratch(words as u64 * 4);
+        let (rows, n) = (s.rows as u64, s.n as u64);
+        let at = |w: u64| Arg::Ptr(Addr::Scratch(w * 4));
+        let (count, offs, cursor, slots, sorted) = (at(0), at(rows), at(2 * rows + 1), at(3 * rows + 1), at(3 * rows + 1 + n));
+        let (ri, ni, ci) = (Arg::I32(s.rows as i32), Arg::I32(s.n as i32), Arg::I32(s.cols as i32));
+        let (src, idx, out) = (Arg::Ptr(Addr::Plan(s.src)), Arg::Ptr(Addr::Plan(s.idx)), Arg::Ptr(Addr::Plan(s.out)));
+        let f = self.native.scatter;
+        let by_index = blocks(n, 256);
+        let block = [256, 1, 1];
+        Ok(vec![
+            Step::Fill32 { dst: Addr::Scratch(0), bits: 0, n: s.rows },
+            Step::Kernel { f: f[0], grid: by_index, block, args: vec![idx, count, ri, ni, Arg::Ptr(err)] },
+            Step::Kernel { f: f[1], grid: [1, 1, 1], block: [1024, 1, 1], args: vec![count, offs, cursor, ri] },
+            Step::Kernel { f: f[2], grid: by_index, block, args: vec![idx, cursor, slots, ri, ni] },
+            Step::Kernel { f: f[3], grid: [s.rows as u32, 1, 1], block, args: vec![offs, slots, sorted] },
+            Step::Kernel { f: f[4], grid: [s.rows as u32, col_blocks as u32, 1], block, args: vec![src, offs, sorted, out, ci] },
+        ])
+    }
+
     /// The CUDA launches of a program's launch plan; `kernels(i)` is the compiled kernel of
     /// launch `i`.
     pub fn translate(&mut self, plan: &[launches::Launch], kernels: &dyn Fn(usize) -> Option<Loaded>) -> Result<Vec<Launch>, String> {
@@ -221,19 +258,7 @@ impl Builder<'_> {
                     let f = self.native.gather;
                     push(vec![Step::Kernel { f, grid: blocks((g.n * g.cols) as u64, 256), block: [256, 1, 1], args }], "gather", 0);
                 }
-                LaunchOp::ScatterAdd(s) => {
-                    let args = vec![
-                        p(s.src),
-                        p(s.idx),
-                        p(s.out),
-                        Arg::I32(s.rows as i32),
-                        Arg::I32(s.cols as i32),
-                        Arg::I32(s.n as i32),
-                        Arg::Ptr(err_flag),
-                    ];
-                    let grid = blocks(s.rows as u64, fusec_codegen_cuda::native::SCATTER_ROWS as u64);
-                    push(vec![Step::Kernel { f: self.native.scatter_add, grid, block: [256, 1, 1], args }], "scatter_add", l.flops);
-                }
+                LaunchOp::ScatterAdd(s) => push(self.scatter_add(s, err_flag)?, "scatter_add", l.flops),
                 LaunchOp::Attention(a) => {
                     for (steps, name, flops) in self.attention(a).map_err(err)? {
                         push(steps, name, flops);
@@ -367,7 +392,7 @@ mod tests {
         let f = |k: usize| k as CUfunction;
         Native {
             gather: f(1),
-            scatter_add: f(2),
+            scatter: [f(21), f(22), f(23), f(24), f(25)],
             attn_softmax: f(3),
             attn_probs: f(4),
             attn_dscores: f(5),

@@ -155,14 +155,14 @@ impl CudaExecutor {
         phase("module load");
         let native = Native {
             gather: nf[0],
-            scatter_add: nf[1],
-            attn_softmax: nf[2],
-            attn_probs: nf[3],
-            attn_dscores: nf[4],
-            iota_f32: nf[5],
-            iota_i32: nf[6],
-            gemm_epilogue: nf[7],
-            gemm_epilogue_mixed: nf[8],
+            scatter: [nf[1], nf[2], nf[3], nf[4], nf[5]],
+            attn_softmax: nf[6],
+            attn_probs: nf[7],
+            attn_dscores: nf[8],
+            iota_f32: nf[9],
+            iota_i32: nf[10],
+            gemm_epilogue: nf[11],
+            gemm_epilogue_mixed: nf[12],
             flash: flash_funcs,
         };
 
