@@ -243,6 +243,20 @@ __device__ __forceinline__ void dkv_chunk(float (*dk)[ND][4], float (*dv)[ND][4]
   }
 }
 
+// Query tile `qt` into stage `stage`: its q and dout rows, and its (rowsum, lse log2(e)) pairs
+// (zeros past T: such queries then add nothing, as their dout rows are zeros too).
+__device__ __forceinline__ void dkv_load(u32 sb, u32 stt_sb, int stage, int qt, const elem* q, const elem* dO, const float* sts, long long rs,
+                                         long long C, int T) {
+  const u32 st = sb + stage * DKV_STAGE * 2;
+  load_tile<DKV_BQ, DKV_THREADS>(st, q, rs, qt * DKV_BQ, T);
+  load_tile<DKV_BQ, DKV_THREADS>(st + DKV_BQ * LDS * 2, dO, C, qt * DKV_BQ, T);
+  for (int r = threadIdx.x; r < DKV_BQ; r += DKV_THREADS) {
+    const int row = qt * DKV_BQ + r;
+    cp8(stt_sb + (stage * DKV_BQ + r) * 8, sts + 2 * (row < T ? row : 0), row < T);
+  }
+  cp_commit();
+}
+
 extern "C" __global__ void __launch_bounds__(DKV_THREADS, DKV_MINB) fusec_flash_bwd_dkv(const elem* qkv, const float* lse, const elem* dout, const float* stats,
                                                                             elem* dqkv, int T, int H, float scale) {
   __shared__ __align__(128) elem sm[DKV_SMEM];
@@ -274,18 +288,7 @@ extern "C" __global__ void __launch_bounds__(DKV_THREADS, DKV_MINB) fusec_flash_
   // Query tiles from the one holding key k0 to the end.
   const int qt0 = k0 / DKV_BQ, nqt = (T + DKV_BQ - 1) / DKV_BQ;
   const u32 stt_sb = smem_u32(&stt[0][0]);
-#define DKV_LOAD(stage, qtile)                                                                              \
-  {                                                                                                         \
-    const u32 st = sb + (stage) * DKV_STAGE * 2;                                                            \
-    load_tile<DKV_BQ, DKV_THREADS>(st, q, rs, (qtile) * DKV_BQ, T);                                         \
-    load_tile<DKV_BQ, DKV_THREADS>(st + DKV_BQ * LDS * 2, dO, C, (qtile) * DKV_BQ, T);                      \
-    for (int i = threadIdx.x; i < DKV_BQ; i += DKV_THREADS) {                                               \
-      const int row = (qtile) * DKV_BQ + i;                                                                 \
-      cp8(stt_sb + ((stage) * DKV_BQ + i) * 8, sts + 2 * (row < T ? row : 0), row < T);                     \
-    }                                                                                                       \
-    cp_commit();                                                                                            \
-  }
-  DKV_LOAD(0, qt0);
+  dkv_load(sb, stt_sb, 0, qt0, q, dO, sts, rs, C, T);
   float dk[DKV_MT][ND][4], dv[DKV_MT][ND][4];
 #pragma unroll
   for (int mt = 0; mt < DKV_MT; ++mt)
@@ -296,7 +299,7 @@ extern "C" __global__ void __launch_bounds__(DKV_THREADS, DKV_MINB) fusec_flash_
   for (int qt = qt0; qt < nqt; ++qt) {
     const int i = qt - qt0;
     if (qt + 1 < nqt) {
-      DKV_LOAD((i + 1) & 1, qt + 1);
+      dkv_load(sb, stt_sb, (i + 1) & 1, qt + 1, q, dO, sts, rs, C, T);
       cp_wait<1>();
     } else {
       cp_wait<0>();
@@ -316,7 +319,6 @@ extern "C" __global__ void __launch_bounds__(DKV_THREADS, DKV_MINB) fusec_flash_
     }
     __syncthreads();
   }
-#undef DKV_LOAD
   float one[DKV_MT][2], sc2[DKV_MT][2];
 #pragma unroll
   for (int mt = 0; mt < DKV_MT; ++mt) {
