@@ -24,7 +24,8 @@
 //! Each kernel's tile shape is a [`Shape`]; [`Config::for_head`] picks them per head size (see
 //! the README for the measurements behind them), and `FUSEC_FLASH_BF16` overrides them for
 //! tuning (`fwd=4x2x64x32x2,dq=...,dkv=...`: warps × 16-row m-tiles per warp × rows of a staged
-//! tile × rows a warp takes at a time × minimum blocks per SM).
+//! tile × rows a warp takes at a time × minimum blocks per SM); `FUSEC_FLASH_BF16=tf32` runs bf16
+//! storage on the TF32 kernels instead (head sizes up to 64), for comparisons.
 
 /// Head sizes the bf16 kernels handle (whole 16-column MMA steps; `D / 8` lanes reduce a row).
 pub const HEAD_SIZES: [usize; 4] = [16, 32, 64, 128];
@@ -83,14 +84,17 @@ pub struct Config {
 }
 
 impl Config {
-    /// The default shapes for head size `d`: 128 query rows a block (32 a warp) forward and in
-    /// `dq`, 128 keys (16 a warp) in `dk/dv`; smaller at `d = 128`, where the accumulators
-    /// double and shared memory must stay under 48 KiB.
+    /// The default shapes for head size `d` (the fastest measured on an H100 at `d = 64`, see
+    /// the README): forward 128 query rows a block, 32 a warp (the `k`/`v` fragments feed two
+    /// m-tiles), 64 keys a softmax update, two blocks an SM; `dq` 128 query rows, 16 a warp,
+    /// 128 registers for two blocks of 8 warps an SM; `dk/dv` 64 keys a block, 16 a warp, three
+    /// blocks an SM. Smaller tiles at `d = 128`, where the accumulators double and shared memory
+    /// must stay under 48 KiB.
     pub fn default_for(d: usize) -> Config {
         if d > 64 {
             Config { fwd: Shape::new(8, 1, 32, 32, 1), dq: Shape::new(4, 1, 32, 16, 1), dkv: Shape::new(4, 1, 32, 16, 1) }
         } else {
-            Config { fwd: Shape::new(4, 2, 64, 32, 2), dq: Shape::new(4, 2, 64, 16, 2), dkv: Shape::new(8, 1, 64, 16, 1) }
+            Config { fwd: Shape::new(4, 2, 64, 64, 2), dq: Shape::new(8, 1, 64, 32, 2), dkv: Shape::new(4, 1, 64, 16, 3) }
         }
     }
 
@@ -98,7 +102,7 @@ impl Config {
     /// shape that does not parse or fit is reported and ignored).
     pub fn for_head(d: usize) -> Config {
         let mut c = Config::default_for(d);
-        let Ok(spec) = std::env::var("FUSEC_FLASH_BF16") else { return c };
+        let Some(spec) = std::env::var("FUSEC_FLASH_BF16").ok().filter(|s| s != "tf32") else { return c };
         for part in spec.split(',').filter(|p| !p.is_empty()) {
             let (name, shape) = part.split_once('=').unwrap_or((part, ""));
             let mut next = c;
@@ -167,9 +171,11 @@ impl Config {
     }
 }
 
-/// Whether the bf16 kernels handle heads of `d` columns.
+/// Whether the bf16 kernels handle heads of `d` columns (and are not switched off for
+/// comparisons by `FUSEC_FLASH_BF16=tf32`, which puts bf16 storage back on the TF32 kernels
+/// wherever they handle the head size).
 pub fn supported(d: usize) -> bool {
-    HEAD_SIZES.contains(&d)
+    HEAD_SIZES.contains(&d) && !(std::env::var("FUSEC_FLASH_BF16").is_ok_and(|v| v == "tf32") && super::tf32::supported(d))
 }
 
 const COMMON: &str = include_str!("bf16_common.cuh");

@@ -29,6 +29,8 @@ __device__ __forceinline__ void fwd_tile(float (*o)[ND][4], float (*m)[2], float
         mma16(sc[mt][2 * p + 1], qf[mt][kk], b[2], b[3]);
       }
     }
+  float ms[FWD_MT][2], alpha[FWD_MT][2];
+  bool same = true;
 #pragma unroll
   for (int mt = 0; mt < FWD_MT; ++mt)
 #pragma unroll
@@ -44,20 +46,30 @@ __device__ __forceinline__ void fwd_tile(float (*o)[ND][4], float (*m)[2], float
         }
       mx = quad_max(mx);
       // Key 0 is in every row's first tile, so the maximum is finite from the first tile on.
-      const float ms = mx == NEG_INF ? 0.0f : mx * scale2;
-      const float alpha = ex2(fmaf(m[mt][h], scale2, -ms));
+      ms[mt][h] = mx == NEG_INF ? 0.0f : mx * scale2;
+      alpha[mt][h] = ex2(fmaf(m[mt][h], scale2, -ms[mt][h]));
+      same = same && alpha[mt][h] == 1.0f;
       m[mt][h] = mx;
-      float sum = l[mt][h] * alpha;
+    }
+  // Rescale the output rows only when some row's maximum moved (often not, past the first tiles).
+  if (!__all_sync(FULL, same)) {
 #pragma unroll
-      for (int dn = 0; dn < ND; ++dn) {
-        o[mt][dn][2 * h] *= alpha;
-        o[mt][dn][2 * h + 1] *= alpha;
-      }
+    for (int mt = 0; mt < FWD_MT; ++mt)
+#pragma unroll
+      for (int dn = 0; dn < ND; ++dn)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[mt][dn][e] *= alpha[mt][e >> 1];
+  }
+#pragma unroll
+  for (int mt = 0; mt < FWD_MT; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float sum = l[mt][h] * alpha[mt][h];
 #pragma unroll
       for (int nb = 0; nb < FWD_NB; ++nb)
 #pragma unroll
         for (int e = 2 * h; e < 2 * h + 2; ++e) {
-          const float p = ex2(fmaf(sc[mt][nb][e], scale2, -ms));
+          const float p = ex2(fmaf(sc[mt][nb][e], scale2, -ms[mt][h]));
           sum += p;
           sc[mt][nb][e] = p;
         }
