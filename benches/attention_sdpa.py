@@ -30,7 +30,7 @@ BACKENDS = [("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_AT
 
 
 def median_ms(fn, iters):
-    for _ in range(3):
+    for _ in range(10):
         fn()
     torch.cuda.synchronize()
     times = []
