@@ -28,8 +28,9 @@
 //!
 //! - [`native`]: gather, deterministic scatter-add, causal attention (softmax parts around
 //!   cuBLAS products), iota, the GEMM epilogue; one module.
-//! - [`flash`]: causal flash attention (forward and backward) on TF32 tensor cores, one module
-//!   per head size, used instead of the score-matrix path when TF32 products are allowed.
+//! - [`flash`]: causal flash attention (forward and backward), one module per head size and
+//!   storage: bf16 tensor cores on bf16 storage, TF32 tensor cores on f32 storage (used there
+//!   instead of the score-matrix path when TF32 products are allowed).
 //! - [`nvrtc`]: compiles sources to CUBIN for the device's architecture, in parallel, with an
 //!   on-disk cache keyed by SHA-256 of (source, options, architecture, NVRTC version, fusec
 //!   version).

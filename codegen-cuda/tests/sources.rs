@@ -200,20 +200,33 @@ fn every_kernel_of_the_tiny_and_124m_steps_compiles_with_nvrtc() {
 
 #[test]
 fn flash_attention_on_bf16_storage_compiles_with_nvrtc() {
-    // The bf16 modules: own names, bf16 element type and rounding stores; the f32 ones keep
-    // f32 elements and need no prelude.
+    // The bf16 modules: own names; bf16 tensor-core kernels at head sizes 16, 32, 64, 128, the
+    // TF32 kernels on widened bf16 tiles at the other multiples of 8 up to 64; the f32 modules
+    // keep f32 elements and need no prelude.
     assert_eq!(flash::name(64, DType::BF16), "fusec_flash_d64_bf16");
     assert_eq!(flash::name(64, DType::F32), "fusec_flash_d64");
-    let (f32_src, bf16_src) = (flash::source(64, DType::F32), flash::source(64, DType::BF16));
+    let (f32_src, bf16_src, d48_src) = (flash::source(64, DType::F32), flash::source(64, DType::BF16), flash::source(48, DType::BF16));
     assert!(f32_src.contains("typedef float elem;") && !f32_src.contains("f32_to_bf16"));
-    assert!(bf16_src.contains("typedef unsigned short elem;") && bf16_src.contains("f32_to_bf16(a)"));
+    assert!(bf16_src.contains("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") && bf16_src.contains("ldmatrix"));
+    assert!(d48_src.contains("typedef unsigned short elem;") && d48_src.contains("f32_to_bf16(a)"), "head size 48: TF32 kernels");
     assert!(flash::storage_supported(DType::BF16) && !flash::storage_supported(DType::F16));
-    assert_eq!(flash::head_sizes(), vec![8, 16, 24, 32, 40, 48, 56, 64]);
+    assert_eq!(flash::head_sizes(DType::F32), vec![8, 16, 24, 32, 40, 48, 56, 64]);
+    assert_eq!(flash::head_sizes(DType::BF16), vec![8, 16, 24, 32, 40, 48, 56, 64, 128]);
+    assert_eq!(flash::family(64, DType::BF16), Some(flash::Family::Bf16));
+    assert_eq!(flash::family(48, DType::BF16), Some(flash::Family::Tf32));
+    assert_eq!(flash::family(128, DType::F32), None);
+    // bf16 launches: heaviest tiles first, in the grid's slowest dimension.
+    let geo = flash::geometry(64, DType::BF16);
+    assert!(geo.iter().all(|g| g.tiles_in_z && g.rows % 16 == 0));
+    assert_eq!(geo[0].grid(1000, 12, 16), [12, 16, 1000u32.div_ceil(geo[0].rows)]);
+    assert_eq!(flash::stats_bytes(64, DType::BF16, 2, 3, 5), 2 * 3 * 5 * 8);
     let Some(_) = nvrtc_or_skip() else { return };
-    for d in [8, 16, 32, 64] {
+    for d in [8, 16, 32, 48, 64, 128] {
         let (src, name) = (flash::source(d, DType::BF16), flash::name(d, DType::BF16));
-        let img = nvrtc::compile(&src, &name, "sm_80").unwrap_or_else(|e| panic!("{e}\n--- source of {name} ---\n{src}"));
-        assert!(!img.ptx && !img.bytes.is_empty(), "bf16 flash attention, head size {d}: a CUBIN");
+        for arch in ["sm_80", "sm_90"] {
+            let img = nvrtc::compile(&src, &name, arch).unwrap_or_else(|e| panic!("{e}\n--- source of {name} ---\n{src}"));
+            assert!(!img.ptx && !img.bytes.is_empty(), "bf16 flash attention, head size {d}, {arch}: a CUBIN");
+        }
     }
 }
 

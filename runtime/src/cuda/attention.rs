@@ -4,10 +4,10 @@
 //! with softmax kernels between them.
 //!
 //! On bf16 storage (`qkv`, `out`, `dout`, `dqkv`; `lse` is f32) attention runs only on the flash
-//! kernels, also under `--no-tf32` and without `flash`: the score-matrix path is f32 only, and
-//! TF32 products lose nothing on bf16 operands (bf16 values are exact in TF32; only the
-//! probabilities are rounded, to 11 significant bits against the 8 the results are stored
-//! with). A head size without a bf16 module is an error, not a silent fallback.
+//! kernels, also under `--no-tf32` and without `flash`: the score-matrix path is f32 only. Head
+//! sizes 16, 32, 64 and 128 run on the bf16 tensor-core kernels; the other multiples of 8 up to
+//! 64 on the TF32 kernels with bf16 tiles widened to f32 (bf16 values are exact in TF32). A head
+//! size without a bf16 module is an error, not a silent fallback.
 
 use fusec_codegen_cuda::flash;
 use fusec_codegen_cuda::gemm::row_major;
@@ -30,8 +30,8 @@ impl Builder<'_> {
         match a.dtype {
             DType::F32 => {}
             DType::BF16 if flash_fns.is_none() => {
-                let sizes = flash::head_sizes().iter().map(|d| d.to_string()).collect::<Vec<_>>().join(", ");
-                let why = if flash::supported(d) {
+                let sizes = flash::head_sizes(DType::BF16).iter().map(|d| d.to_string()).collect::<Vec<_>>().join(", ");
+                let why = if flash::supported(d, DType::BF16) {
                     "they need an sm_80 or newer GPU".to_string()
                 } else {
                     format!("they handle head sizes {sizes}, not {d}")
@@ -42,22 +42,22 @@ impl Builder<'_> {
             dt => return Err(format!("attention on {dt} storage is not supported by the CUDA target (f32 or bf16)")),
         }
         if let Some(f) = flash_fns {
-            let tiles = (t as u32).div_ceil(flash::TILE);
-            let (grid, block) = ([tiles, h as u32, s as u32], [flash::THREADS, 1, 1]);
+            let geo = flash::geometry(d, a.dtype);
+            let kernel = |i: usize, args: Vec<Arg>| Step::Kernel { f: f[i], grid: geo[i].grid(t, h, s), block: geo[i].block(), args };
             // Products done, the causal half: 2 forward, 3 for dq and 4 for dk, dv.
             let half = (s * h * t * t * d) as u64;
             let (ti, hi) = (Arg::I32(t as i32), Arg::I32(h as i32));
             let Some((dout, dqkv)) = grads.filter(|_| !a.forward) else {
                 let args = vec![Arg::Ptr(qkv), Arg::Ptr(out_v), Arg::Ptr(lse), ti, hi, Arg::F32(scale)];
-                return Ok(vec![(vec![Step::Kernel { f: f[0], grid, block, args }], "flash_attention", 2 * half)]);
+                return Ok(vec![(vec![kernel(0, args)], "flash_attention", 2 * half)]);
             };
-            self.need_scratch((s * h * t * 4) as u64);
-            let dsum = Arg::Ptr(Addr::Scratch(0));
+            self.need_scratch(flash::stats_bytes(d, a.dtype, s, h, t));
+            let stats = Arg::Ptr(Addr::Scratch(0));
             let (q, o, l, dd, dq) = (Arg::Ptr(qkv), Arg::Ptr(out_v), Arg::Ptr(lse), Arg::Ptr(dout), Arg::Ptr(dqkv));
-            let args = vec![q, o, l, dd, dq, dsum, ti, hi, Arg::F32(scale)];
-            let grad_q = (vec![Step::Kernel { f: f[1], grid, block, args }], "flash_attention_grad_q", 3 * half);
-            let args = vec![q, l, dd, dsum, dq, ti, hi, Arg::F32(scale)];
-            let grad_kv = (vec![Step::Kernel { f: f[2], grid, block, args }], "flash_attention_grad_kv", 4 * half);
+            let args = vec![q, o, l, dd, dq, stats, ti, hi, Arg::F32(scale)];
+            let grad_q = (vec![kernel(1, args)], "flash_attention_grad_q", 3 * half);
+            let args = vec![q, l, dd, stats, dq, ti, hi, Arg::F32(scale)];
+            let grad_kv = (vec![kernel(2, args)], "flash_attention_grad_kv", 4 * half);
             return Ok(vec![grad_q, grad_kv]);
         }
         let c = h * d;

@@ -123,13 +123,13 @@ impl CudaExecutor {
         let mut items: Vec<(String, String)> = sources.iter().map(|s| (s.ident.clone(), s.source.clone())).collect();
         items.push((native::NAME.to_string(), native::source()));
         // Flash modules for the attention launches of this run only: f32 attention where flash
-        // and TF32 are allowed; bf16 attention always (the score-matrix path is f32 only, and
-        // bf16 values are exact in TF32: see `flash`); both on sm_80+ for supported head sizes.
+        // and TF32 are allowed; bf16 attention always (the score-matrix path is f32 only: see
+        // `attention`); both on sm_80+ for supported head sizes.
         let kinds = attention_kinds(&plan);
         let flash_mods: Vec<(usize, DType)> = kinds
             .iter()
             .copied()
-            .filter(|&(d, dt)| dev.arch >= flash::MIN_ARCH && flash::supported(d) && flash::storage_supported(dt))
+            .filter(|&(d, dt)| dev.arch >= flash::MIN_ARCH && flash::supported(d, dt))
             .filter(|&(_, dt)| dt != DType::F32 || (opts.flash && opts.tf32))
             .collect();
         for &(d, dt) in &flash_mods {

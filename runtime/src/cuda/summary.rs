@@ -3,6 +3,7 @@
 
 use std::time::Duration;
 
+use fusec_codegen_cuda::flash::{self, Family};
 use fusec_ir::DType;
 use fusec_passes::memplan::MemPlan;
 
@@ -75,17 +76,26 @@ pub struct CudaBuild {
 /// How attention runs, for [`CudaBuild::attention`]: `kinds` are the (head size, storage)
 /// pairs of the run's attention launches, `flash` those that have flash modules.
 pub(crate) fn attention_summary(kinds: &[(usize, DType)], flash: &[(usize, DType)]) -> String {
-    let sizes = |dt: DType| flash.iter().filter(|k| k.1 == dt).map(|k| k.0.to_string()).collect::<Vec<_>>().join(", ");
-    let (f32_sizes, bf16_sizes) = (sizes(DType::F32), sizes(DType::BF16));
+    // Head sizes of one storage type served by one family of kernels.
+    let sizes = |dt: DType, fam: Family| {
+        let of = flash.iter().filter(|k| k.1 == dt && flash::family(k.0, dt) == Some(fam));
+        of.map(|k| k.0.to_string()).collect::<Vec<_>>().join(", ")
+    };
+    let f32_sizes = sizes(DType::F32, Family::Tf32);
     let f32_part = if f32_sizes.is_empty() {
         "score matrices: cuBLAS products and softmax kernels".to_string()
     } else {
         format!("flash (TF32 tensor cores, head size {f32_sizes})")
     };
-    if bf16_sizes.is_empty() {
+    let bf16_parts: Vec<String> = [Family::Bf16, Family::Tf32]
+        .into_iter()
+        .filter_map(|fam| Some((fam, sizes(DType::BF16, fam))).filter(|(_, s)| !s.is_empty()))
+        .map(|(fam, s)| format!("{}, head size {s}", fam.describe()))
+        .collect();
+    if bf16_parts.is_empty() {
         return f32_part;
     }
-    let bf16_part = format!("flash on bf16 storage (TF32 tensor cores, head size {bf16_sizes})");
+    let bf16_part = format!("flash on bf16 storage ({})", bf16_parts.join("; "));
     if kinds.iter().any(|k| k.1 == DType::F32) {
         format!("{f32_part}; {bf16_part}")
     } else {
@@ -104,11 +114,15 @@ mod tests {
         assert_eq!(attention_summary(&[(64, f)], &[(64, f)]), "flash (TF32 tensor cores, head size 64)");
         assert_eq!(
             attention_summary(&[(32, b), (64, b)], &[(32, b), (64, b)]),
-            "flash on bf16 storage (TF32 tensor cores, head size 32, 64)"
+            "flash on bf16 storage (bf16 tensor cores, head size 32, 64)"
+        );
+        assert_eq!(
+            attention_summary(&[(48, b), (64, b)], &[(48, b), (64, b)]),
+            "flash on bf16 storage (bf16 tensor cores, head size 64; TF32 tensor cores, head size 48)"
         );
         assert_eq!(
             attention_summary(&[(64, f), (64, b)], &[(64, b)]),
-            "score matrices: cuBLAS products and softmax kernels; flash on bf16 storage (TF32 tensor cores, head size 64)"
+            "score matrices: cuBLAS products and softmax kernels; flash on bf16 storage (bf16 tensor cores, head size 64)"
         );
     }
 }

@@ -1,5 +1,6 @@
 //! Causal flash attention on TF32 tensor cores: the `attention` composite and its gradient
-//! without the `T × T` score matrix (FlashAttention-2's tiling), for sm_80 and newer.
+//! without the `T × T` score matrix (FlashAttention-2's tiling), for sm_80 and newer; the
+//! kernels of f32 storage.
 //!
 //! Layout as the composite: `qkv` is `[S, T, 3C]` (q, k, v of head `h` at columns `h D`,
 //! `C + h D`, `2C + h D`), `out` and `dout` are `[S, T, C]`, `lse` is `[S, H, T]` (the
@@ -31,15 +32,15 @@
 //! read as key `2t` (`2t + 1`), and the `B` operand's rows are read with the same permutation.
 //!
 //! Storage: one module per head size and storage type of `qkv`, `out`, `dout` and `dqkv` — f32
-//! (`fusec_flash_d64`) or bf16 (`fusec_flash_d64_bf16`); `lse` and the `dsum` row sums are f32
-//! either way. The kernels differ only in the element type and three access helpers (`ld4`
-//! stages four elements of a tile row, `ld1` reads one for the row sums, `st2` writes two
-//! results): bf16 is widened to f32 by a 16-bit shift on the way into shared memory (8-byte
-//! loads where f32 loads 16), so tiles, fragments and the TF32 products are the same; results
-//! are rounded to bf16 to nearest even (the prelude's `f32_to_bf16`) as they are stored. Every
-//! bf16 value is exact in TF32 (8 significant bits against 11), so on bf16 storage the products
-//! round only the probabilities, far below bf16's own rounding of the results — which is why
-//! the runtime runs bf16 attention on these kernels even under `--no-tf32`.
+//! (`fusec_flash_d64`), or bf16 at the head sizes the bf16 kernels ([`super::bf16`]) lack;
+//! `lse` and the `dsum` row sums are f32 either way. The kernels differ only in the element type
+//! and three access helpers (`ld4` stages four elements of a tile row, `ld1` reads one for the
+//! row sums, `st2` writes two results): bf16 is widened to f32 by a 16-bit shift on the way into
+//! shared memory (8-byte loads where f32 loads 16), so tiles, fragments and the TF32 products are
+//! the same; results are rounded to bf16 to nearest even (the prelude's `f32_to_bf16`) as they
+//! are stored. Every bf16 value is exact in TF32 (8 significant bits against 11), so on bf16
+//! storage the products round only the probabilities, far below bf16's own rounding of the
+//! results.
 
 use fusec_ir::DType;
 
@@ -47,11 +48,6 @@ use fusec_ir::DType;
 pub const TILE: u32 = 64;
 /// Threads per block (4 warps of 16 rows each).
 pub const THREADS: u32 = 128;
-/// The oldest architecture with TF32 `mma.sync` (compute capability 8.0).
-pub const MIN_ARCH: (i32, i32) = (8, 0);
-
-/// Entry names, in launch order: forward, then the two backward kernels.
-pub const ENTRIES: [&str; 3] = ["fusec_flash_fwd", "fusec_flash_bwd_dq", "fusec_flash_bwd_dkv"];
 
 /// Whether the kernels handle heads of `d` columns (whole 8-column MMA steps; 64 at most so the
 /// backward's fragments stay in registers).
@@ -59,32 +55,12 @@ pub fn supported(d: usize) -> bool {
     d.is_multiple_of(8) && (8..=64).contains(&d)
 }
 
-/// Every head size the kernels handle (see [`supported`]), for error messages.
-pub fn head_sizes() -> Vec<usize> {
-    (8..=64).filter(|d| supported(*d)).collect()
-}
-
-/// Whether the kernels read and write `qkv`, `out`, `dout` and `dqkv` stored as `dtype` (f32 or
-/// bf16; `lse` and the row sums are f32 either way).
-pub fn storage_supported(dtype: DType) -> bool {
-    matches!(dtype, DType::F32 | DType::BF16)
-}
-
-/// The module's name for head size `d` and storage `dtype`: `fusec_flash_d64`,
-/// `fusec_flash_d64_bf16`.
-pub fn name(d: usize, dtype: DType) -> String {
-    match dtype {
-        DType::F32 => format!("fusec_flash_d{d}"),
-        _ => format!("fusec_flash_d{d}_{dtype}"),
-    }
-}
-
-/// The CUDA C of the three kernels for head size `d` (see [`supported`]) on storage `dtype` (see
-/// [`storage_supported`]).
-pub fn source(d: usize, dtype: DType) -> String {
-    assert!(supported(d), "flash attention for head size {d}");
-    assert!(storage_supported(dtype), "flash attention on {dtype} storage");
-    let mut s = format!("// {} (fusec: {})\n#define HD {d}\n", name(d, dtype), crate::CODEGEN_REVISION);
+/// The CUDA C of the three kernels for head size `d` (see [`supported`]) on storage `dtype` (f32
+/// or bf16), under the module name `name`.
+pub fn source(d: usize, dtype: DType, name: &str) -> String {
+    assert!(supported(d), "TF32 flash attention for head size {d}");
+    assert!(matches!(dtype, DType::F32 | DType::BF16), "TF32 flash attention on {dtype} storage");
+    let mut s = format!("// {name} (fusec: {})\n#define HD {d}\n", crate::CODEGEN_REVISION);
     if dtype == DType::BF16 {
         // For `f32_to_bf16` (the rounding every other bf16 store uses).
         s.push_str(crate::prelude::PRELUDE);

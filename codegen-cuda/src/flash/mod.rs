@@ -1,0 +1,140 @@
+//! Causal flash attention: the `attention` composite and its gradient without the `T × T` score
+//! matrix, one module per (head size, storage type), for sm_80 and newer.
+//!
+//! Layout as the composite: `qkv` is `[S, T, 3C]` (q, k, v of head `h` at columns `h D`,
+//! `C + h D`, `2C + h D`), `out` and `dout` are `[S, T, C]`, `dqkv` is `[S, T, 3C]`, `lse` is
+//! `[S, H, T]` f32 (the log-sum-exp of the scaled scores of a row, saved by the forward for the
+//! backward). Every module has the three [`ENTRIES`] with the same parameters:
+//! `fwd(qkv, out, lse, T, H, scale)`, `dq(qkv, out, lse, dout, dqkv, stats, T, H, scale)`,
+//! `dkv(qkv, lse, dout, stats, dqkv, T, H, scale)`, where `stats` is scratch of
+//! [`stats_bytes`] that `dq` fills for `dkv`. Launch them with [`geometry`].
+//!
+//! Two families ([`Family`]):
+//! - [`bf16`]: bf16 storage on bf16 tensor cores (`m16n8k16`, `ldmatrix`, `cp.async`), head
+//!   sizes 16, 32, 64, 128.
+//! - [`tf32`]: f32 storage on TF32 tensor cores (`m16n8k8`), head sizes 8 to 64 in steps of 8;
+//!   also bf16 storage at the head sizes of that range the bf16 kernels lack (widened to f32).
+
+pub mod bf16;
+pub mod tf32;
+
+use fusec_ir::DType;
+
+/// The oldest architecture with the `mma.sync` shapes both families use (compute capability 8.0).
+pub const MIN_ARCH: (i32, i32) = (8, 0);
+
+/// Entry names, in launch order: forward, then the two backward kernels.
+pub const ENTRIES: [&str; 3] = ["fusec_flash_fwd", "fusec_flash_bwd_dq", "fusec_flash_bwd_dkv"];
+
+/// Which kernels serve a (head size, storage) pair.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Family {
+    /// [`tf32`]: TF32 products on f32 (or widened bf16) tiles.
+    Tf32,
+    /// [`bf16`]: bf16 products on bf16 tiles.
+    Bf16,
+}
+
+impl Family {
+    /// How the run summary names the products, e.g. `bf16 tensor cores`.
+    pub fn describe(self) -> &'static str {
+        match self {
+            Family::Tf32 => "TF32 tensor cores",
+            Family::Bf16 => "bf16 tensor cores",
+        }
+    }
+}
+
+/// The kernels for heads of `d` columns stored as `dtype`, if any.
+pub fn family(d: usize, dtype: DType) -> Option<Family> {
+    match dtype {
+        DType::BF16 if bf16::supported(d) => Some(Family::Bf16),
+        DType::F32 | DType::BF16 if tf32::supported(d) => Some(Family::Tf32),
+        _ => None,
+    }
+}
+
+/// Whether some kernels handle heads of `d` columns stored as `dtype`.
+pub fn supported(d: usize, dtype: DType) -> bool {
+    family(d, dtype).is_some()
+}
+
+/// Every head size handled on `dtype` storage, for error messages.
+pub fn head_sizes(dtype: DType) -> Vec<usize> {
+    (1..=128).filter(|d| supported(*d, dtype)).collect()
+}
+
+/// Whether any kernels read and write `qkv`, `out`, `dout` and `dqkv` stored as `dtype` (f32 or
+/// bf16; `lse` and the row statistics are f32 either way).
+pub fn storage_supported(dtype: DType) -> bool {
+    matches!(dtype, DType::F32 | DType::BF16)
+}
+
+/// The module's name for head size `d` and storage `dtype`: `fusec_flash_d64`,
+/// `fusec_flash_d64_bf16`.
+pub fn name(d: usize, dtype: DType) -> String {
+    match dtype {
+        DType::F32 => format!("fusec_flash_d{d}"),
+        _ => format!("fusec_flash_d{d}_{dtype}"),
+    }
+}
+
+/// The CUDA C of the three kernels for head size `d` on storage `dtype` (see [`supported`]).
+pub fn source(d: usize, dtype: DType) -> String {
+    match family(d, dtype) {
+        Some(Family::Tf32) => tf32::source(d, dtype, &name(d, dtype)),
+        Some(Family::Bf16) => {
+            let head = format!("// {} (fusec: {})\n", name(d, dtype), crate::CODEGEN_REVISION);
+            head + &bf16::source(d, &bf16::Config::for_head(d))
+        }
+        None => panic!("flash attention for head size {d} on {dtype} storage"),
+    }
+}
+
+/// How one kernel is launched: `threads` per block, each block owning `rows` rows (queries in
+/// the forward and `dq`, keys in `dk/dv`) of one (sequence, head).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Geometry {
+    /// Threads per block.
+    pub threads: u32,
+    /// Rows per block.
+    pub rows: u32,
+    /// Whether the tile index is the grid's `z` (`(H, S, tiles)`, the bf16 kernels: blocks of
+    /// every head start heaviest first) rather than its `x` (`(tiles, H, S)`).
+    pub tiles_in_z: bool,
+}
+
+impl Geometry {
+    /// The grid for `s` sequences of `t` positions and `h` heads.
+    pub fn grid(&self, t: usize, h: usize, s: usize) -> [u32; 3] {
+        let tiles = (t as u32).div_ceil(self.rows);
+        if self.tiles_in_z {
+            [h as u32, s as u32, tiles]
+        } else {
+            [tiles, h as u32, s as u32]
+        }
+    }
+
+    /// The block.
+    pub fn block(&self) -> [u32; 3] {
+        [self.threads, 1, 1]
+    }
+}
+
+/// The launch geometry of the [`ENTRIES`] for head size `d` on storage `dtype`.
+pub fn geometry(d: usize, dtype: DType) -> [Geometry; 3] {
+    match family(d, dtype) {
+        Some(Family::Bf16) => {
+            let c = bf16::Config::for_head(d);
+            [c.fwd, c.dq, c.dkv].map(|s| Geometry { threads: s.threads(), rows: s.rows(), tiles_in_z: true })
+        }
+        _ => [Geometry { threads: tf32::THREADS, rows: tf32::TILE, tiles_in_z: false }; 3],
+    }
+}
+
+/// Bytes of the `stats` scratch for `s` sequences, `h` heads and `t` positions: one f32 row sum
+/// per row for the TF32 kernels, a (row sum, `lse log2(e)`) pair for the bf16 ones.
+pub fn stats_bytes(d: usize, dtype: DType, s: usize, h: usize, t: usize) -> u64 {
+    let per_row = if family(d, dtype) == Some(Family::Bf16) { 8 } else { 4 };
+    (s * h * t * per_row) as u64
+}

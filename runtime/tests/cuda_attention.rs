@@ -1,0 +1,92 @@
+//! Flash attention on bf16 storage against the interpreter (the oracle): outputs, `lse` and
+//! gradients for head sizes 32, 64, 128 (bf16 tensor-core kernels) and 48 (TF32 kernels on
+//! widened bf16 tiles), sequence lengths 1, 17, 100 and 1024 (none or some a multiple of the
+//! tiles) and several batch × head counts; the same bits on a second run. Needs a GPU: run with
+//! `--ignored` on the device.
+
+use std::collections::HashMap;
+
+use fusec_ir::interp::{self, Rounding, Tensor};
+use fusec_ir::rng::Rng;
+use fusec_ir::testkit;
+use fusec_models::bf16_attention_graph;
+use fusec_passes::pipeline::{compile, Mode, PipelineOptions};
+use fusec_runtime::cuda::{CudaExecutor, CudaOptions};
+use fusec_runtime::executor::Executor;
+use fusec_runtime::programs::{Program, RunPrograms};
+
+/// The attention graph's Step program for `heads` heads of `d` columns, batch `b`, length `t`.
+fn attention_run(heads: usize, d: usize, b: usize, t: usize) -> (fusec_ir::Graph, RunPrograms) {
+    let g = bf16_attention_graph(heads, d);
+    let bind = RunPrograms::bindings(b, t);
+    let opts = PipelineOptions::default();
+    let step = compile(&g, "schedule", Mode::Forward, &opts, &bind).unwrap().graph;
+    (g, RunPrograms { graphs: HashMap::from([(Program::Step, step)]), bind, opts, pass_runs: vec![] })
+}
+
+/// `out`, `lse` and `dqkv` of one run on the GPU.
+fn run_gpu(gpu: &mut CudaExecutor, feeds: &HashMap<String, Tensor>) -> Vec<Vec<f64>> {
+    for name in ["qkv", "dout"] {
+        gpu.set(name, feeds[name].clone()).unwrap();
+    }
+    gpu.run(Program::Step).unwrap();
+    ["out", "lse", "dqkv"].iter().map(|n| gpu.output(Program::Step, n).unwrap().data).collect()
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --ignored on the device"]
+fn bf16_flash_attention_matches_the_interpreter_and_repeats_bit_for_bit() {
+    // (head size, the kernels it runs on); (batch, heads, length).
+    let heads = [(32, "bf16 tensor cores"), (64, "bf16 tensor cores"), (128, "bf16 tensor cores"), (48, "TF32 tensor cores")];
+    let shapes = [(3, 2, 1), (2, 3, 17), (2, 2, 100), (1, 3, 1024)];
+    // Every case runs; the failures are listed at the end.
+    let mut failures = vec![];
+    for (d, kernels) in heads {
+        for (b, h, t) in shapes {
+            if d == 48 && t == 1024 {
+                continue; // the TF32 kernels have their own tests; keep the interpreter's time down
+            }
+            let what = format!("head size {d}, B {b}, H {h}, T {t}");
+            let (g, run) = attention_run(h, d, b, t);
+            let mut feeds = testkit::random_feeds(&g, &run.bind, &mut Rng::new(17 + (d * t) as u64), 1).unwrap();
+            // Scores of standard deviation about 4 (peaked rows, as in a trained model).
+            feeds.get_mut("qkv").unwrap().data.iter_mut().for_each(|x| *x *= 2.0);
+            // The interpreter computes in f64 and rounds `out` and `dqkv` to bf16, `lse` to f32.
+            let want = interp::run(&g, &run.bind, &feeds, Rounding::F32).unwrap();
+            let (mut gpu, build) = CudaExecutor::new(&run, &CudaOptions::default()).unwrap_or_else(|e| panic!("{e}"));
+            assert_eq!(build.attention, format!("flash on bf16 storage ({kernels}, head size {d})"));
+            let got = run_gpu(&mut gpu, &feeds);
+            for (i, name) in ["out", "lse", "dqkv"].into_iter().enumerate() {
+                let w = &want[i].data;
+                let (rel, peak) = (testkit::rel_l2(&got[i], w), testkit::max_abs(w));
+                eprintln!(
+                    "{what}: {name}: relative L2 {rel:e}, max abs difference {:e} (max |want| {peak:e})",
+                    testkit::max_abs_diff(&got[i], w)
+                );
+                // `out` and `dqkv` are rounded to bf16 on both sides (one bf16 ulp, 2^-8
+                // relative, where the two fall on either side of a rounding boundary), and the
+                // kernels round the probabilities and `ds` to bf16 for the products (2^-9 of
+                // each term: the absolute part, relative to the largest value). `lse` is f32
+                // from exact bf16 products with f32 sums.
+                let (atol, rtol, max_rel) = if name == "lse" { (1e-4, 1e-5, 1e-5) } else { (1e-2 * peak, 2e-2, 1e-2) };
+                if let Err(e) = testkit::check_slice(&got[i], w, atol, rtol) {
+                    failures.push(format!("{what}: {name}: {e}"));
+                }
+                if rel.is_nan() || rel > max_rel {
+                    failures.push(format!("{what}: {name}: relative L2 {rel:e} over {max_rel:e}"));
+                }
+            }
+            // Deterministic: the same inputs again (after other inputs) give the same bits.
+            let mut other = feeds.clone();
+            other.get_mut("qkv").unwrap().data.iter_mut().for_each(|x| *x *= -0.5);
+            let _ = run_gpu(&mut gpu, &other);
+            let again = run_gpu(&mut gpu, &feeds);
+            for (i, name) in ["out", "lse", "dqkv"].into_iter().enumerate() {
+                if !got[i].iter().zip(&again[i]).all(|(a, b)| a.to_bits() == b.to_bits()) {
+                    failures.push(format!("{what}: {name} differs between two runs on the same inputs"));
+                }
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{} failures:\n{}", failures.len(), failures.join("\n"));
+}
