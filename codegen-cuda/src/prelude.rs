@@ -2,9 +2,10 @@
 //!
 //! No header is included: NVRTC 11.8 (what CI has) ships no `cuda_bf16.h`, and the builtins
 //! used here (`__shfl_xor_sync`, `__float_as_uint`, `expf`, `tanhf`, ...) need none. bf16 is
-//! converted by bit shifts exactly as the CPU backend does it: widening is a 16-bit shift,
-//! narrowing rounds to nearest even on the f32 bits (`bits + 0x7fff + lsb`) and keeps NaN a
-//! quiet NaN. `max_nan`/`min_nan` propagate NaN like the interpreter (compare + select, never
+//! converted exactly as the CPU backend does it: widening is a 16-bit shift, narrowing rounds
+//! to nearest even (on sm_80+ one `cvt.rn.bf16.f32`, elsewhere `bits + 0x7fff + lsb` on the f32
+//! bits: the same bits, subnormals included) and keeps NaN a quiet NaN with its sign and
+//! payload (a branch around the conversion, whose own NaN is canonical). `max_nan`/`min_nan` propagate NaN like the interpreter (compare + select, never
 //! `fmaxf`).
 //!
 //! `st_f32x4`/`st_b32x4`/`st_b32x2` store a vector register of a wide row loop (see
@@ -22,12 +23,22 @@ pub const PRELUDE: &str = r#"__device__ __forceinline__ float bf16_to_f32(unsign
 __device__ __forceinline__ unsigned short f32_to_bf16(float f) {
   unsigned u = __float_as_uint(f);
   if (f != f) return (unsigned short)((u | 0x400000u) >> 16);
+#if __CUDA_ARCH__ >= 800
+  unsigned short h;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
+  return h;
+#else
   return (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+#endif
 }
 __device__ __forceinline__ float round_bf16(float f) {
   if (f != f) return f;
+#if __CUDA_ARCH__ >= 800
+  return bf16_to_f32(f32_to_bf16(f));
+#else
   unsigned u = __float_as_uint(f);
   return __uint_as_float((u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u);
+#endif
 }
 __device__ __forceinline__ void st_f32x4(float* p, float4 v) {
   asm volatile("st.global.v4.f32 [%0], {%1, %2, %3, %4};" :: "l"(p), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w) : "memory");

@@ -207,10 +207,15 @@ fn the_124m_bf16_step_reads_and_writes_bf16_rows_16_bytes_a_thread() {
     let names: Vec<&str> = bf.iter().map(|s| s.name.as_str()).collect();
     let get = |name: &str| &bf.iter().find(|s| s.name == name).unwrap_or_else(|| panic!("no {name} in {names:?}")).source;
     // The fused classifier over bf16 logits [16384, 50304]: three passes (max; sum and the
-    // target's logit; gradient written in place), 8 columns a thread.
+    // target's logit; gradient written in place), 8 columns a thread. The row is read from
+    // global memory once: the first pass keeps a copy in shared memory for the other two.
     let ce = get("cast_cross_entropy_with_grad");
     assert_eq!(ce.matches("for (int c0 = lane * 8; c0 < 50304; c0 += 2048) {").count(), 3, "{ce}");
-    assert_eq!(ce.matches("q0 = *(const uint4*)&in0[r * 50304 + c];").count(), 3, "{ce}");
+    assert_eq!(ce.matches("q0 = *(const uint4*)&in0[r * 50304 + c]; *(uint4*)&s0[c] = q0;").count(), 1, "{ce}");
+    assert_eq!(ce.matches("q0 = *(const uint4*)&s0[c];").count(), 2, "{ce}");
+    assert!(ce.contains("extern __shared__ __align__(16) unsigned char stage[];"), "{ce}");
+    let rule = &bf.iter().find(|s| s.name == "cast_cross_entropy_with_grad").expect("classifier").launches[0];
+    assert_eq!(rule.shared, 50304 * 2, "the staged row's bytes");
     assert!(ce.contains("st_b32x4(&out1[r * 50304 + c], w"), "{ce}");
     // One scalar load a row: the target's logit, read directly for the loss.
     assert_eq!(ce.matches("bf16_to_f32(in0[").count(), 1, "{ce}");

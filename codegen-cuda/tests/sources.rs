@@ -231,6 +231,29 @@ fn flash_attention_on_bf16_storage_compiles_with_nvrtc() {
 }
 
 #[test]
+fn each_flash_entry_compiles_alone_as_its_own_module() {
+    for (d, dt) in [(64, DType::BF16), (48, DType::BF16), (64, DType::F32)] {
+        for (i, entry) in flash::ENTRIES.iter().enumerate() {
+            let src = flash::entry_source(d, dt, i);
+            let defined = |e: &str| src.lines().any(|l| l.starts_with("extern \"C\"") && l.contains(&format!(" {e}(")));
+            // Every kernel is in the text; the guard keeps only `entry` (checked by NVRTC below).
+            assert!(flash::ENTRIES.iter().all(|e| defined(e)), "{d} {dt}");
+            assert!(src.starts_with(&format!("#define FUSEC_FLASH_ONLY {i}\n")), "{entry}");
+        }
+    }
+    let Some(_) = nvrtc_or_skip() else { return };
+    for (d, dt) in [(64, DType::BF16), (48, DType::BF16)] {
+        for (i, entry) in flash::ENTRIES.iter().enumerate() {
+            let name = format!("{}_{i}", flash::name(d, dt));
+            let img = nvrtc::compile(&flash::entry_source(d, dt, i), &name, "compute_80").unwrap_or_else(|e| panic!("{e}"));
+            let ptx = String::from_utf8_lossy(&img.bytes).to_string();
+            let entries: Vec<&str> = flash::ENTRIES.iter().copied().filter(|e| ptx.contains(&format!(".entry {e}("))).collect();
+            assert_eq!(entries, vec![*entry], "head size {d} {dt}: module {i}");
+        }
+    }
+}
+
+#[test]
 fn the_disk_cache_hits_on_the_second_compiler() {
     let Some(_) = nvrtc_or_skip() else { return };
     let dir = std::env::temp_dir().join(format!("fusec-nvrtc-cache-test-{}", std::process::id()));

@@ -138,7 +138,8 @@ pub fn run(a: RunArgs) -> CliResult {
     rows.append(&mut built.summary);
     if let (Some(alloc), Some(peak)) = (ex.allocated_device_bytes(), ex.peak_device_bytes()) {
         let (alloc, peak) = (crate::report::mib(alloc), crate::report::mib(peak));
-        let what = format!("{alloc} allocated by fusec (plan, scratch, cuBLAS workspace); {peak} in use on the device (CUDA context included)");
+        let what =
+            format!("{alloc} allocated by fusec (plan, scratch, cuBLAS workspace); {peak} in use on the device (CUDA context included)");
         rows.push(("peak memory".into(), what));
     }
     rows.push(("wall time".into(), format!("{:.1} s (training {:.1} s)", t_start.elapsed().as_secs_f64(), progress.elapsed())));

@@ -30,6 +30,8 @@ pub struct LaunchRule {
     pub grid: [u32; 3],
     /// Block size (threads).
     pub block: [u32; 3],
+    /// Dynamic shared memory in bytes (the runtime opts the function in above 48 KiB).
+    pub shared: u32,
 }
 
 /// Code generation state for one segment.
@@ -45,6 +47,11 @@ pub(crate) struct Seg<'p> {
     /// here (`float4`, `float4[2]`, `uint2` or `uint4`; see `rows.rs`), element `j`, instead of
     /// memory.
     pub vec: std::cell::RefCell<Vec<(View, String)>>,
+    /// Inside a row pass: the views staged in shared memory that it loads, each with its copy's
+    /// name and whether this pass fills the copy (else it reads it); see `rows.rs`.
+    pub stage: std::cell::RefCell<Vec<(View, String, bool)>>,
+    /// Dynamic shared memory the main kernel needs, in bytes (staged row views).
+    pub shared: std::cell::Cell<u32>,
 }
 
 fn ty(t: Ty) -> &'static str {
@@ -141,7 +148,11 @@ impl Seg<'_> {
         };
         let v = format!("v{}", s.value);
         Ok(match s.view.mem {
-            Mem::Bf16 => format!("{a} = f32_to_bf16({v});"),
+            // Narrowing a value rounded to bf16 is narrowing the value: the rounding is dead.
+            Mem::Bf16 => match self.p.node(s.value).expr {
+                Expr::RoundBf16(x) => format!("{a} = f32_to_bf16(v{x});"),
+                _ => format!("{a} = f32_to_bf16({v});"),
+            },
             Mem::F32 | Mem::I32 => format!("{a} = {v};"),
         })
     }

@@ -31,7 +31,7 @@ use fusec_ir::rows::{region, Expr, Mem, NodeId, Region, Store, View, FINAL};
 use fusec_ir::ReduceOp;
 
 use super::{op_of, red_fn, red_init, Seg, R};
-use crate::plan::{arg, MAX_REG_PARTIALS};
+use crate::plan::{arg, Pass, MAX_REG_PARTIALS, STAGE_MAX_BYTES};
 
 /// Indentation and the scope that places a wide row loop's first column.
 const COLS: (&str, &str) = ("      ", "const int c = c0;");
@@ -67,7 +67,22 @@ impl Seg<'_> {
                 let _ = writeln!(out, "  float p{c} = {};", red_init(op));
             }
         }
+        let staged = self.stage_plan(team, tpb, reg);
+        let mut shared = 0u64;
+        if !staged.is_empty() {
+            let _ = writeln!(out, "  extern __shared__ __align__(16) unsigned char stage[];");
+        }
+        for (i, (v, _)) in staged.iter().enumerate() {
+            let t = if v.mem == Mem::Bf16 { "unsigned short" } else { "float" };
+            let _ = writeln!(out, "  {t}* s{i} = ({t}*)(stage + {shared});");
+            shared += cols * mem_bytes(v.mem);
+        }
+        self.shared.set(shared as u32);
         let _ = writeln!(out, "  for (long long r = team; r < {}; r += {teams}) {{", p.rows);
+        if !staged.is_empty() {
+            // The previous row's last pass may still read the staged copies.
+            let _ = writeln!(out, "    __syncthreads();");
+        }
         let row_nodes = |level: u32| -> Vec<NodeId> {
             (0..p.nodes.len() as NodeId)
                 .filter(|&id| {
@@ -88,19 +103,20 @@ impl Seg<'_> {
                 for &rr in &pass.rowreds {
                     let _ = writeln!(out, "    float a{rr} = {};", red_init(op_of(&p.node(rr).expr)));
                 }
-                let unrolled = reg && !pass.colreds.is_empty();
-                let roots: Vec<NodeId> = pass
-                    .rowreds
-                    .iter()
-                    .chain(&pass.colreds)
-                    .map(|&r| arg(p, r))
-                    .chain(pass.stores.iter().map(|&s| p.stores[s].value))
-                    .collect();
-                let body = self.needed(roots, |id| live[id as usize] && region(p, id) == Region::Col);
+                let (body, w, unrolled) = self.pass_code(pass, team, reg);
                 let stores = || pass.stores.iter().map(|&s| &p.stores[s]);
-                let w = self.width(&body, stores(), if unrolled { team as u64 } else { 1 });
                 let wide = w > 1;
                 reg_width.extend(pass.colreds.iter().map(|&c| (c, w)));
+                let mut stage = vec![];
+                for (i, (v, first)) in staged.iter().enumerate() {
+                    if self.loads_view(&body, v) {
+                        stage.push((v.clone(), format!("s{i}"), *first == pass.level));
+                        if *first != pass.level && stage.len() == 1 {
+                            let _ = writeln!(out, "    __syncthreads();");
+                        }
+                    }
+                }
+                *self.stage.borrow_mut() = stage;
                 if wide && unrolled {
                     let _ = writeln!(out, "#pragma unroll\n    for (int k4 = 0; k4 < {}; ++k4) {{", k_count / w as u64);
                     let _ = writeln!(out, "      const int c0 = (lane + k4 * {team}) * {w};");
@@ -140,6 +156,7 @@ impl Seg<'_> {
                     self.vector_io(out, COLS, &body, stores(), w, false)?;
                 }
                 let _ = writeln!(out, "    }}");
+                self.stage.borrow_mut().clear();
                 for &rr in &pass.rowreds {
                     let f = match op_of(&p.node(rr).expr) {
                         ReduceOp::Sum => "team_sum",
@@ -176,6 +193,60 @@ impl Seg<'_> {
             }
         }
         Ok(())
+    }
+
+    /// A row pass's per-column code: the nodes it computes, its width (see `width`) and
+    /// whether its column loop is unrolled over register partials.
+    fn pass_code(&self, pass: &Pass, team: u32, reg: bool) -> (Vec<NodeId>, u32, bool) {
+        let (p, live) = (self.p, &self.plan.main_live);
+        let unrolled = reg && !pass.colreds.is_empty();
+        let roots: Vec<NodeId> =
+            pass.rowreds.iter().chain(&pass.colreds).map(|&r| arg(p, r)).chain(pass.stores.iter().map(|&s| p.stores[s].value)).collect();
+        let body = self.needed(roots, |id| live[id as usize] && region(p, id) == Region::Col);
+        let stores = pass.stores.iter().map(|&s| &p.stores[s]);
+        let w = self.width(&body, stores, if unrolled { team as u64 } else { 1 });
+        (body, w, unrolled)
+    }
+
+    /// Whether `body` loads view `v`.
+    fn loads_view(&self, body: &[NodeId], v: &View) -> bool {
+        body.iter().any(|&id| matches!(&self.p.node(id).expr, Expr::Load(x) if x == v))
+    }
+
+    /// The row views to keep in shared memory, each with the level of the pass that copies it
+    /// there: with one team a block, a view that two or more wide passes load with vector
+    /// accesses is read from global memory once, by the first of them, and from the copy by
+    /// the others (the classifier's three passes over a 50,304-column bf16 row). Copies take
+    /// at most [`STAGE_MAX_BYTES`] a block.
+    fn stage_plan(&self, team: u32, tpb: u32, reg: bool) -> Vec<(View, u32)> {
+        if tpb != 1 {
+            return vec![];
+        }
+        let mut seen: Vec<(View, u32, usize)> = vec![];
+        for pass in &self.plan.passes {
+            let (body, w, _) = self.pass_code(pass, team, reg);
+            for &id in &body {
+                if let Expr::Load(v) = &self.p.node(id).expr {
+                    if w == 1 || v.row.is_empty() || !vectorizable(v, w) {
+                        continue;
+                    }
+                    match seen.iter_mut().find(|(x, _, _)| x == v) {
+                        Some((_, _, n)) => *n += 1,
+                        None => seen.push((v.clone(), pass.level, 1)),
+                    }
+                }
+            }
+        }
+        let mut bytes = 0;
+        let mut staged = vec![];
+        for (v, first, n) in seen {
+            let b = self.p.cols * mem_bytes(v.mem);
+            if n >= 2 && bytes + b <= STAGE_MAX_BYTES {
+                bytes += b;
+                staged.push((v, first));
+            }
+        }
+        staged
     }
 
     /// The columns a thread takes at a time in a column loop over `body` and `stores` whose
@@ -230,15 +301,36 @@ impl Seg<'_> {
                 if let Expr::Load(v) = &self.p.node(id).expr {
                     if vectorizable(v, w) && !vec.iter().any(|(x, _)| x == v) {
                         let n = format!("q{}", vec.len());
-                        let (s, off) = (self.slot_name(v.slot)?, self.offset(v));
-                        let load = match reg(v.mem) {
-                            (t, 1) => format!("{n} = *(const {t}*)&{s}[{off}];"),
+                        // A staged view: from its shared-memory copy, or into it (`rows.rs`).
+                        let staged = self.stage.borrow().iter().find(|(x, _, _)| x == v).map(|(_, s, fill)| (s.clone(), *fill));
+                        let (s, off) = match &staged {
+                            Some((sm, false)) => (sm.clone(), "c".to_string()),
+                            _ => (self.slot_name(v.slot)?, self.offset(v)),
+                        };
+                        let (load, k) = match reg(v.mem) {
+                            (t, 1) => (format!("{n} = *(const {t}*)&{s}[{off}];"), 1),
                             (t, k) => {
                                 let parts: Vec<String> = (0..k).map(|i| format!(" {n}[{i}] = vp[{i}];")).collect();
-                                format!("const {t}* vp = (const {t}*)&{s}[{off}];{}", parts.concat())
+                                (format!("const {t}* vp = (const {t}*)&{s}[{off}];{}", parts.concat()), k)
                             }
                         };
-                        let _ = writeln!(out, "{ind}{}\n{ind}{{ {at} {load} }}", decl(v, &n));
+                        let keep = match &staged {
+                            Some((sm, true)) => {
+                                let t = reg(v.mem).0;
+                                let parts: Vec<String> = (0..k)
+                                    .map(|i| {
+                                        if k == 1 {
+                                            format!(" *({t}*)&{sm}[c] = {n};")
+                                        } else {
+                                            format!(" (({t}*)&{sm}[c])[{i}] = {n}[{i}];")
+                                        }
+                                    })
+                                    .collect();
+                                parts.concat()
+                            }
+                            _ => String::new(),
+                        };
+                        let _ = writeln!(out, "{ind}{}\n{ind}{{ {at} {load}{keep} }}", decl(v, &n));
                         vec.push((v.clone(), n));
                     }
                 }
@@ -272,6 +364,15 @@ impl Seg<'_> {
 
 /// Whether a view's `w` columns from a multiple of `w` are one aligned vector: contiguous f32
 /// or bf16 with every row stride a multiple of `w` (buffers are 256-byte aligned).
-fn vectorizable(v: &View, w: u32) -> bool {
+pub(super) fn vectorizable(v: &View, w: u32) -> bool {
     v.col && matches!(v.mem, Mem::F32 | Mem::Bf16) && v.row.iter().all(|t| t.stride.is_multiple_of(w as u64))
+}
+
+/// Bytes an element of `m` takes in memory.
+fn mem_bytes(m: Mem) -> u64 {
+    if m == Mem::Bf16 {
+        2
+    } else {
+        4
+    }
 }

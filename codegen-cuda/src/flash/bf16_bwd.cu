@@ -73,6 +73,7 @@ __device__ __forceinline__ void dq_chunk(float (*dq)[ND][4], const u32 (*qf)[KD]
   }
 }
 
+#if !defined(FUSEC_FLASH_ONLY) || FUSEC_FLASH_ONLY == 1
 extern "C" __global__ void __launch_bounds__(DQ_THREADS, DQ_MINB) fusec_flash_bwd_dq(const elem* qkv, const elem* out, const float* lse, const elem* dout,
                                                                           elem* dqkv, float* stats, int T, int H, float scale) {
   __shared__ __align__(128) elem sm[DQ_SMEM];
@@ -169,6 +170,7 @@ extern "C" __global__ void __launch_bounds__(DQ_THREADS, DQ_MINB) fusec_flash_bw
   __syncthreads();
   store_tile<DQ_BM, DQ_THREADS>(dqkv + s * T * rs + h * HD, rs, sm, q0, T);
 }
+#endif
 
 // dk, dv for DKV_QC queries of a staged tile (rows from `qr`), keys as rows: s^T = k q^T,
 // dp^T = v dout^T, p^T, ds^T = p^T (dp^T - rowsum), dv += p^T dout, dk += ds^T q.
@@ -257,6 +259,7 @@ __device__ __forceinline__ void dkv_load(u32 sb, u32 stt_sb, int stage, int qt, 
   cp_commit();
 }
 
+#if !defined(FUSEC_FLASH_ONLY) || FUSEC_FLASH_ONLY == 2
 extern "C" __global__ void __launch_bounds__(DKV_THREADS, DKV_MINB) fusec_flash_bwd_dkv(const elem* qkv, const float* lse, const elem* dout, const float* stats,
                                                                             elem* dqkv, int T, int H, float scale) {
   __shared__ __align__(128) elem sm[DKV_SMEM];
@@ -332,3 +335,4 @@ extern "C" __global__ void __launch_bounds__(DKV_THREADS, DKV_MINB) fusec_flash_
   store_tile<DKV_BK, DKV_THREADS>(dst + C, rs, sm, k0, T);
   store_tile<DKV_BK, DKV_THREADS>(dst + 2 * C, rs, sm + DKV_BK * LDS, k0, T);
 }
+#endif

@@ -99,6 +99,7 @@ __device__ __forceinline__ void fwd_tile(float (*o)[ND][4], float (*m)[2], float
   }
 }
 
+#if !defined(FUSEC_FLASH_ONLY) || FUSEC_FLASH_ONLY == 0
 extern "C" __global__ void __launch_bounds__(FWD_THREADS, FWD_MINB) fusec_flash_fwd(const elem* qkv, elem* out, float* lse, int T, int H, float scale) {
   __shared__ __align__(128) elem sm[FWD_SMEM];
   const int nt = (T + FWD_BM - 1) / FWD_BM, qt = nt - 1 - (int)blockIdx.z, h = blockIdx.x;
@@ -169,3 +170,4 @@ extern "C" __global__ void __launch_bounds__(FWD_THREADS, FWD_MINB) fusec_flash_
   __syncthreads();
   store_tile<FWD_BM, FWD_THREADS>(out + s * T * C + h * HD, C, sm, q0, T);
 }
+#endif

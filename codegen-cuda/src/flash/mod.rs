@@ -91,6 +91,13 @@ pub fn source(d: usize, dtype: DType) -> String {
     }
 }
 
+/// The CUDA C of kernel `entry` of [`ENTRIES`] alone (the module's other kernels are left out
+/// by `FUSEC_FLASH_ONLY`): the three compile as three modules side by side, since one module
+/// of all three took NVRTC 1.5 s, the longest of a cold GPT-2 124M build.
+pub fn entry_source(d: usize, dtype: DType, entry: usize) -> String {
+    format!("#define FUSEC_FLASH_ONLY {entry}\n{}", source(d, dtype))
+}
+
 /// How one kernel is launched: `threads` per block, each block owning `rows` rows (queries in
 /// the forward and `dq`, keys in `dk/dv`) of one (sequence, head).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -175,6 +175,7 @@ __device__ __forceinline__ void store_rows(elem* base, long long stride, const f
 
 // Four blocks an SM (at most 128 registers): 8% faster than three on the H200; the backward
 // kernels at three blocks an SM spill (dk/dv) or gain nothing (dq).
+#if !defined(FUSEC_FLASH_ONLY) || FUSEC_FLASH_ONLY == 0
 extern "C" __global__ void __launch_bounds__(128, 4) fusec_flash_fwd(const elem* qkv, elem* out, float* lse, int T, int H, float scale) {
   __shared__ __align__(16) float ks[TILE * LD];
   __shared__ __align__(16) float vs[TILE * LD];
@@ -242,7 +243,9 @@ extern "C" __global__ void __launch_bounds__(128, 4) fusec_flash_fwd(const elem*
   }
   store_rows(out + s * T * C + h * HD, C, o, row0, T, t, inv);
 }
+#endif
 
+#if !defined(FUSEC_FLASH_ONLY) || FUSEC_FLASH_ONLY == 1
 extern "C" __global__ void __launch_bounds__(128) fusec_flash_bwd_dq(const elem* qkv, const elem* out, const float* lse, const elem* dout, elem* dqkv, float* dsum, int T, int H, float scale) {
   __shared__ __align__(16) float ks[TILE * LD];
   __shared__ __align__(16) float vs[TILE * LD];
@@ -313,7 +316,9 @@ extern "C" __global__ void __launch_bounds__(128) fusec_flash_bwd_dq(const elem*
   const float one[2] = {1.0f, 1.0f};
   store_rows(dqkv + s * T * rs + h * HD, rs, dq, row0, T, t, one);
 }
+#endif
 
+#if !defined(FUSEC_FLASH_ONLY) || FUSEC_FLASH_ONLY == 2
 extern "C" __global__ void __launch_bounds__(128) fusec_flash_bwd_dkv(const elem* qkv, const float* lse, const elem* dout, const float* dsum, elem* dqkv, int T, int H, float scale) {
   __shared__ __align__(16) float qs[TILE * LD];
   __shared__ __align__(16) float ds[TILE * LD];
@@ -378,4 +383,5 @@ extern "C" __global__ void __launch_bounds__(128) fusec_flash_bwd_dkv(const elem
   store_rows(dqkv + s * T * rs + C + h * HD, rs, dk, key0, T, t, one);
   store_rows(dqkv + s * T * rs + 2 * C + h * HD, rs, dv, key0, T, t, one);
 }
+#endif
 "#;

@@ -43,7 +43,8 @@ impl Builder<'_> {
         }
         if let Some(f) = flash_fns {
             let geo = flash::geometry(d, a.dtype);
-            let kernel = |i: usize, args: Vec<Arg>| Step::Kernel { f: f[i], grid: geo[i].grid(t, h, s), block: geo[i].block(), args };
+            let kernel =
+                |i: usize, args: Vec<Arg>| Step::Kernel { f: f[i], grid: geo[i].grid(t, h, s), block: geo[i].block(), shared: 0, args };
             // Products done, the causal half: 2 forward, 3 for dq and 4 for dk, dv.
             let half = (s * h * t * t * d) as u64;
             let (ti, hi) = (Arg::I32(t as i32), Arg::I32(h as i32));
@@ -94,7 +95,7 @@ impl Builder<'_> {
         let softmax_args = vec![Arg::Ptr(Addr::Scratch(p)), Arg::Ptr(lse), Arg::I32(t as i32), Arg::I64(nrows), Arg::F32(scale)];
         let Some((dout, dqkv)) = grads.filter(|_| !a.forward) else {
             let f = self.native.attn_softmax;
-            out.push((vec![Step::Kernel { f, grid: rows_grid, block: [256, 1, 1], args: softmax_args }], "attn_softmax", 0));
+            out.push((vec![Step::Kernel { f, grid: rows_grid, block: [256, 1, 1], shared: 0, args: softmax_args }], "attn_softmax", 0));
             // out = p v (cuBLAS A = v, B = p).
             let pv = row_major(t, d, t, false, false, t, 3 * c, c)?;
             let pv_arr = arrays(self, vs, scores(p), head(out_v, c, 0));
@@ -102,7 +103,7 @@ impl Builder<'_> {
             return Ok(out);
         };
         let f = self.native.attn_probs;
-        out.push((vec![Step::Kernel { f, grid: rows_grid, block: [256, 1, 1], args: softmax_args }], "attn_softmax", 0));
+        out.push((vec![Step::Kernel { f, grid: rows_grid, block: [256, 1, 1], shared: 0, args: softmax_args }], "attn_softmax", 0));
         // dp = dout v^T (cuBLAS A = v, B = dout).
         let dpc = row_major(t, t, d, false, true, c, 3 * c, t)?;
         let dp_arr = arrays(self, vs.clone(), head(dout, c, 0), scores(dp));
@@ -119,7 +120,7 @@ impl Builder<'_> {
             Arg::F32(scale),
         ];
         let f = self.native.attn_dscores;
-        out.push((vec![Step::Kernel { f, grid: rows_grid, block: [256, 1, 1], args }], "attn_softmax_grad", 0));
+        out.push((vec![Step::Kernel { f, grid: rows_grid, block: [256, 1, 1], shared: 0, args }], "attn_softmax_grad", 0));
         // dq = ds k, dk = ds^T q, dv = p^T dout.
         let dq = row_major(t, d, t, false, false, t, 3 * c, 3 * c)?;
         let dk = row_major(t, d, t, true, false, t, 3 * c, 3 * c)?;

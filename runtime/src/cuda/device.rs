@@ -229,7 +229,14 @@ impl Device {
     ///
     /// # Safety
     /// The arguments must match the kernel's parameters and point into live memory.
-    pub unsafe fn launch(&self, f: sys::CUfunction, grid: [u32; 3], block: [u32; 3], params: &mut [*mut c_void]) -> Result<(), String> {
+    pub unsafe fn launch(
+        &self,
+        f: sys::CUfunction,
+        grid: [u32; 3],
+        block: [u32; 3],
+        shared: u32,
+        params: &mut [*mut c_void],
+    ) -> Result<(), String> {
         ck(
             sys::cuLaunchKernel(
                 f,
@@ -239,13 +246,26 @@ impl Device {
                 block[0],
                 block[1],
                 block[2],
-                0,
+                shared,
                 self.stream,
                 params.as_mut_ptr(),
                 std::ptr::null_mut(),
             ),
             "launch",
         )
+    }
+
+    /// Lets `f` launch with `bytes` of dynamic shared memory (needed above 48 KiB); a clear
+    /// error where the GPU allows less.
+    pub fn allow_shared(&self, f: sys::CUfunction, bytes: u32) -> Result<(), String> {
+        const DEFAULT: u32 = 48 * 1024;
+        if bytes <= DEFAULT {
+            return Ok(());
+        }
+        let attr = sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
+        // SAFETY: a loaded function; the attribute takes a byte count.
+        unsafe { ck(sys::cuFuncSetAttribute(f, attr, bytes as i32), "cuFuncSetAttribute") }
+            .map_err(|e| format!("needs {bytes} bytes of shared memory a block, more than this GPU ({}) allows: {e}", self.sm()))
     }
 
     /// Bytes of GPU memory free for a new allocation.

@@ -65,7 +65,7 @@ pub(crate) enum Step {
     /// A pointer-array batched product; the `A`, `B`, `C` arrays follow each other at `arrays`.
     GemmArrays { call: ColMajor, arrays: Addr, batch: i32 },
     /// A kernel launch.
-    Kernel { f: CUfunction, grid: [u32; 3], block: [u32; 3], args: Vec<Arg> },
+    Kernel { f: CUfunction, grid: [u32; 3], block: [u32; 3], shared: u32, args: Vec<Arg> },
     /// `n` 32-bit words set to `bits`.
     Fill32 { dst: Addr, bits: u32, n: usize },
     /// A device-to-device copy.
@@ -172,7 +172,8 @@ impl Builder<'_> {
     /// `slots`, `sorted`: 32-bit words, `3 rows + 2 n + 1` of them).
     fn scatter_add(&mut self, s: &launches::ScatterAdd, err: Addr) -> Result<Vec<Step>, String> {
         let too_big = || format!("scatter_add: {} rows and {} indices exceed the kernels' 32-bit indexing", s.rows, s.n);
-        let words = s.rows.checked_mul(3).and_then(|w| w.checked_add(s.n.checked_mul(2)?)).and_then(|w| w.checked_add(1)).ok_or_else(too_big)?;
+        let words =
+            s.rows.checked_mul(3).and_then(|w| w.checked_add(s.n.checked_mul(2)?)).and_then(|w| w.checked_add(1)).ok_or_else(too_big)?;
         let col_blocks = (s.cols as u64).div_ceil(32 * fusec_codegen_cuda::native::SCATTER_VEC as u64);
         if i32::try_from(words).is_err() || col_blocks > 65535 {
             return Err(too_big());
@@ -191,11 +192,11 @@ impl Builder<'_> {
         let block = [256, 1, 1];
         Ok(vec![
             Step::Fill32 { dst: Addr::Scratch(0), bits: 0, n: s.rows },
-            Step::Kernel { f: f[0], grid: by_index, block, args: vec![idx, count, ri, ni, Arg::Ptr(err)] },
-            Step::Kernel { f: f[1], grid: [1, 1, 1], block: [1024, 1, 1], args: vec![count, offs, cursor, ri] },
-            Step::Kernel { f: f[2], grid: by_index, block, args: vec![idx, cursor, slots, ri, ni] },
-            Step::Kernel { f: f[3], grid: [s.rows as u32, 1, 1], block, args: vec![offs, slots, sorted] },
-            Step::Kernel { f: f[4], grid: [s.rows as u32, col_blocks as u32, 1], block, args: vec![src, offs, sorted, out, ci] },
+            Step::Kernel { f: f[0], grid: by_index, block, shared: 0, args: vec![idx, count, ri, ni, Arg::Ptr(err)] },
+            Step::Kernel { f: f[1], grid: [1, 1, 1], block: [1024, 1, 1], shared: 0, args: vec![count, offs, cursor, ri] },
+            Step::Kernel { f: f[2], grid: by_index, block, shared: 0, args: vec![idx, cursor, slots, ri, ni] },
+            Step::Kernel { f: f[3], grid: [s.rows as u32, 1, 1], block, shared: 0, args: vec![offs, slots, sorted] },
+            Step::Kernel { f: f[4], grid: [s.rows as u32, col_blocks as u32, 1], block, shared: 0, args: vec![src, offs, sorted, out, ci] },
         ])
     }
 
@@ -241,7 +242,7 @@ impl Builder<'_> {
                         .launches
                         .iter()
                         .zip(&k.funcs)
-                        .map(|(r, f)| Step::Kernel { f: *f, grid: r.grid, block: r.block, args: args.clone() })
+                        .map(|(r, f)| Step::Kernel { f: *f, grid: r.grid, block: r.block, shared: r.shared, args: args.clone() })
                         .collect();
                     push(steps, &kernel.name, k.src.flops);
                 }
@@ -256,7 +257,11 @@ impl Builder<'_> {
                         Arg::Ptr(err_flag),
                     ];
                     let f = self.native.gather;
-                    push(vec![Step::Kernel { f, grid: blocks((g.n * g.cols) as u64, 256), block: [256, 1, 1], args }], "gather", 0);
+                    push(
+                        vec![Step::Kernel { f, grid: blocks((g.n * g.cols) as u64, 256), block: [256, 1, 1], shared: 0, args }],
+                        "gather",
+                        0,
+                    );
                 }
                 LaunchOp::ScatterAdd(s) => push(self.scatter_add(s, err_flag)?, "scatter_add", l.flops),
                 LaunchOp::Attention(a) => {
@@ -269,7 +274,7 @@ impl Builder<'_> {
                     let inner: usize = it.shape[it.axis + 1..].iter().product();
                     let f = if it.dtype == DType::I32 { self.native.iota_i32 } else { self.native.iota_f32 };
                     let args = vec![p(it.out), Arg::I64(cnt as i64), Arg::I64(inner as i64), Arg::I64(it.shape[it.axis] as i64)];
-                    push(vec![Step::Kernel { f, grid: blocks(cnt as u64, 256), block: [256, 1, 1], args }], "iota", 0);
+                    push(vec![Step::Kernel { f, grid: blocks(cnt as u64, 256), block: [256, 1, 1], shared: 0, args }], "iota", 0);
                 }
                 LaunchOp::Fill(fl) => {
                     let dst = Addr::Plan(fl.out);
@@ -354,7 +359,7 @@ impl Builder<'_> {
             Arg::I32(spec.n as i32),
             Arg::I32(flags),
         ];
-        steps.push(Step::Kernel { f, grid: blocks(total, 256), block: [256, 1, 1], args });
+        steps.push(Step::Kernel { f, grid: blocks(total, 256), block: [256, 1, 1], shared: 0, args });
         Ok(steps)
     }
 

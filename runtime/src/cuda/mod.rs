@@ -133,7 +133,9 @@ impl CudaExecutor {
             .filter(|&(_, dt)| dt != DType::F32 || (opts.flash && opts.tf32))
             .collect();
         for &(d, dt) in &flash_mods {
-            items.push((flash::name(d, dt), flash::source(d, dt)));
+            for (i, e) in flash::ENTRIES.iter().enumerate() {
+                items.push((format!("{}_{}", flash::name(d, dt), e.trim_start_matches("fusec_flash_")), flash::entry_source(d, dt, i)));
+            }
         }
         phase("codegen");
         let images = compiler.compile_all(&items);
@@ -144,13 +146,19 @@ impl CudaExecutor {
             let names: Vec<&str> = match i.cmp(&sources.len()) {
                 std::cmp::Ordering::Less => sources[i].launches.iter().map(|l| l.entry.as_str()).collect(),
                 std::cmp::Ordering::Equal => NATIVE_ENTRIES.to_vec(),
-                std::cmp::Ordering::Greater => flash::ENTRIES.to_vec(),
+                std::cmp::Ordering::Greater => vec![flash::ENTRIES[(i - sources.len() - 1) % flash::ENTRIES.len()]],
             };
             let f = dev.functions(compiler.key(&items[i].1), &img.bytes, &names).map_err(|e| format!("kernel `{}`: {e}", items[i].0))?;
+            if let Some(src) = sources.get(i) {
+                for (rule, &func) in src.launches.iter().zip(&f) {
+                    dev.allow_shared(func, rule.shared).map_err(|e| format!("kernel `{}`: {e}", items[i].0))?;
+                }
+            }
             funcs.push(f);
         }
+        let one: Vec<sys::CUfunction> = funcs.drain(sources.len() + 1..).map(|f| f[0]).collect();
         let flash_funcs: HashMap<(usize, DType), [sys::CUfunction; 3]> =
-            flash_mods.iter().zip(funcs.drain(sources.len() + 1..)).map(|(k, f)| (*k, [f[0], f[1], f[2]])).collect();
+            flash_mods.iter().zip(one.chunks_exact(3)).map(|(k, f)| (*k, [f[0], f[1], f[2]])).collect();
         let nf = funcs.pop().expect("the native module");
         phase("module load");
         let native = Native {
@@ -360,7 +368,7 @@ impl CudaExecutor {
                 );
                 ckb(r, "cuBLAS batched sgemm")
             }
-            Step::Kernel { f, grid, block, args } => {
+            Step::Kernel { f, grid, block, shared, args } => {
                 let mut vals: Vec<u64> = args
                     .iter()
                     .map(|a| match *a {
@@ -371,7 +379,7 @@ impl CudaExecutor {
                     })
                     .collect();
                 let mut params: Vec<*mut c_void> = vals.iter_mut().map(|v| v as *mut u64 as *mut c_void).collect();
-                d.launch(*f, *grid, *block, &mut params)
+                d.launch(*f, *grid, *block, *shared, &mut params)
             }
             Step::Fill32 { dst, bits, n } => ck(sys::cuMemsetD32Async(self.addr(*dst), *bits, *n, d.stream), "memset"),
             Step::Copy { dst, src, bytes } => {
