@@ -30,6 +30,9 @@ enum Command {
     Run(cmd_run::RunArgs),
     /// Tokenize text with GPT-2 BPE into llm.c token files (train and val).
     Prepare(cmd_prepare::PrepareArgs),
+    /// Internal: compile CUDA modules sent on stdin with NVRTC (a cold build's worker process).
+    #[command(hide = true)]
+    NvrtcWorker,
 }
 
 /// An error for the user: printed as `error: ...`, exit code 2.
@@ -37,11 +40,15 @@ pub type CliResult = Result<(), String>;
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    if let Ok(exe) = std::env::current_exe() {
+        fusec_codegen_cuda::nvrtc::workers::enable(exe);
+    }
     let result = match cli.command {
         Command::Dump(a) => cmd_dump::dump(a),
         Command::Export(a) => cmd_export::export(a),
         Command::Run(a) => cmd_run::run(a),
         Command::Prepare(a) => cmd_prepare::prepare(a),
+        Command::NvrtcWorker => fusec_codegen_cuda::nvrtc::workers::serve(),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

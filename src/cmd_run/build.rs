@@ -56,7 +56,10 @@ pub fn executor(a: &RunArgs, run: &RunPrograms, threads: usize) -> Result<Built,
             summary.push(("device".into(), format!("{} (NVRTC {}.{}){math}", build.device, build.nvrtc.0, build.nvrtc.1)));
             summary.push((
                 "kernels".into(),
-                format!("{} launches from {} modules: {} compiled, {} from the disk cache", k.kernels, k.modules, k.compiled, k.disk_hits),
+                format!(
+                    "{} launches from {} modules: {} compiled ({} in worker processes), {} from the disk cache",
+                    k.kernels, k.modules, k.compiled, k.in_workers, k.disk_hits
+                ),
             ));
             if a.timings {
                 outln!("CUDA modules, slowest first ({} compiled, {} from the disk cache):", k.compiled, k.disk_hits)?;

@@ -35,8 +35,10 @@ pub fn run(a: RunArgs) -> CliResult {
     let t_start = Instant::now();
     a.validate()?;
     if a.target == Target::Cuda {
-        // The driver's start-up overlaps parsing, initialization and compiling.
+        // The driver's start-up (and the NVRTC workers') overlaps parsing, initialization and
+        // compiling.
         fusec_runtime::cuda::start_driver();
+        fusec_codegen_cuda::nvrtc::workers::prestart();
     }
     let threads = a.threads.unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)).max(1);
     rayon::ThreadPoolBuilder::new().num_threads(threads).build_global().map_err(|e| format!("thread pool: {e}"))?;

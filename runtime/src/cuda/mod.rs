@@ -211,6 +211,7 @@ impl CudaExecutor {
                 kernels: launch_src.len(),
                 modules: items.len(),
                 compiled: compiler.compiled,
+                in_workers: compiler.in_workers,
                 disk_hits: compiler.disk_hits,
             },
             device: format!("{} ({})", dev.name, dev.sm()),

@@ -14,8 +14,10 @@ pub struct KernelStats {
     pub kernels: usize,
     /// Distinct CUDA modules (identical kernels share one), the hand-written module included.
     pub modules: usize,
-    /// Modules NVRTC compiled in this process.
+    /// Modules NVRTC compiled for this run.
     pub compiled: usize,
+    /// Of those, the modules compiled in worker processes.
+    pub in_workers: usize,
     /// Modules read from the on-disk cache.
     pub disk_hits: usize,
 }

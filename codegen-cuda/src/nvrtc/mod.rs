@@ -1,4 +1,5 @@
-//! NVRTC: CUDA C → CUBIN for one GPU architecture, in parallel, with an on-disk cache.
+//! NVRTC: CUDA C → CUBIN for one GPU architecture, in parallel (in worker processes: see
+//! [`workers`]), with an on-disk cache.
 //!
 //! libnvrtc is opened at first use (cudarc's `dynamic-loading`): nothing here needs CUDA at
 //! build time, and [`available`] says whether the library can be found (cudarc looks for
@@ -24,6 +25,8 @@ use std::sync::{Arc, Mutex};
 use cudarc::nvrtc::sys;
 use rayon::prelude::*;
 use sha2::{Digest, Sha256};
+
+pub mod workers;
 
 /// A compiled module image.
 #[derive(Debug)]
@@ -145,8 +148,10 @@ pub struct Compiler {
     version: (i32, i32),
     dir: Option<PathBuf>,
     images: Mutex<HashMap<[u8; 32], Arc<Image>>>,
-    /// Modules compiled by NVRTC in this process.
+    /// Modules compiled by NVRTC for this process.
     pub compiled: usize,
+    /// Of those, the modules compiled in worker processes ([`workers`]).
+    pub in_workers: usize,
     /// Modules read from the disk cache.
     pub disk_hits: usize,
     /// Requests answered by a module already compiled or loaded in this process.
@@ -166,6 +171,7 @@ impl Compiler {
             dir: cache_dir(),
             images: Mutex::default(),
             compiled: 0,
+            in_workers: 0,
             disk_hits: 0,
             memory_hits: 0,
             times: vec![],
@@ -203,7 +209,8 @@ impl Compiler {
     }
 
     /// Images of `(name, source)` pairs, in order: from memory, the disk cache, or NVRTC (the
-    /// distinct missing ones compiled in parallel on rayon's pool).
+    /// distinct missing ones compiled in parallel: in worker processes where enabled, else on
+    /// rayon's pool).
     pub fn compile_all(&mut self, items: &[(String, String)]) -> Vec<Result<Arc<Image>, String>> {
         let keys: Vec<[u8; 32]> = items.iter().map(|(_, s)| self.key(s)).collect();
         let mut todo: Vec<usize> = vec![];
@@ -218,30 +225,50 @@ impl Compiler {
                 }
             }
         }
-        let dir = self.dir.clone();
-        let arch = self.arch.clone();
-        // Longest sources first, one module per task: the slowest compile starts at once.
-        todo.sort_by_key(|&i| std::cmp::Reverse(items[i].1.len()));
-        // (item, its image and whether it came from the disk cache, NVRTC's time)
+        // (item, its image and whether it came from the disk cache, the time it took)
         type Done = (usize, Result<(Image, bool), String>, std::time::Duration);
-        let done: Vec<Done> = todo
-            .par_iter()
-            .with_max_len(1)
-            .map(|&i| {
-                let hex: String = keys[i].iter().map(|b| format!("{b:02x}")).collect();
-                let path = dir.as_ref().map(|d| d.join(format!("{hex}.bin")));
-                let t0 = std::time::Instant::now();
-                if let Some(img) = path.as_ref().and_then(|p| read_cached(p)) {
-                    return (i, Ok((img, true)), t0.elapsed());
+        let path = |i: usize| {
+            let hex: String = keys[i].iter().map(|b| format!("{b:02x}")).collect();
+            self.dir.as_ref().map(|d| d.join(format!("{hex}.bin")))
+        };
+        let mut done: Vec<Done> = vec![];
+        let mut cold: Vec<usize> = vec![];
+        for i in todo {
+            let t0 = std::time::Instant::now();
+            match path(i).and_then(|p| read_cached(&p)) {
+                Some(img) => done.push((i, Ok((img, true)), t0.elapsed())),
+                None => cold.push(i),
+            }
+        }
+        // In child processes where enabled (see `workers`); what they did not compile, here,
+        // longest sources first so the slowest compile starts at once.
+        let named: Vec<(&str, &str)> = cold.iter().map(|&i| (items[i].0.as_str(), items[i].1.as_str())).collect();
+        let mut from_workers = workers::compile_all(&named, &self.arch).unwrap_or_default();
+        from_workers.resize_with(cold.len(), || None);
+        let mut here: Vec<usize> = vec![];
+        let mut compiled: Vec<(usize, Result<Image, String>, std::time::Duration)> = vec![];
+        for (&i, w) in cold.iter().zip(from_workers) {
+            match w {
+                Some((r, took)) => {
+                    self.in_workers += r.is_ok() as usize;
+                    compiled.push((i, r, took));
                 }
-                let r = compile(&items[i].1, &items[i].0, &arch);
-                let took = t0.elapsed();
-                if let (Ok(img), Some(p)) = (&r, &path) {
-                    write_cached(p, img);
-                }
-                (i, r.map(|img| (img, false)), took)
-            })
-            .collect();
+                None => here.push(i),
+            }
+        }
+        here.sort_by_key(|&i| std::cmp::Reverse(items[i].1.len()));
+        let arch = self.arch.clone();
+        compiled.par_extend(here.par_iter().with_max_len(1).map(|&i| {
+            let t0 = std::time::Instant::now();
+            let r = compile(&items[i].1, &items[i].0, &arch);
+            (i, r, t0.elapsed())
+        }));
+        for (i, r, took) in compiled {
+            if let (Ok(img), Some(p)) = (&r, path(i)) {
+                write_cached(&p, img);
+            }
+            done.push((i, r.map(|img| (img, false)), took));
+        }
         let mut errs: HashMap<usize, String> = HashMap::new();
         {
             let mut have = self.images.lock().unwrap_or_else(|e| e.into_inner());
