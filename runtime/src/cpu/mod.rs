@@ -219,6 +219,28 @@ impl Executor for CpuExecutor {
         Ok(Tensor { dtype: dt, shape, data })
     }
 
+    fn set_f32(&mut self, name: &str, dtype: DType, _shape: &[usize], data: &[f32]) -> Result<(), String> {
+        let (off, dt, n) = self.place(name)?;
+        if dt != DType::F32 || dtype != DType::F32 {
+            return Err(format!("`{name}` is {dt} here: the CPU target holds f32 tensors only (set as {dtype})"));
+        }
+        if data.len() != n {
+            return Err(format!("`{name}` holds {n} elements, got {}", data.len()));
+        }
+        // SAFETY: the named range is inside the arena and typed f32.
+        unsafe { self.slice::<f32>(off, n) }.copy_from_slice(data);
+        Ok(())
+    }
+
+    fn get_f32(&self, name: &str) -> Result<Vec<f32>, String> {
+        let (off, dt, n) = self.place(name)?;
+        if dt != DType::F32 {
+            return Err(format!("`{name}` is {dt}, not a float tensor"));
+        }
+        // SAFETY: as in `set_f32`.
+        Ok(unsafe { self.slice::<f32>(off, n) }.to_vec())
+    }
+
     fn profile(&self) -> Option<Profile> {
         self.profile.clone()
     }
