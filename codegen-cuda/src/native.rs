@@ -54,12 +54,7 @@ pub fn source() -> String {
     let scale = ((2.0f64 / std::f64::consts::PI) as f32).sqrt();
     let mut s = format!("// {NAME} (fusec: {})\n", crate::CODEGEN_REVISION);
     s.push_str(crate::prelude::PRELUDE);
-    s.push_str(
-        &BODY
-            .replace("GELU_SCALE", &float_lit(scale))
-            .replace("SCATTER_SORT", &SCATTER_SORT.to_string())
-            .replace("SCATTER_VEC", &SCATTER_VEC.to_string()),
-    );
+    s.push_str(&BODY.replace("GELU_SCALE", &float_lit(scale)).replace("SCATTER_SORT", &SCATTER_SORT.to_string()).replace("SCATTER_VEC", &SCATTER_VEC.to_string()));
     s
 }
 

@@ -607,13 +607,7 @@ fn bf16_rounding_of_f32_values_is_nearest_even() {
         let overflow = (hi & 0x7f80_0000) == 0x7f80_0000;
         let (a, b) = (bf(lo), if overflow { 2f64.powi(128).copysign(x as f64) } else { bf(hi) });
         let (da, db) = ((x as f64 - a).abs(), (x as f64 - b).abs());
-        let want = if da < db || (da == db && (lo >> 16) & 1 == 0) {
-            a
-        } else if overflow {
-            b.signum() * f64::INFINITY
-        } else {
-            b
-        };
+        let want = if da < db || (da == db && (lo >> 16) & 1 == 0) { a } else if overflow { b.signum() * f64::INFINITY } else { b };
         assert!(got == want || (got == 0.0 && want == 0.0), "{u:#x}: {got} vs {want}");
     }
 }

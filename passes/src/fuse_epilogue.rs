@@ -44,12 +44,7 @@ pub fn fuse_epilogue(g: &Graph, log: &mut FusionLog) -> Result<Graph, String> {
                 && uses.users[sum.0 as usize].iter().all(|&u| g.nodes[u].op.is_elementwise() && g.nodes[u].op != Op::Gelu)
         });
         if left.is_some() {
-            log.refuse(
-                PASS,
-                &at,
-                "bf16-bias-left-to-consumer",
-                "only elementwise ops read the biased bf16 value: their kernel adds the bias",
-            );
+            log.refuse(PASS, &at, "bf16-bias-left-to-consumer", "only elementwise ops read the biased bf16 value: their kernel adds the bias");
         }
         if let Some((ai, bias)) = bias.filter(|_| left.is_none()) {
             gm.bias = true;

@@ -167,11 +167,7 @@ fn without_accumulators(g: &Graph) -> Result<Graph, String> {
                 c.set(n.results[0], d);
             }
             (Some(k), op) => {
-                return Err(format!(
-                    "the accumulator {} is read by `{}`, not only added to",
-                    quote(accumulators[&n.inputs[k]]),
-                    op.mnemonic()
-                ))
+                return Err(format!("the accumulator {} is read by `{}`, not only added to", quote(accumulators[&n.inputs[k]]), op.mnemonic()))
             }
         }
     }

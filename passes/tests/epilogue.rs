@@ -133,10 +133,7 @@ fn amp_follows_its_policy_table() {
     }
     // The step casts no weight: the products read the copies AdamW writes.
     assert_eq!(count(&mixed, |o| matches!(o, Op::AdamW { .. })), count(&g, |o| matches!(o, Op::AdamW { .. })));
-    assert!(mixed
-        .nodes
-        .iter()
-        .all(|n| n.op != Op::Cast { to: DType::BF16 } || !matches!(mixed.producer(n.inputs[0]).op, Op::Param { .. })));
+    assert!(mixed.nodes.iter().all(|n| n.op != Op::Cast { to: DType::BF16 } || !matches!(mixed.producer(n.inputs[0]).op, Op::Param { .. })));
     // One cast per value: no value is narrowed twice.
     let mut seen = std::collections::HashSet::new();
     for n in mixed.nodes.iter().filter(|n| n.op == Op::Cast { to: DType::BF16 }) {
