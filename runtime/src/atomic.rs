@@ -95,9 +95,11 @@ impl PendingFile {
     /// Flushes the temporary file to disk; the destination is untouched until
     /// [`Finished::commit`].
     pub fn finish(mut self) -> Result<Finished, FileError> {
-        let w = self.w.take().ok_or_else(|| FileError::new(&self.tmp, "finished twice"))?;
-        let f = w.into_inner().map_err(|e| write_error(&self.tmp, e.error()))?;
-        f.sync_all().map_err(|e| write_error(&self.tmp, &e))?;
+        let w = self.w.as_mut().ok_or_else(|| FileError::new(&self.tmp, "finished twice"))?;
+        // On an error here `self` is dropped with its writer: the temporary file is removed.
+        w.flush().map_err(|e| write_error(&self.tmp, &e))?;
+        w.get_ref().sync_all().map_err(|e| write_error(&self.tmp, &e))?;
+        self.w = None;
         let crc = self.crc();
         Ok(Finished { dest: std::mem::take(&mut self.dest), tmp: std::mem::take(&mut self.tmp), crc, len: self.len, armed: true })
     }
@@ -105,8 +107,9 @@ impl PendingFile {
 
 impl Drop for PendingFile {
     fn drop(&mut self) {
-        if self.w.is_some() {
-            drop(self.w.take());
+        if let Some(w) = self.w.take() {
+            // Unfinished: whatever the buffer still holds is not written, the file is removed.
+            let _ = w.into_parts();
             let _ = std::fs::remove_file(&self.tmp);
         }
     }

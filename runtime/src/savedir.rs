@@ -99,17 +99,21 @@ pub fn save(dir: &Path, ex: &dyn Executor, step_graph: &Graph, bind: &Bindings, 
 /// interrupted save [`resume`] may take the newer `state.bin.tmp`; its scalars are what
 /// [`resume`] returns.
 pub fn read_meta(dir: &Path) -> Result<Meta, String> {
-    Ok(StateReader::open(&state_path(dir)?)?.meta)
+    let p = state_path(dir)?;
+    let p = if p.exists() { p } else { temp_path(&p) };
+    Ok(StateReader::open(&p)?.meta)
 }
 
+/// `dir`'s `state.bin`, once `dir` is known to hold a checkpoint: `model.bin` and `state.bin`
+/// (or, after a first save interrupted between its renames, `state.bin.tmp`).
 fn state_path(dir: &Path) -> Result<std::path::PathBuf, String> {
     if !dir.is_dir() {
         let what = if dir.exists() { "is not a folder" } else { "does not exist" };
         return Err(format!("{}: {what}: --resume takes the checkpoint folder that --save DIR writes", dir.display()));
     }
     let p = dir.join(STATE_FILE);
-    if !p.exists() && !temp_path(&p).exists() {
-        return Err(format!("{}: no checkpoint to resume from (no {STATE_FILE}: --save DIR writes one)", dir.display()));
+    if !dir.join(MODEL_FILE).exists() || (!p.exists() && !temp_path(&p).exists()) {
+        return Err(format!("{}: no checkpoint to resume from (no {MODEL_FILE} and {STATE_FILE}: --save DIR writes them)", dir.display()));
     }
     Ok(p)
 }
@@ -121,9 +125,6 @@ fn state_path(dir: &Path) -> Result<std::path::PathBuf, String> {
 pub fn resume(dir: &Path, ex: &mut dyn Executor, step_graph: &Graph, bind: &Bindings, cfg: &Gpt2Config) -> Result<Meta, String> {
     let path = state_path(dir)?;
     let model_path = dir.join(MODEL_FILE);
-    if !model_path.exists() {
-        return Err(format!("{}: no {MODEL_FILE} beside {STATE_FILE}", dir.display()));
-    }
     let reader = StateReader::open(&path).ok();
     let crc = format!("{:08x}", load_params(ex, step_graph, cfg, ParamSource::File(&model_path))?.unwrap_or(0));
     let reader = match reader {

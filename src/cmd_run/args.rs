@@ -64,11 +64,11 @@ pub struct RunArgs {
     pub lr: f32,
     /// Linear warmup: step s (0-based) of the first N gets lr·(s+1)/N (0..=2^31; may exceed
     /// --steps).
-    #[arg(long, default_value_t = 0, value_parser = in_range(0, 1 << 31))]
+    #[arg(long, value_name = "N", default_value_t = 0, value_parser = in_range(0, 1 << 31), allow_negative_numbers = true)]
     pub warmup_steps: usize,
     /// After the warmup, cosine-decay the learning rate to this fraction of --lr at --steps
     /// (llm.c's and nanoGPT's schedule; 0..=1; 1: constant).
-    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
+    #[arg(long, value_name = "FRACTION", default_value_t = 1.0, allow_negative_numbers = true)]
     pub lr_decay_to: f32,
     /// AdamW weight decay (finite, at least 0).
     #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
@@ -131,15 +131,15 @@ pub struct RunArgs {
     /// `model.bin` (llm.c checkpoint) and `state.bin` (AdamW moments, step, schedule and data
     /// position) for --resume; or, to a path ending in `.bin`, the llm.c checkpoint alone.
     /// Written to a temporary file and renamed: never torn.
-    #[arg(long)]
+    #[arg(long, value_name = "DIR|FILE.bin")]
     pub save: Option<PathBuf>,
     /// Also save every N steps (1..=2^31; needs --save).
-    #[arg(long, value_parser = in_range(1, 1 << 31))]
+    #[arg(long, value_name = "N", value_parser = in_range(1, 1 << 31), allow_negative_numbers = true)]
     pub save_every: Option<usize>,
     /// Continue the run saved in this folder (by --save DIR) from its step up to --steps in
     /// all, with the losses of one uninterrupted run. The graph's model, --precision, --batch,
     /// --seq and --grad-accum must be the saved run's.
-    #[arg(long)]
+    #[arg(long, value_name = "DIR")]
     pub resume: Option<PathBuf>,
     /// Write one JSON object per step (step, loss, lr, ms, val_loss).
     #[arg(long)]
