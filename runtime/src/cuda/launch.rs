@@ -172,8 +172,7 @@ impl Builder<'_> {
     /// `slots`, `sorted`: 32-bit words, `3 rows + 2 n + 1` of them).
     fn scatter_add(&mut self, s: &launches::ScatterAdd, err: Addr) -> Result<Vec<Step>, String> {
         let too_big = || format!("scatter_add: {} rows and {} indices exceed the kernels' 32-bit indexing", s.rows, s.n);
-        let words =
-            s.rows.checked_mul(3).and_then(|w| w.checked_add(s.n.checked_mul(2)?)).and_then(|w| w.checked_add(1)).ok_or_else(too_big)?;
+        let words = s.rows.checked_mul(3).and_then(|w| w.checked_add(s.n.checked_mul(2)?)).and_then(|w| w.checked_add(1)).ok_or_else(too_big)?;
         let col_blocks = (s.cols as u64).div_ceil(32 * fusec_codegen_cuda::native::SCATTER_VEC as u64);
         if i32::try_from(words).is_err() || col_blocks > 65535 {
             return Err(too_big());
