@@ -314,7 +314,7 @@ fn a_full_disk_keeps_the_last_checkpoint() {
     let before = std::fs::read(dir.join("model.bin")).unwrap();
     // Files larger than 64 blocks cannot be written (write(2) fails with EFBIG, as it fails with
     // ENOSPC on a full disk); the signal that would kill the process instead is ignored.
-    let cmd = format!("ulimit -f 64; trap '' XFSZ; exec \"$0\" \"$@\"");
+    let cmd = "ulimit -f 64; trap '' XFSZ; exec \"$0\" \"$@\"";
     let o = Command::new("sh")
         .arg("-c")
         .arg(cmd)

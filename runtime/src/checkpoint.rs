@@ -113,6 +113,9 @@ fn pieces(cfg: &Gpt2Config) -> Vec<(String, Vec<usize>, &'static str)> {
 /// Receives one graph parameter at a time: its name, shape and values (checkpoint order).
 pub type ParamSink<'a> = dyn FnMut(&str, &[usize], &[f32]) -> Result<(), String> + 'a;
 
+/// Gives the values of one graph parameter, by name and shape (checkpoint order).
+pub type ParamFetch<'a> = dyn FnMut(&str, &[usize]) -> Result<Vec<f32>, String> + 'a;
+
 /// An llm.c checkpoint: the config and all parameters as one flat array in checkpoint order.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Checkpoint {
@@ -275,7 +278,7 @@ pub fn read_params(path: &Path, sink: &mut ParamSink) -> Result<(Gpt2Config, u32
 pub fn write_params(
     out: &mut PendingFile,
     cfg: &Gpt2Config,
-    fetch: &mut dyn FnMut(&str, &[usize]) -> Result<Vec<f32>, String>,
+    fetch: &mut ParamFetch,
 ) -> Result<(), String> {
     cfg.validate()?;
     out.write(&header(cfg).iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>())?;

@@ -83,6 +83,9 @@ impl Meta {
     }
 }
 
+/// Receives one state tensor at a time: name, dtype, shape, values widened to f32.
+pub type TensorSink<'a> = dyn FnMut(&str, DType, &[usize], &[f32]) -> Result<(), String> + 'a;
+
 /// The dtypes a state tensor may have, with their codes.
 fn dtype_code(d: DType) -> Result<u8, String> {
     match d {
@@ -200,7 +203,7 @@ impl StateReader {
 
     /// Reads every tensor, handing each to `sink` (name, dtype, shape, values widened to f32),
     /// then checks the checksum and the end of the file. A sink error stops the reading.
-    pub fn read_tensors(mut self, sink: &mut dyn FnMut(&str, DType, &[usize], &[f32]) -> Result<(), String>) -> Result<(), String> {
+    pub fn read_tensors(mut self, sink: &mut TensorSink) -> Result<(), String> {
         let mut buf: Vec<f32> = vec![];
         for _ in 0..self.count {
             let mut b2 = [0u8; 2];
@@ -269,7 +272,9 @@ impl StateReader {
 mod tests {
     use super::*;
 
-    fn sample(path: &Path) -> (Meta, Vec<(String, DType, Vec<usize>, Vec<f32>)>) {
+    type Tensors = Vec<(String, DType, Vec<usize>, Vec<f32>)>;
+
+    fn sample(path: &Path) -> (Meta, Tensors) {
         let mut meta = Meta::default();
         meta.set("step", 7);
         meta.set("first_loss", 5.531234567891234f64);
@@ -285,7 +290,7 @@ mod tests {
         (meta, tensors)
     }
 
-    fn read_all(path: &Path) -> Result<(Meta, Vec<(String, DType, Vec<usize>, Vec<f32>)>), String> {
+    fn read_all(path: &Path) -> Result<(Meta, Tensors), String> {
         let r = StateReader::open(path)?;
         let meta = r.meta.clone();
         let mut got = vec![];
