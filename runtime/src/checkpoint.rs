@@ -113,8 +113,9 @@ fn pieces(cfg: &Gpt2Config) -> Vec<(String, Vec<usize>, &'static str)> {
 /// Receives one graph parameter at a time: its name, shape and values (checkpoint order).
 pub type ParamSink<'a> = dyn FnMut(&str, &[usize], &[f32]) -> Result<(), String> + 'a;
 
-/// Gives the values of one graph parameter, by name and shape (checkpoint order).
-pub type ParamFetch<'a> = dyn FnMut(&str, &[usize]) -> Result<Vec<f32>, String> + 'a;
+/// Puts the values of one graph parameter, by name and shape, into the buffer it is given
+/// (checkpoint order; one buffer serves every parameter).
+pub type ParamFetch<'a> = dyn FnMut(&str, &[usize], &mut Vec<f32>) -> Result<(), String> + 'a;
 
 /// An llm.c checkpoint: the config and all parameters as one flat array in checkpoint order.
 #[derive(Debug, Clone, PartialEq)]
@@ -274,16 +275,13 @@ pub fn read_params(path: &Path, sink: &mut ParamSink) -> Result<(Gpt2Config, u32
 }
 
 /// Writes an llm.c checkpoint of `cfg` into `out`: the header, then each graph parameter in
-/// checkpoint order as `fetch(name, shape)` returns it (one tensor in memory at a time).
-pub fn write_params(
-    out: &mut PendingFile,
-    cfg: &Gpt2Config,
-    fetch: &mut ParamFetch,
-) -> Result<(), String> {
+/// checkpoint order as `fetch(name, shape, buffer)` puts it in one buffer.
+pub fn write_params(out: &mut PendingFile, cfg: &Gpt2Config, fetch: &mut ParamFetch) -> Result<(), String> {
     cfg.validate()?;
     out.write(&header(cfg).iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>())?;
+    let mut v = vec![];
     for (name, shape) in graph_param_names(cfg) {
-        let v = fetch(&name, &shape)?;
+        fetch(&name, &shape, &mut v)?;
         let n: usize = shape.iter().product();
         if v.len() != n {
             return Err(format!("cannot write checkpoint: `{name}` has {} values, its shape {shape:?} holds {n}", v.len()));
@@ -421,7 +419,11 @@ mod tests {
         let ck = random_init(&cfg, 3).unwrap();
         let p = std::env::temp_dir().join(format!("fusec-ckpt-stream-{}.bin", std::process::id()));
         let mut f = PendingFile::create(&p).unwrap();
-        write_params(&mut f, &cfg, &mut |name, _| Ok(ck.tensor(name).unwrap().to_vec())).unwrap();
+        write_params(&mut f, &cfg, &mut |name, _, v| {
+            *v = ck.tensor(name).unwrap().to_vec();
+            Ok(())
+        })
+        .unwrap();
         let crc = f.crc();
         f.finish().unwrap().commit().unwrap();
         assert_eq!(Checkpoint::read(&p).unwrap(), ck);

@@ -27,10 +27,14 @@ pub trait Executor {
         let data = data.iter().map(|&x| interp::round_to(dtype, x as f64)).collect();
         self.set(name, Tensor { dtype, shape: shape.to_vec(), data })
     }
-    /// Reads a float tensor back as f32 values (bf16 widens exactly). Executors that hold arena
-    /// or device memory override this to copy the values without an f64 host tensor.
-    fn get_f32(&self, name: &str) -> Result<Vec<f32>, String> {
-        self.get(name).map(|t| t.to_f32())
+    /// Reads a float tensor into `out` as f32 values (bf16 widens exactly), reusing its
+    /// allocation. Executors that hold arena or device memory override this to copy the values
+    /// without an f64 host tensor.
+    fn get_f32(&self, name: &str, out: &mut Vec<f32>) -> Result<(), String> {
+        let t = self.get(name)?;
+        out.clear();
+        out.extend(t.data.iter().map(|&x| x as f32));
+        Ok(())
     }
     /// Sets every gradient accumulator to zero.
     fn zero_grads(&mut self) -> Result<(), String>;

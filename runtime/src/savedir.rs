@@ -72,7 +72,7 @@ pub fn save(dir: &Path, ex: &dyn Executor, step_graph: &Graph, bind: &Bindings, 
     if kill_requested("model", &step) {
         model.exit_after((HEADER_BYTES + 4 * cfg.num_params()) as u64 / 2);
     }
-    write_params(&mut model, cfg, &mut |name, _| ex.get_f32(name)).map_err(fail)?;
+    write_params(&mut model, cfg, &mut |name, _, v| ex.get_f32(name, v)).map_err(fail)?;
     let model = model.finish().map_err(|e| fail(e.into()))?;
     let mut meta = meta.clone();
     meta.set("model_crc", format!("{:08x}", model.crc()));
@@ -82,7 +82,7 @@ pub fn save(dir: &Path, ex: &dyn Executor, step_graph: &Graph, bind: &Bindings, 
     if kill_requested("state", &step) {
         state.exit_after(specs.iter().map(|(_, _, s)| 4 * s.iter().product::<usize>() as u64).sum::<u64>() / 2);
     }
-    write_state(&mut state, &meta, &specs, &mut |name| ex.get_f32(name)).map_err(fail)?;
+    write_state(&mut state, &meta, &specs, &mut |name, v| ex.get_f32(name, v)).map_err(fail)?;
     let state = state.finish().map_err(|e| fail(e.into()))?;
     model.commit().map_err(|e| fail(e.into()))?;
     if kill_requested("commit", &step) {

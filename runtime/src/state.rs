@@ -96,12 +96,12 @@ fn dtype_code(d: DType) -> Result<u8, String> {
 }
 
 /// Writes a state file into `out`: `meta`, then each of `tensors` (name, dtype, shape) with the
-/// values `fetch(name)` returns (one tensor in memory at a time), then the checksum.
+/// values `fetch(name, buffer)` puts in one buffer, then the checksum.
 pub fn write_state(
     out: &mut PendingFile,
     meta: &Meta,
     tensors: &[(String, DType, Vec<usize>)],
-    fetch: &mut dyn FnMut(&str) -> Result<Vec<f32>, String>,
+    fetch: &mut dyn FnMut(&str, &mut Vec<f32>) -> Result<(), String>,
 ) -> Result<(), String> {
     let text = meta.to_text();
     let mut head = STATE_MAGIC.to_vec();
@@ -111,6 +111,7 @@ pub fn write_state(
     head.extend((tensors.len() as u32).to_le_bytes());
     let w = |out: &mut PendingFile, b: &[u8]| out.write(b).map_err(String::from);
     w(out, &head)?;
+    let mut v = vec![];
     for (name, dtype, shape) in tensors {
         let mut rec = (name.len() as u16).to_le_bytes().to_vec();
         rec.extend(name.as_bytes());
@@ -118,7 +119,7 @@ pub fn write_state(
         rec.push(shape.len() as u8);
         shape.iter().for_each(|&d| rec.extend((d as u64).to_le_bytes()));
         w(out, &rec)?;
-        let v = fetch(name)?;
+        fetch(name, &mut v)?;
         if v.len() != shape.iter().product::<usize>() {
             return Err(format!("state tensor `{name}` has {} values for shape {shape:?}", v.len()));
         }
@@ -285,7 +286,11 @@ mod tests {
         ];
         let specs: Vec<_> = tensors.iter().map(|(n, d, s, _)| (n.clone(), *d, s.clone())).collect();
         let mut f = PendingFile::create(path).unwrap();
-        write_state(&mut f, &meta, &specs, &mut |name| Ok(tensors.iter().find(|t| t.0 == name).unwrap().3.clone())).unwrap();
+        write_state(&mut f, &meta, &specs, &mut |name, v| {
+            *v = tensors.iter().find(|t| t.0 == name).unwrap().3.clone();
+            Ok(())
+        })
+        .unwrap();
         f.finish().unwrap().commit().unwrap();
         (meta, tensors)
     }

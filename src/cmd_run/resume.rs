@@ -149,7 +149,7 @@ pub fn start(m: &Meta, a: &RunArgs, train_tokens: usize) -> Result<(usize, f64),
 /// state), or the model alone to a `.bin` path. Never torn: see [`savedir`].
 pub fn save(path: &Path, ex: &dyn Executor, run: &RunPrograms, model: &Gpt2Config, meta: &Meta) -> Result<(), String> {
     if saves_model_only(path) {
-        return write_atomic(path, |f| write_params(f, model, &mut |name, _| ex.get_f32(name)))
+        return write_atomic(path, |f| write_params(f, model, &mut |name, _, v| ex.get_f32(name, v)))
             .map_err(|e| format!("saving {} failed: {e}; the previous file there is kept", path.display()));
     }
     savedir::save(path, ex, run.step()?, &run.bind, model, meta)

@@ -232,13 +232,15 @@ impl Executor for CpuExecutor {
         Ok(())
     }
 
-    fn get_f32(&self, name: &str) -> Result<Vec<f32>, String> {
+    fn get_f32(&self, name: &str, out: &mut Vec<f32>) -> Result<(), String> {
         let (off, dt, n) = self.place(name)?;
         if dt != DType::F32 {
             return Err(format!("`{name}` is {dt}, not a float tensor"));
         }
+        out.clear();
         // SAFETY: as in `set_f32`.
-        Ok(unsafe { self.slice::<f32>(off, n) }.to_vec())
+        out.extend_from_slice(unsafe { self.slice::<f32>(off, n) });
+        Ok(())
     }
 
     fn profile(&self) -> Option<Profile> {

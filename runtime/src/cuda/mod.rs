@@ -479,18 +479,16 @@ impl Executor for CudaExecutor {
         }
     }
 
-    fn get_f32(&self, name: &str) -> Result<Vec<f32>, String> {
+    fn get_f32(&self, name: &str, out: &mut Vec<f32>) -> Result<(), String> {
         let (off, dt, n) = self.place(name)?;
+        out.resize(n, 0.0);
         match dt {
-            DType::F32 => {
-                let mut v = vec![0f32; n];
-                self.dev.download(&mut v, self.dev.base + off)?;
-                Ok(v)
-            }
+            DType::F32 => self.dev.download(out, self.dev.base + off),
             DType::BF16 => {
                 let mut v = vec![0u16; n];
                 self.dev.download(&mut v, self.dev.base + off)?;
-                Ok(v.into_iter().map(|x| f32::from_bits((x as u32) << 16)).collect())
+                out.iter_mut().zip(v).for_each(|(o, x)| *o = f32::from_bits((x as u32) << 16));
+                Ok(())
             }
             d => Err(format!("`{name}` is {d}, not a float tensor")),
         }
