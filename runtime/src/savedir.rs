@@ -127,13 +127,13 @@ pub fn resume(dir: &Path, ex: &mut dyn Executor, step_graph: &Graph, bind: &Bind
     let model_path = dir.join(MODEL_FILE);
     let reader = StateReader::open(&path).ok();
     let crc = format!("{:08x}", load_params(ex, step_graph, cfg, ParamSource::File(&model_path))?.unwrap_or(0));
-    let reader = match reader {
-        Some(r) if r.meta.get("model_crc") == Some(&crc) => r,
+    let (reader, path) = match reader {
+        Some(r) if r.meta.get("model_crc") == Some(&crc) => (r, path),
         other => {
             // An interrupted save: the new model.bin and the complete new state.bin.tmp.
             let tmp = temp_path(&path);
             match StateReader::verify(&tmp) {
-                Ok(m) if m.get("model_crc") == Some(&crc) => StateReader::open(&tmp)?,
+                Ok(m) if m.get("model_crc") == Some(&crc) => (StateReader::open(&tmp)?, tmp),
                 _ => {
                     return Err(match other {
                         Some(r) => format!(
