@@ -43,7 +43,8 @@ pub struct RunArgs {
     /// Validation tokens (llm.c token file).
     #[arg(long)]
     pub val: Option<PathBuf>,
-    /// Compute the validation loss every N steps (needs --val, or the embedded corpus).
+    /// Compute the validation loss before every N-th step and after the last one (1..=2^32-1;
+    /// needs --val, or the embedded corpus).
     #[arg(long, default_value_t = 10, value_parser = in_range(1, u32::MAX as u64))]
     pub val_every: usize,
     /// Validation batches per evaluation, at most the batches the validation data holds
@@ -56,7 +57,8 @@ pub struct RunArgs {
     /// Sequence length T (at most the model's maximum sequence length).
     #[arg(long, default_value_t = 64, value_parser = in_range(1, 1 << 20))]
     pub seq: usize,
-    /// Training steps; 0 evaluates the loss of the first batch.
+    /// Training steps of the whole run (with --resume, counting the steps before it; the
+    /// learning-rate decay spans them); 0 evaluates the loss of the first batch.
     #[arg(long, default_value_t = 50)]
     pub steps: usize,
     /// Learning rate (finite, at least 0): the peak of the schedule.

@@ -92,8 +92,9 @@ impl Summary<'_> {
             (
                 "first step".into(),
                 format!(
-                    "compile + first step {:.2} s; done {:.2} s after start",
+                    "compile + first step {:.2} s; started {:.2} s and done {:.2} s after start",
                     (compile_ms + logs[0].ms) / 1e3,
+                    self.first_done.as_secs_f64() - logs[0].ms / 1e3,
                     self.first_done.as_secs_f64()
                 ),
             ),
