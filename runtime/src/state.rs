@@ -83,6 +83,9 @@ impl Meta {
     }
 }
 
+/// Puts the values of one state tensor, by name, into the buffer it is given.
+pub type TensorFetch<'a> = dyn FnMut(&str, &mut Vec<f32>) -> Result<(), String> + 'a;
+
 /// Receives one state tensor at a time: name, dtype, shape, values widened to f32.
 pub type TensorSink<'a> = dyn FnMut(&str, DType, &[usize], &[f32]) -> Result<(), String> + 'a;
 
@@ -101,7 +104,7 @@ pub fn write_state(
     out: &mut PendingFile,
     meta: &Meta,
     tensors: &[(String, DType, Vec<usize>)],
-    fetch: &mut dyn FnMut(&str, &mut Vec<f32>) -> Result<(), String>,
+    fetch: &mut TensorFetch,
 ) -> Result<(), String> {
     let text = meta.to_text();
     let mut head = STATE_MAGIC.to_vec();
