@@ -133,7 +133,7 @@ pub fn check(a: &RunArgs, dir: &Path, model: &Gpt2Config, m: &Meta) -> Result<()
 pub fn start(m: &Meta, a: &RunArgs, train_tokens: usize) -> Result<(usize, f64), String> {
     let step: usize = m.parse("step")?;
     let batch: usize = m.parse("train_batch")?;
-    if batch != step * a.grad_accum {
+    if step.checked_mul(a.grad_accum) != Some(batch) {
         return Err(format!("the state's data position (batch {batch}) is not that of step {step}: a corrupt state"));
     }
     if m.get("train_tokens") != Some(&train_tokens.to_string()) {
