@@ -7,19 +7,25 @@ use fusec_runtime::profile::Profile;
 use fusec_runtime::train::StepLog;
 
 /// A one-line progress bar on a terminal; a line every few steps otherwise (logs stay short).
+/// Both show the time left (from the steps this process ran so far) and, when the learning
+/// rate follows a schedule, the step's learning rate.
 pub struct Progress {
     total: usize,
+    first: usize,
     tokens_per_step: f64,
     tty: bool,
     every: usize,
+    show_lr: bool,
     start: Instant,
 }
 
 impl Progress {
-    /// A bar for `total` steps of `tokens_per_step` tokens.
-    pub fn new(total: usize, tokens_per_step: usize) -> Progress {
+    /// A bar for the steps `first..total` (a resumed run starts past 0) of `tokens_per_step`
+    /// tokens; `show_lr` adds the learning rate.
+    pub fn new(first: usize, total: usize, tokens_per_step: usize, show_lr: bool) -> Progress {
         let tty = std::io::stderr().is_terminal();
-        Progress { total, tokens_per_step: tokens_per_step as f64, tty, every: (total / 20).max(1), start: Instant::now() }
+        let every = (total.saturating_sub(first) / 20).max(1);
+        Progress { total, first, tokens_per_step: tokens_per_step as f64, tty, every, show_lr, start: Instant::now() }
     }
 
     /// Shows one finished step.
@@ -27,22 +33,30 @@ impl Progress {
         let done = r.step + 1;
         let tok_s = self.tokens_per_step / r.ms * 1e3;
         let val = r.val_loss.map(|v| format!(" val {v:.4}")).unwrap_or_default();
+        let lr = if self.show_lr { format!(" lr {:.3e}", r.lr) } else { String::new() };
+        let eta = eta(self.start.elapsed().as_secs_f64(), done - self.first, self.total - done);
         if self.tty {
             let width = 24;
             let filled = width * done / self.total.max(1);
             let bar: String = "#".repeat(filled) + &".".repeat(width - filled);
-            err!("\r[{bar}] step {done}/{} loss {:.4}{val} | {:.1} ms | {:.0} tok/s   ", self.total, r.loss, r.ms, tok_s);
+            err!("\r[{bar}] step {done}/{} loss {:.4}{val}{lr} | {:.1} ms | {:.0} tok/s | ETA {eta}   ", self.total, r.loss, r.ms, tok_s);
             if done == self.total {
                 errln!();
             }
-        } else if r.step.is_multiple_of(self.every) || done == self.total || r.val_loss.is_some() {
-            errln!("step {done:>5}/{}: loss {:.6}{val}  {:.1} ms  {tok_s:.0} tok/s", self.total, r.loss, r.ms);
+        } else if (r.step - self.first).is_multiple_of(self.every) || done == self.total || r.val_loss.is_some() {
+            errln!("step {done:>5}/{}: loss {:.6}{val}{lr}  {:.1} ms  {tok_s:.0} tok/s  ETA {eta}", self.total, r.loss, r.ms);
         }
     }
+}
 
-    /// Seconds since the bar started.
-    pub fn elapsed(&self) -> f64 {
-        self.start.elapsed().as_secs_f64()
+/// The time left for `left` steps at the mean pace of the `done` steps that took `secs`, as
+/// `1h02m`, `3m05s` or `12s`.
+fn eta(secs: f64, done: usize, left: usize) -> String {
+    let s = (secs / done.max(1) as f64 * left as f64).round() as u64;
+    match s {
+        0..60 => format!("{s}s"),
+        60..3600 => format!("{}m{:02}s", s / 60, s % 60),
+        _ => format!("{}h{:02}m", s / 3600, s / 60 % 60),
     }
 }
 
@@ -121,5 +135,16 @@ fn truncate(s: &str, n: usize) -> String {
         s.to_string()
     } else {
         s.chars().take(n - 1).collect::<String>() + "…"
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn eta_is_the_mean_pace_times_the_steps_left() {
+        assert_eq!(super::eta(10.0, 10, 5), "5s");
+        assert_eq!(super::eta(1.0, 1, 185), "3m05s");
+        assert_eq!(super::eta(2.0, 1, 1861), "1h02m");
+        assert_eq!(super::eta(3.0, 2, 0), "0s");
     }
 }

@@ -52,6 +52,24 @@ fn hyper_parameters_out_of_range_name_the_flag() {
 }
 
 #[test]
+fn schedule_and_checkpoint_flags_out_of_range_name_the_flag() {
+    refused(&["--lr-decay-to", "1.5"], &["--lr-decay-to 1.5", "at least 0 and at most 1"]);
+    refused(&["--lr-decay-to", "-0.1"], &["--lr-decay-to", "at least 0"]);
+    refused(&["--lr-decay-to", "nan"], &["--lr-decay-to", "finite"]);
+    refused(&["--warmup-steps", "-1"], &["--warmup-steps"]);
+    refused(&["--warmup-steps", "4294967296"], &["--warmup-steps", "0..="]);
+    refused(&["--save-every", "0"], &["--save-every", "1..="]);
+    refused(&["--save-every", "2"], &["--save-every needs --save"]);
+    let file = tmp("not-a-folder");
+    std::fs::write(&file, b"x").unwrap();
+    refused(&["--save", file.to_str().unwrap()], &["--save", "is a file, not a folder", ".bin"]);
+    refused(&["--save", "/nonexistent/ckpt"], &["--save", "does not exist"]);
+    refused(&["--resume", "/nonexistent/ckpt"], &["/nonexistent/ckpt: does not exist", "--resume takes the checkpoint folder"]);
+    refused(&["--resume", std::env::temp_dir().to_str().unwrap()], &["no checkpoint to resume from"]);
+    refused(&["--resume", "/tmp", "--init", TINY], &["--resume restores the parameters", "leave out --init"]);
+}
+
+#[test]
 fn sizes_that_would_run_forever_or_overflow_are_refused() {
     refused(&["--grad-accum", "4611686018427387904"], &["--grad-accum", "1..=4096"]);
     refused(&["--val-batches", "1000000000"], &["--val-batches"]);
@@ -194,6 +212,8 @@ fn fuzzed_run_flags_never_panic() {
         "--temperature",
         "--seed",
         "--divergence-factor",
+        "--warmup-steps",
+        "--lr-decay-to",
     ];
     let values = ["0", "1", "-1", "nan", "inf", "-inf", "1e38", "4611686018427387904", "18446744073709551616", "0.5", "abc", "", "3"];
     let mut state = 0x2545f4914f6cdd1du64;

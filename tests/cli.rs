@@ -192,3 +192,30 @@ fn bf16_runs_on_the_interpreter_and_is_refused_on_the_cpu_target() {
     assert_eq!(o.status.code(), Some(2));
     assert!(text(&o.stderr).contains("--precision bf16 needs --target cuda or --target ref"), "{}", text(&o.stderr));
 }
+
+#[test]
+fn host_memory_beyond_the_cpu_arena_stays_under_half_the_parameters() {
+    // 21M parameters (80 MiB): initialized and loaded one tensor at a time as f32, never as a
+    // whole-model host copy (the f64 tensors of before held 3x the parameters beyond the arena).
+    let graph = tmp("mid.graph");
+    let ckpt = tmp("mid.bin");
+    let args = ["export", "gpt2", "--layers", "4", "--heads", "8", "--channels", "512", "--vocab", "16384", "--max-seq", "64", "-o"];
+    assert!(fusec(&[&args[..], &[graph.to_str().unwrap()]].concat()).status.success());
+    let mib = |out: &str, before: &str| -> f64 {
+        let at = out.find(before).unwrap_or_else(|| panic!("no `{before}` in {out}")) + before.len();
+        out[at..].split_whitespace().next().unwrap().parse().unwrap()
+    };
+    for init in ["random", ckpt.to_str().unwrap()] {
+        let g = graph.to_str().unwrap();
+        let mut run = vec!["run", g, "--init", init, "--batch", "1", "--seq", "16", "--steps", "1", "--val-batches", "1"];
+        if init == "random" {
+            run.extend(["--save", ckpt.to_str().unwrap()]);
+        }
+        let o = fusec(&run);
+        let out = text(&o.stdout);
+        assert!(o.status.success(), "{}", text(&o.stderr));
+        let (arena, peak, params) = (mib(&out, "one allocation of"), mib(&out, "host memory  peak"), mib(&out, "x the"));
+        assert!((params - 80.2).abs() < 0.1, "{out}");
+        assert!(peak <= arena + 0.5 * params + 64.0, "--init {init}: peak {peak} MiB, arena {arena} MiB, parameters {params} MiB:\n{out}");
+    }
+}

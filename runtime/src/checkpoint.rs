@@ -13,6 +13,7 @@ use fusec_ir::rng::Rng;
 pub use fusec_models::Gpt2Config;
 use rayon::prelude::*;
 
+use crate::atomic::PendingFile;
 pub use crate::file_error::CHECKPOINT_MAGIC;
 use crate::file_error::{self, FileError, HEADER_BYTES, TOKENS_MAGIC};
 
@@ -91,18 +92,30 @@ pub fn param_layout(cfg: &Gpt2Config) -> Vec<(&'static str, Vec<usize>)> {
 /// Every graph parameter name and shape in checkpoint order: `wte`, `wpe`, then each
 /// per-layer tensor split by layer (`ln1w.0` … `ln1w.{L-1}`, `ln1b.0` …), then `lnfw`, `lnfb`.
 pub fn graph_param_names(cfg: &Gpt2Config) -> Vec<(String, Vec<usize>)> {
+    pieces(cfg).into_iter().map(|(name, shape, _)| (name, shape)).collect()
+}
+
+/// [`graph_param_names`] with the llm.c tensor each graph parameter is (a slice of).
+fn pieces(cfg: &Gpt2Config) -> Vec<(String, Vec<usize>, &'static str)> {
     let mut out = Vec::new();
     for (name, shape) in param_layout(cfg) {
         if is_per_layer(name) {
             for layer in 0..cfg.layers {
-                out.push((format!("{name}.{layer}"), shape[1..].to_vec()));
+                out.push((format!("{name}.{layer}"), shape[1..].to_vec(), name));
             }
         } else {
-            out.push((name.to_string(), shape));
+            out.push((name.to_string(), shape, name));
         }
     }
     out
 }
+
+/// Receives one graph parameter at a time: its name, shape and values (checkpoint order).
+pub type ParamSink<'a> = dyn FnMut(&str, &[usize], &[f32]) -> Result<(), String> + 'a;
+
+/// Puts the values of one graph parameter, by name and shape, into the buffer it is given
+/// (checkpoint order; one buffer serves every parameter).
+pub type ParamFetch<'a> = dyn FnMut(&str, &[usize], &mut Vec<f32>) -> Result<(), String> + 'a;
 
 /// An llm.c checkpoint: the config and all parameters as one flat array in checkpoint order.
 #[derive(Debug, Clone, PartialEq)]
@@ -114,8 +127,9 @@ pub struct Checkpoint {
 }
 
 /// Opens a checkpoint, checks magic, version, config and the exact file size.
-/// Returns the open file (positioned after the header), the config and the parameter count.
-fn open_checkpoint(path: &Path) -> Result<(std::fs::File, Gpt2Config, usize), FileError> {
+/// Returns the open file (positioned after the header), the header, the config and the
+/// parameter count.
+fn open_checkpoint(path: &Path) -> Result<(std::fs::File, [i32; 256], Gpt2Config, usize), FileError> {
     let (mut file, len) = file_error::open_with_len(path)?;
     let h = file_error::read_header(path, &mut file, len, "checkpoint")?;
     if h[0] != CHECKPOINT_MAGIC {
@@ -148,25 +162,24 @@ fn open_checkpoint(path: &Path) -> Result<(std::fs::File, Gpt2Config, usize), Fi
         let what = format!("bytes of parameters after the header for config {config}");
         return Err(FileError::new(path, file_error::size_mismatch(expected, found, &what)));
     }
-    Ok((file, config, n))
+    Ok((file, h, config, n))
 }
 
 impl Checkpoint {
     /// Reads a version-3 (fp32) llm.c checkpoint, checking the header and that the file
     /// holds exactly the parameters its config needs.
     pub fn read(path: &Path) -> Result<Checkpoint, FileError> {
-        let (mut file, config, n) = open_checkpoint(path)?;
-        let mut params = Vec::with_capacity(n);
-        file_error::read_body(path, &mut file, 4 * n, |bytes| {
-            params.extend(bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])));
-        })?;
+        let (mut file, _, config, n) = open_checkpoint(path)?;
+        let mut params = vec![0f32; n];
+        file_error::read_f32s(&mut file, &mut params, &mut Default::default())
+            .map_err(|e| FileError::io(path, "cannot read the data after the header", &e))?;
         Ok(Checkpoint { config, params })
     }
 
     /// Reads and validates only the config of a checkpoint (for `--like CKPT`); the file
     /// size is still checked, the parameters are not read.
     pub fn read_header(path: &Path) -> Result<Gpt2Config, FileError> {
-        open_checkpoint(path).map(|(_, config, _)| config)
+        open_checkpoint(path).map(|(_, _, config, _)| config)
     }
 
     /// Writes the checkpoint in llm.c's version-3 format. Fails (without creating the file)
@@ -244,41 +257,184 @@ impl Checkpoint {
     }
 }
 
-/// GPT-2-style random initialisation, deterministic per seed: `wte`, `wpe`, `qkvw`, `fcw`
+/// Reads a checkpoint in one sequential pass, one graph parameter at a time (one buffer, as large
+/// as the largest parameter), handing each to `sink` in checkpoint order. Returns the config and
+/// the CRC-32 of the whole file.
+pub fn read_params(path: &Path, sink: &mut ParamSink) -> Result<(Gpt2Config, u32), String> {
+    let (mut file, h, config, _) = open_checkpoint(path)?;
+    let mut crc = crc32fast::Hasher::new();
+    crc.update(&h.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>());
+    let parts = pieces(&config);
+    let mut buf = vec![0f32; parts.iter().map(|(_, s, _)| s.iter().product::<usize>()).max().unwrap_or(0)];
+    for (name, shape, _) in &parts {
+        let data = &mut buf[..shape.iter().product::<usize>()];
+        file_error::read_f32s(&mut file, data, &mut crc).map_err(|e| FileError::io(path, &format!("cannot read tensor `{name}`"), &e))?;
+        sink(name, shape, data)?;
+    }
+    Ok((config, crc.finalize()))
+}
+
+/// Writes an llm.c checkpoint of `cfg` into `out`: the header, then each graph parameter in
+/// checkpoint order as `fetch(name, shape, buffer)` puts it in one buffer.
+pub fn write_params(out: &mut PendingFile, cfg: &Gpt2Config, fetch: &mut ParamFetch) -> Result<(), String> {
+    cfg.validate()?;
+    out.write(&header(cfg).iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>())?;
+    let mut v = vec![];
+    for (name, shape) in graph_param_names(cfg) {
+        fetch(&name, &shape, &mut v)?;
+        let n: usize = shape.iter().product();
+        if v.len() != n {
+            return Err(format!("cannot write checkpoint: `{name}` has {} values, its shape {shape:?} holds {n}", v.len()));
+        }
+        out.write(&file_error::f32_le_bytes(&v))?;
+    }
+    Ok(())
+}
+
+/// What `--init random` puts in an llm.c tensor.
+enum Init {
+    /// Normal samples with this standard deviation.
+    Normal(f64),
+    /// All ones (LayerNorm scales).
+    Ones,
+    /// All zeros (biases).
+    Zeros,
+}
+
+/// GPT-2-style random initialisation, deterministic per seed, one graph parameter at a time
+/// (checkpoint order, one buffer as large as the largest parameter): `wte`, `wpe`, `qkvw`, `fcw`
 /// normal with std 0.02; `attprojw`, `fcprojw` std 0.02/√(2L); biases 0; LayerNorm scales 1;
-/// `wte` padding rows (V..Vp) exactly 0. An invalid config is an error (nothing is allocated).
-pub fn random_init(cfg: &Gpt2Config, seed: u64) -> Result<Checkpoint, String> {
+/// `wte` padding rows (V..Vp) exactly 0. The normals are one SplitMix64 stream (Box-Muller, two
+/// outputs per normal) in checkpoint order, drawn in parallel slices with exactly the values of
+/// drawing them in order. An invalid config is an error (nothing is allocated).
+pub fn random_params(cfg: &Gpt2Config, seed: u64, sink: &mut ParamSink) -> Result<(), String> {
     cfg.validate()?;
     let stream = Rng::new(seed);
-    // Normals drawn so far; each takes two outputs of the one stream, so slices of it are
-    // drawn in parallel with exactly the values of drawing them in order.
-    let mut drawn = 0u64;
-    let mut normals = |params: &mut Vec<f32>, n: usize, std: f64| {
-        const CHUNK: usize = 1 << 16;
-        let (start, first) = (params.len(), drawn);
-        params.resize(start + n, 0.0);
-        drawn += n as u64;
-        params[start..].par_chunks_mut(CHUNK).enumerate().for_each(|(c, out)| {
-            let mut rng = stream.clone();
-            rng.skip(2 * (first + (c * CHUNK) as u64));
-            out.iter_mut().for_each(|x| *x = (std * rng.normal()) as f32);
-        });
-    };
     let proj_std = 0.02 / (2.0 * cfg.layers as f64).sqrt();
-    let mut params = Vec::with_capacity(cfg.num_params());
-    for (name, shape) in param_layout(cfg) {
-        let n: usize = shape.iter().product();
-        match name {
-            "wte" => {
-                let real = cfg.vocab * cfg.channels;
-                normals(&mut params, real, 0.02);
-                params.extend(std::iter::repeat_n(0.0f32, n - real));
+    let parts = pieces(cfg);
+    let mut buf = vec![0f32; parts.iter().map(|(_, s, _)| s.iter().product::<usize>()).max().unwrap_or(0)];
+    // Normals drawn so far: where the next tensor's slice of the stream starts.
+    let mut drawn = 0u64;
+    for (name, shape, llmc) in &parts {
+        let data = &mut buf[..shape.iter().product::<usize>()];
+        let init = match *llmc {
+            "wte" | "wpe" | "qkvw" | "fcw" => Init::Normal(0.02),
+            "attprojw" | "fcprojw" => Init::Normal(proj_std),
+            "ln1w" | "ln2w" | "lnfw" => Init::Ones,
+            _ => Init::Zeros,
+        };
+        match init {
+            Init::Normal(std) => {
+                // Only the real vocabulary rows of `wte` are drawn; the padding stays 0.
+                let real = if *llmc == "wte" { cfg.vocab * cfg.channels } else { data.len() };
+                data[real..].fill(0.0);
+                normals(&stream, drawn, &mut data[..real], std);
+                drawn += real as u64;
             }
-            "wpe" | "qkvw" | "fcw" => normals(&mut params, n, 0.02),
-            "attprojw" | "fcprojw" => normals(&mut params, n, proj_std),
-            "ln1w" | "ln2w" | "lnfw" => params.extend(std::iter::repeat_n(1.0f32, n)),
-            _ => params.extend(std::iter::repeat_n(0.0f32, n)),
+            Init::Ones => data.fill(1.0),
+            Init::Zeros => data.fill(0.0),
         }
+        sink(name, shape, data)?;
     }
+    Ok(())
+}
+
+/// Fills `out` with `std` times the normals number `first`, `first + 1`, … of `stream`, in
+/// parallel slices (SplitMix64 is a counter: each slice skips to its start).
+fn normals(stream: &Rng, first: u64, out: &mut [f32], std: f64) {
+    const CHUNK: usize = 1 << 16;
+    out.par_chunks_mut(CHUNK).enumerate().for_each(|(c, out)| {
+        let mut rng = stream.clone();
+        rng.skip(2 * (first + (c * CHUNK) as u64));
+        out.iter_mut().for_each(|x| *x = (std * rng.normal()) as f32);
+    });
+}
+
+/// [`random_params`] as one checkpoint (all parameters in memory).
+pub fn random_init(cfg: &Gpt2Config, seed: u64) -> Result<Checkpoint, String> {
+    cfg.validate()?;
+    let mut params = Vec::with_capacity(cfg.num_params());
+    random_params(cfg, seed, &mut |_, _, d| {
+        params.extend_from_slice(d);
+        Ok(())
+    })?;
     Ok(Checkpoint { config: *cfg, params })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The initialization drawn one value after another from one generator, as the original
+    /// sequential code did.
+    fn sequential_init(cfg: &Gpt2Config, seed: u64) -> Vec<f32> {
+        let mut rng = Rng::new(seed);
+        let proj_std = 0.02 / (2.0 * cfg.layers as f64).sqrt();
+        let mut out = vec![];
+        for (name, shape) in param_layout(cfg) {
+            let n: usize = shape.iter().product();
+            match name {
+                "wte" => {
+                    let real = cfg.vocab * cfg.channels;
+                    out.extend((0..real).map(|_| (0.02 * rng.normal()) as f32));
+                    out.extend(std::iter::repeat_n(0.0, n - real));
+                }
+                "wpe" | "qkvw" | "fcw" => out.extend((0..n).map(|_| (0.02 * rng.normal()) as f32)),
+                "attprojw" | "fcprojw" => out.extend((0..n).map(|_| (proj_std * rng.normal()) as f32)),
+                "ln1w" | "ln2w" | "lnfw" => out.extend(std::iter::repeat_n(1.0, n)),
+                _ => out.extend(std::iter::repeat_n(0.0, n)),
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn parallel_init_draws_exactly_the_sequential_stream() {
+        // wte (2000·40 = 80,000 normals) and qkvw (3·120·40 = 14,400 a layer) cross the parallel
+        // slice size (65,536) and start mid-slice of the stream; padding rows 2000..2048.
+        let cfg = Gpt2Config { max_seq: 64, vocab: 2000, padded_vocab: 2048, layers: 3, heads: 2, channels: 40 };
+        let want = sequential_init(&cfg, 7);
+        let got = random_init(&cfg, 7).unwrap();
+        assert_eq!(got.params.len(), want.len());
+        let diff = got.params.iter().zip(&want).position(|(a, b)| a.to_bits() != b.to_bits());
+        assert_eq!(diff, None, "first differing value");
+        // The per-parameter stream hands out the same values, in checkpoint order, with the
+        // graph's names and shapes.
+        let mut seen = vec![];
+        let mut values = vec![];
+        random_params(&cfg, 7, &mut |n, s, d| {
+            seen.push((n.to_string(), s.to_vec()));
+            values.extend_from_slice(d);
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(seen, graph_param_names(&cfg));
+        assert!(values.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()));
+        assert_ne!(random_init(&cfg, 8).unwrap().params, got.params);
+    }
+
+    #[test]
+    fn streamed_read_and_write_round_trip_with_the_file_crc() {
+        let cfg = Gpt2Config { max_seq: 16, vocab: 50, padded_vocab: 64, layers: 2, heads: 2, channels: 8 };
+        let ck = random_init(&cfg, 3).unwrap();
+        let p = std::env::temp_dir().join(format!("fusec-ckpt-stream-{}.bin", std::process::id()));
+        let mut f = PendingFile::create(&p).unwrap();
+        write_params(&mut f, &cfg, &mut |name, _, v| {
+            *v = ck.tensor(name).unwrap().to_vec();
+            Ok(())
+        })
+        .unwrap();
+        let crc = f.crc();
+        f.finish().unwrap().commit().unwrap();
+        assert_eq!(Checkpoint::read(&p).unwrap(), ck);
+        let mut back = vec![];
+        let (got_cfg, got_crc) = read_params(&p, &mut |_, _, d| {
+            back.extend_from_slice(d);
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!((got_cfg, got_crc, back), (cfg, crc, ck.params.clone()));
+        assert_eq!(crc, crc32fast::hash(&std::fs::read(&p).unwrap()));
+        let _ = std::fs::remove_file(&p);
+    }
 }

@@ -20,6 +20,22 @@ pub trait Executor {
     fn set_zeros(&mut self, name: &str, dtype: DType, shape: Vec<usize>) -> Result<(), String> {
         self.set(name, Tensor::zeros(dtype, shape))
     }
+    /// Sets a float tensor (`dtype` F32 or BF16) from f32 values, rounded to `dtype` (bf16: to
+    /// nearest even). Executors that hold arena or device memory override this to write the
+    /// values in place, without an f64 host tensor.
+    fn set_f32(&mut self, name: &str, dtype: DType, shape: &[usize], data: &[f32]) -> Result<(), String> {
+        let data = data.iter().map(|&x| interp::round_to(dtype, x as f64)).collect();
+        self.set(name, Tensor { dtype, shape: shape.to_vec(), data })
+    }
+    /// Reads a float tensor into `out` as f32 values (bf16 widens exactly), reusing its
+    /// allocation. Executors that hold arena or device memory override this to copy the values
+    /// without an f64 host tensor.
+    fn get_f32(&self, name: &str, out: &mut Vec<f32>) -> Result<(), String> {
+        let t = self.get(name)?;
+        out.clear();
+        out.extend(t.data.iter().map(|&x| x as f32));
+        Ok(())
+    }
     /// Sets every gradient accumulator to zero.
     fn zero_grads(&mut self) -> Result<(), String>;
     /// Runs a program. Outputs named like a held tensor are written back to it; the scalar

@@ -6,7 +6,7 @@
 
 use std::fmt;
 use std::fs::File;
-use std::io::{Read, Write};
+use std::io::Read;
 use std::path::{Path, PathBuf};
 
 /// Magic number in slot 0 of an llm.c checkpoint header.
@@ -46,6 +46,14 @@ impl fmt::Display for FileError {
 }
 
 impl std::error::Error for FileError {}
+
+/// The message as the CLI prints it (`PATH: msg`), so that `?` turns a [`FileError`] into the
+/// `String` errors of the training code.
+impl From<FileError> for String {
+    fn from(e: FileError) -> String {
+        e.to_string()
+    }
+}
 
 /// Opens `path` for reading and returns the file with its length in bytes.
 pub(crate) fn open_with_len(path: &Path) -> Result<(File, u64), FileError> {
@@ -90,22 +98,21 @@ pub(crate) fn read_body(path: &Path, file: &mut File, total: usize, mut convert:
     Ok(())
 }
 
-/// Creates `path` and writes `header` (256 int32 LE) followed by the body produced by `body`,
-/// which appends little-endian bytes to the buffer it is given (called once per chunk).
+/// Writes `path` atomically ([`crate::atomic`]): `header` (256 int32 LE) followed by the body
+/// produced by `body`, which appends little-endian bytes to the buffer it is given (called once
+/// per chunk, until it returns false).
 pub(crate) fn write_file(path: &Path, header: &[i32; 256], mut body: impl FnMut(&mut Vec<u8>) -> bool) -> Result<(), FileError> {
-    let file = File::create(path).map_err(|e| FileError::io(path, "cannot create", &e))?;
-    let mut w = std::io::BufWriter::new(file);
-    let mut buf: Vec<u8> = header.iter().flat_map(|v| v.to_le_bytes()).collect();
-    loop {
-        let more = body(&mut buf);
-        w.write_all(&buf).map_err(|e| FileError::io(path, "cannot write", &e))?;
-        buf.clear();
-        if !more {
-            break;
+    crate::atomic::write_atomic(path, |f| {
+        let mut buf: Vec<u8> = header.iter().flat_map(|v| v.to_le_bytes()).collect();
+        loop {
+            let more = body(&mut buf);
+            f.write(&buf)?;
+            buf.clear();
+            if !more {
+                return Ok(());
+            }
         }
-    }
-    w.flush().map_err(|e| FileError::io(path, "cannot write", &e))?;
-    Ok(())
+    })
 }
 
 /// A message for a size mismatch between the bytes after the header and what the header
@@ -116,4 +123,28 @@ pub(crate) fn size_mismatch(expected: u64, found: u64, what: &str) -> String {
     } else {
         format!("trailing bytes: expected {expected} {what}, found {found} ({} trailing bytes)", found - expected)
     }
+}
+
+/// The little-endian bytes of `v`: a view of the values on a little-endian host, a copy
+/// otherwise.
+pub(crate) fn f32_le_bytes(v: &[f32]) -> std::borrow::Cow<'_, [u8]> {
+    if cfg!(target_endian = "little") {
+        // SAFETY: any f32 is 4 initialized bytes; u8 has alignment 1.
+        std::borrow::Cow::Borrowed(unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, std::mem::size_of_val(v)) })
+    } else {
+        std::borrow::Cow::Owned(v.iter().flat_map(|x| x.to_le_bytes()).collect())
+    }
+}
+
+/// Fills `out` with little-endian f32 values read from `r` (one read on a little-endian host)
+/// and feeds the bytes to `crc`.
+pub(crate) fn read_f32s(r: &mut impl Read, out: &mut [f32], crc: &mut crc32fast::Hasher) -> std::io::Result<()> {
+    // SAFETY: every bit pattern is a valid f32; the byte view covers exactly `out`.
+    let bytes = unsafe { std::slice::from_raw_parts_mut(out.as_mut_ptr() as *mut u8, std::mem::size_of_val(out)) };
+    r.read_exact(bytes)?;
+    crc.update(bytes);
+    if cfg!(target_endian = "big") {
+        out.iter_mut().for_each(|x| *x = f32::from_bits(x.to_bits().swap_bytes()));
+    }
+    Ok(())
 }

@@ -7,10 +7,13 @@
 //! - [`executor`]: the interface the training loop drives, and the interpreter's executor;
 //!   [`cpu`] and [`cuda`] translate the launch plan into their own launch records;
 //! - [`profile`]: per-launch timings by kernel name (any executor);
-//! - [`train`]: the training loop; [`data`], [`tokens`], [`checkpoint`], [`params`]: llm.c's
-//!   token files and checkpoints and the data loader; [`tokenizer`], [`sample`]: GPT-2 BPE and
-//!   sampling; [`corpus`]: the embedded demo corpus.
+//! - [`train`]: the training loop and [`schedule`] its learning rate; [`data`], [`tokens`],
+//!   [`checkpoint`], [`params`]: llm.c's token files and checkpoints and the data loader;
+//!   [`savedir`]: checkpoint folders (`model.bin` + [`state`]) for exact resume, written
+//!   through [`atomic`] so that they are never torn; [`host`]: the process's host memory;
+//!   [`tokenizer`], [`sample`]: GPT-2 BPE and sampling; [`corpus`]: the embedded demo corpus.
 
+pub mod atomic;
 pub mod checkpoint;
 pub mod corpus;
 pub mod cpu;
@@ -18,12 +21,16 @@ pub mod cuda;
 pub mod data;
 pub mod executor;
 pub mod file_error;
+pub mod host;
 pub mod launches;
 pub mod layout;
 pub mod params;
 pub mod profile;
 pub mod programs;
 pub mod sample;
+pub mod savedir;
+pub mod schedule;
+pub mod state;
 pub mod tokenizer;
 pub mod tokens;
 pub mod train;

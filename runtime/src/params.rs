@@ -1,36 +1,99 @@
-//! Binding checkpoint tensors to graph parameters, by name.
+//! Binding checkpoint tensors to graph parameters, by name, and loading parameters into an
+//! executor one tensor at a time (no host copy of the whole model, no f64 copy at all on the
+//! CPU and CUDA targets).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
+use std::path::Path;
 
 use fusec_ir::interp::Tensor;
-use fusec_ir::{Bindings, Graph};
+use fusec_ir::{Bindings, DType, Graph};
+use fusec_models::Gpt2Config;
 
-use crate::checkpoint::Checkpoint;
+use crate::checkpoint::{graph_param_names, random_params, read_params, Checkpoint};
+use crate::executor::Executor;
 
 /// One host tensor per graph parameter, taken from the checkpoint by name; errors name the
 /// parameter whose tensor is missing or has another shape, and any checkpoint tensor the graph
 /// does not use.
 pub fn params_from_checkpoint(g: &Graph, ckpt: &Checkpoint) -> Result<HashMap<String, Tensor>, String> {
-    let named = ckpt.named_tensors();
-    let by_name: HashMap<&str, (&Vec<usize>, &[f32])> = named.iter().map(|(n, s, d)| (n.as_str(), (s, *d))).collect();
-    let mut feeds = HashMap::new();
+    check_params(g, &ckpt.config)?;
+    Ok(ckpt.named_tensors().into_iter().map(|(name, shape, data)| (name, Tensor::from_f32(shape, data))).collect())
+}
+
+/// Checks that the graph's parameters are exactly the checkpoint tensors of config `cfg`, by
+/// name and shape; errors name the parameter whose tensor is missing or has another shape, and
+/// any checkpoint tensor the graph does not use.
+pub fn check_params(g: &Graph, cfg: &Gpt2Config) -> Result<(), String> {
+    let named = graph_param_names(cfg);
+    let by_name: HashMap<&str, &Vec<usize>> = named.iter().map(|(n, s)| (n.as_str(), s)).collect();
+    let mut used = HashSet::new();
     for (name, v) in g.params() {
         let want = g.ty(v).shape.eval(&Bindings::default()).map_err(|e| format!("parameter `{name}`: {e}"))?;
-        let (shape, data) = by_name
-            .get(name)
-            .ok_or_else(|| format!("the graph's parameter `{name}` is not in the checkpoint (config {:?})", ckpt.config))?;
+        let shape = by_name.get(name).ok_or_else(|| format!("the graph's parameter `{name}` is not in the checkpoint (config {cfg:?})"))?;
         if **shape != want {
             return Err(format!(
-                "checkpoint tensor `{name}` has shape {shape:?} but the graph wants {want:?}: the checkpoint's config {:?} does not fit the graph",
-                ckpt.config
+                "checkpoint tensor `{name}` has shape {shape:?} but the graph wants {want:?}: the checkpoint's config {cfg:?} does not fit the graph"
             ));
         }
-        feeds.insert(name.to_string(), Tensor::from_f32((*shape).clone(), data));
+        used.insert(name);
     }
-    if let Some((n, _, _)) = named.iter().find(|(n, _, _)| !feeds.contains_key(n)) {
+    if let Some((n, _)) = named.iter().find(|(n, _)| !used.contains(n.as_str())) {
         return Err(format!("checkpoint tensor `{n}` has no parameter of that name in graph `{}`", g.name));
     }
-    Ok(feeds)
+    Ok(())
+}
+
+/// Where the initial parameters come from.
+#[derive(Clone, Copy, Debug)]
+pub enum ParamSource<'a> {
+    /// GPT-2 random initialization ([`random_params`]) with this seed.
+    Random(u64),
+    /// An llm.c checkpoint file, read tensor by tensor ([`read_params`]).
+    File(&'a Path),
+}
+
+/// Loads every parameter of `step_graph` (a GPT-2 of config `cfg`) from `src` into the
+/// executor, one tensor at a time, with [`set_param`]. Returns the CRC-32 of the checkpoint file
+/// read, if any.
+pub fn load_params(ex: &mut dyn Executor, step_graph: &Graph, cfg: &Gpt2Config, src: ParamSource) -> Result<Option<u32>, String> {
+    check_params(step_graph, cfg)?;
+    let inputs = input_names(step_graph);
+    let mut sink = |name: &str, shape: &[usize], data: &[f32]| set_param(ex, &inputs, name, shape, data);
+    match src {
+        ParamSource::Random(seed) => random_params(cfg, seed, &mut sink).map(|_| None),
+        ParamSource::File(path) => {
+            let (found, crc) = read_params(path, &mut sink)?;
+            if found != *cfg {
+                return Err(format!("{}: the checkpoint's config {found} is not the graph's {cfg}", path.display()));
+            }
+            Ok(Some(crc))
+        }
+    }
+}
+
+/// The names of a graph's inputs.
+pub fn input_names(g: &Graph) -> HashSet<String> {
+    g.inputs().into_iter().map(|(n, _)| n.to_string()).collect()
+}
+
+/// Sets parameter `name` (and its bf16 copy, where the step reads the copy that AdamW writes)
+/// and zeroes its optimizer state and gradient accumulator. `inputs` are the step program's
+/// input names. The only way parameters are set for training: a copy left stale would train on
+/// other weights.
+pub fn set_param(ex: &mut dyn Executor, inputs: &HashSet<String>, name: &str, shape: &[usize], data: &[f32]) -> Result<(), String> {
+    ex.set_f32(name, DType::F32, shape, data)?;
+    let copy = format!("{}{name}", fusec_passes::amp::COPY_PREFIX);
+    if inputs.contains(&copy) {
+        ex.set_f32(&copy, DType::BF16, shape, data)?;
+    }
+    for prefix in ["m.", "v.", "grad."] {
+        let state = format!("{prefix}{name}");
+        // A step without accumulation has no `grad.P` (the gradients are its transients).
+        if prefix != "grad." || inputs.contains(&state) {
+            ex.set_zeros(&state, DType::F32, shape.to_vec())?;
+        }
+    }
+    Ok(())
 }
 
 /// Writes parameter tensors back into a checkpoint of the given config, by name.

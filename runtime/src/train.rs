@@ -2,11 +2,13 @@
 
 use std::collections::HashMap;
 use std::io::Write;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use fusec_ir::interp::Tensor;
 use fusec_ir::{DType, Graph};
+
+use crate::schedule::LrSchedule;
 
 use crate::data::DataLoader;
 use crate::executor::Executor;
@@ -19,17 +21,22 @@ pub struct TrainConfig {
     pub batch: usize,
     /// Tokens per sequence (T).
     pub seq: usize,
-    /// Optimizer steps.
+    /// Optimizer steps of the whole run (a resumed run counts the steps before it too).
     pub steps: usize,
-    /// Learning rate (constant).
+    /// Peak learning rate (constant with the default schedule).
     pub lr: f32,
+    /// Warmup steps of the learning-rate schedule ([`LrSchedule`]; 0: none).
+    pub warmup_steps: usize,
+    /// Final learning rate of the cosine decay as a fraction of `lr` (1: no decay).
+    pub lr_decay_to: f32,
     /// AdamW beta1 and beta2 (for the bias corrections computed here).
     pub betas: (f32, f32),
     /// Micro-steps accumulated per optimizer step.
     pub grad_accum: usize,
     /// Maximum global gradient norm, when clipping.
     pub grad_clip: Option<f32>,
-    /// Compute the validation loss before every step that is a multiple of this, if set.
+    /// Compute the validation loss before every step that is a multiple of this, and after the
+    /// last step, if set.
     pub val_every: Option<usize>,
     /// Validation batches per evaluation.
     pub val_batches: usize,
@@ -37,6 +44,12 @@ pub struct TrainConfig {
     pub log_json: Option<PathBuf>,
     /// Stop when a step's loss exceeds this many times the first step's loss, if set.
     pub divergence_factor: Option<f64>,
+    /// Steps already done (a resumed run): training runs steps `start_step..steps`, and the
+    /// JSON log keeps its records of the steps before.
+    pub start_step: usize,
+    /// The first step's loss when it was done before (a resumed run): the divergence check's
+    /// reference.
+    pub first_loss: Option<f64>,
 }
 
 impl TrainConfig {
@@ -48,6 +61,8 @@ impl TrainConfig {
             seq,
             steps,
             lr,
+            warmup_steps: 0,
+            lr_decay_to: 1.0,
             betas: (0.9, 0.999),
             grad_accum: 1,
             grad_clip: None,
@@ -55,7 +70,14 @@ impl TrainConfig {
             val_batches: 0,
             log_json: None,
             divergence_factor: None,
+            start_step: 0,
+            first_loss: None,
         }
+    }
+
+    /// The learning-rate schedule over the run's `steps`.
+    pub fn schedule(&self) -> LrSchedule {
+        LrSchedule { lr: self.lr, warmup: self.warmup_steps, total: self.steps, decay_to: self.lr_decay_to }
     }
 }
 
@@ -77,26 +99,14 @@ pub struct StepLog {
 }
 
 /// Loads parameters into the executor (and their bf16 copies, where the step reads the copies
-/// that AdamW writes) and zeroes optimizer state and gradient accumulators. The only way to set
-/// parameters for training: a copy left stale would train on other weights.
+/// that AdamW writes) and zeroes optimizer state and gradient accumulators
+/// ([`crate::params::set_param`]); [`crate::params::load_params`] does the same from a file or
+/// the random initialization without host tensors.
 pub fn init_state(ex: &mut dyn Executor, step_graph: &Graph, params: &HashMap<String, Tensor>) -> Result<(), String> {
-    let inputs: std::collections::HashSet<&str> = step_graph.inputs().into_iter().map(|(n, _)| n).collect();
+    let inputs = crate::params::input_names(step_graph);
     for (name, _) in step_graph.params() {
         let t = params.get(name).ok_or_else(|| format!("no initial value for parameter `{name}`"))?;
-        ex.set(name, t.clone())?;
-        let copy = format!("{}{name}", fusec_passes::amp::COPY_PREFIX);
-        if inputs.contains(copy.as_str()) {
-            let data = t.data.iter().map(|&x| fusec_ir::interp::round_to(DType::BF16, x)).collect();
-            ex.set(&copy, Tensor { dtype: DType::BF16, shape: t.shape.clone(), data })?;
-        }
-        let shape = t.shape.clone();
-        for prefix in ["m.", "v.", "grad."] {
-            let state = format!("{prefix}{name}");
-            // A step without accumulation has no `grad.P` (the gradients are its transients).
-            if prefix != "grad." || inputs.contains(state.as_str()) {
-                ex.set_zeros(&state, DType::F32, shape.clone())?;
-            }
-        }
+        crate::params::set_param(ex, &inputs, name, &t.shape, &t.to_f32())?;
     }
     Ok(())
 }
@@ -118,6 +128,17 @@ pub fn eval_loss(ex: &mut dyn Executor, loader: &DataLoader, n: usize, b: usize,
     Ok(sum / n as f64)
 }
 
+/// What a training run produced.
+#[derive(Clone, Debug, Default)]
+pub struct TrainOutcome {
+    /// One record per step run here.
+    pub logs: Vec<StepLog>,
+    /// The validation loss after the last step, when validating.
+    pub final_val: Option<f64>,
+    /// Seconds spent in validation.
+    pub val_secs: f64,
+}
+
 /// Trains for `cfg.steps` steps; `on_step` sees each record (progress display). Stops with an
 /// error naming the step (1-based, as the progress shows it) when the loss or the gradient norm
 /// is NaN or infinite, or when the loss exceeds `cfg.divergence_factor` times the first step's.
@@ -128,21 +149,47 @@ pub fn train(
     val: Option<&DataLoader>,
     mut on_step: impl FnMut(&StepLog),
 ) -> Result<Vec<StepLog>, String> {
+    let run = train_with(ex, cfg, train, val, |_, r| {
+        on_step(r);
+        Ok(())
+    })?;
+    Ok(run.logs)
+}
+
+/// [`train`] from step `cfg.start_step`, where `after_step` also gets the executor after each
+/// step (to save a checkpoint) and may stop the run with an error; ends with the validation loss
+/// after the last step when validating.
+pub fn train_with(
+    ex: &mut dyn Executor,
+    cfg: &TrainConfig,
+    train: &DataLoader,
+    val: Option<&DataLoader>,
+    mut after_step: impl FnMut(&mut dyn Executor, &StepLog) -> Result<(), String>,
+) -> Result<TrainOutcome, String> {
     let mut log_file = match &cfg.log_json {
-        Some(p) => Some(std::fs::File::create(p).map_err(|e| format!("{}: {e}", p.display()))?),
+        Some(p) => Some(open_log(p, cfg.start_step)?),
         None => None,
     };
     let (b, t, k) = (cfg.batch, cfg.seq, cfg.grad_accum.max(1));
-    let mut logs = vec![];
-    for step in 0..cfg.steps {
+    let schedule = cfg.schedule();
+    let mut out = TrainOutcome::default();
+    let validate = |ex: &mut dyn Executor, out: &mut TrainOutcome, v: &DataLoader| -> Result<f64, String> {
+        let t0 = Instant::now();
+        let loss = eval_loss(ex, v, cfg.val_batches, b, t);
+        out.val_secs += t0.elapsed().as_secs_f64();
+        loss
+    };
+    let mut first = cfg.first_loss;
+    for step in cfg.start_step..cfg.steps {
         let val_loss = match (val, cfg.val_every) {
-            (Some(v), Some(every)) if step % every == 0 => Some(eval_loss(ex, v, cfg.val_batches, b, t)?),
+            (Some(v), Some(every)) if step % every == 0 => Some(validate(ex, &mut out, v)?),
             _ => None,
         };
         let t0 = Instant::now();
         let tstep = (step + 1) as f32;
+        let lr = schedule.at(step);
         ex.set("dloss", Tensor::scalar(DType::F32, 1.0 / k as f64))?;
-        ex.set("lr", Tensor::scalar(DType::F32, cfg.lr as f64))?;
+        ex.set("lr", Tensor::scalar(DType::F32, lr as f64))?;
         ex.set("bc1", Tensor::scalar(DType::F32, (1.0 - cfg.betas.0.powf(tstep)) as f64))?;
         ex.set("bc2", Tensor::scalar(DType::F32, (1.0 - cfg.betas.1.powf(tstep)) as f64))?;
         if let Some(c) = cfg.grad_clip {
@@ -164,7 +211,7 @@ pub fn train(
         if let Some(n) = grad_norm.filter(|n| !n.is_finite()) {
             return Err(format!("training diverged: the gradient norm is {n} at step {}", step + 1));
         }
-        if let (Some(f), Some(first)) = (cfg.divergence_factor, logs.first().map(|l: &StepLog| l.loss)) {
+        if let (Some(f), Some(first)) = (cfg.divergence_factor, first) {
             if loss > f * first {
                 return Err(format!(
                     "training diverged: loss {loss:.4} at step {} is more than {f}x the first step's {first:.4} \
@@ -173,31 +220,62 @@ pub fn train(
                 ));
             }
         }
+        first.get_or_insert(loss);
         ex.zero_grads()?;
-        let rec = StepLog { step, loss, lr: cfg.lr, ms: t0.elapsed().as_secs_f64() * 1e3, val_loss, grad_norm };
+        let rec = StepLog { step, loss, lr, ms: t0.elapsed().as_secs_f64() * 1e3, val_loss, grad_norm };
         if let Some(f) = log_file.as_mut() {
             writeln!(f, "{}", json_line(&rec)).map_err(|e| format!("writing the JSON log: {e}"))?;
         }
-        on_step(&rec);
-        logs.push(rec);
+        after_step(ex, &rec)?;
+        out.logs.push(rec);
     }
-    Ok(logs)
+    if let (Some(v), Some(_)) = (val, cfg.val_every) {
+        let loss = validate(ex, &mut out, v)?;
+        if let Some(f) = log_file.as_mut() {
+            writeln!(f, "{{\"step\":{},\"val_loss\":{}}}", cfg.steps, json_num(loss)).map_err(|e| format!("writing the JSON log: {e}"))?;
+        }
+        out.final_val = Some(loss);
+    }
+    Ok(out)
+}
+
+/// Opens the JSON log: a new file, or for a run resumed at step `start` the existing log with
+/// only its records of the steps before `start` (the steps after them, logged before the run
+/// stopped, are done again), to append to.
+fn open_log(path: &Path, start: usize) -> Result<std::fs::File, String> {
+    let named = |e: std::io::Error| format!("{}: {e}", path.display());
+    if start == 0 {
+        return std::fs::File::create(path).map_err(named);
+    }
+    let kept: String = match std::fs::read_to_string(path) {
+        Ok(text) => text.lines().filter(|l| record_step(l).is_some_and(|s| s < start)).map(|l| format!("{l}\n")).collect(),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
+        Err(e) => return Err(named(e)),
+    };
+    crate::atomic::write_atomic(path, |f| f.write(kept.as_bytes())).map_err(|e| e.to_string())?;
+    std::fs::OpenOptions::new().append(true).open(path).map_err(named)
+}
+
+/// The step of a JSON log record (`{"step":N,...}`).
+fn record_step(line: &str) -> Option<usize> {
+    line.strip_prefix("{\"step\":")?.split([',', '}']).next()?.parse().ok()
+}
+
+fn json_num(x: f64) -> String {
+    if x.is_finite() {
+        format!("{x}")
+    } else {
+        "null".into()
+    }
 }
 
 fn json_line(r: &StepLog) -> String {
-    let num = |x: f64| {
-        if x.is_finite() {
-            format!("{x}")
-        } else {
-            "null".into()
-        }
-    };
-    let mut s = format!("{{\"step\":{},\"loss\":{},\"lr\":{},\"ms\":{:.3}", r.step, num(r.loss), r.lr, r.ms);
+    let mut s = format!("{{\"step\":{},\"loss\":{},\"lr\":{},\"ms\":{:.3}", r.step, json_num(r.loss), r.lr, r.ms);
     if let Some(v) = r.val_loss {
-        s += &format!(",\"val_loss\":{}", num(v));
+        s += &format!(",\"val_loss\":{}", json_num(v));
     }
     if let Some(n) = r.grad_norm {
-        s += &format!(",\"grad_norm\":{}", num(n));
+        s += &format!(",\"grad_norm\":{}", json_num(n));
     }
     s + "}"
 }

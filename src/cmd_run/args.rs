@@ -43,7 +43,8 @@ pub struct RunArgs {
     /// Validation tokens (llm.c token file).
     #[arg(long)]
     pub val: Option<PathBuf>,
-    /// Compute the validation loss every N steps (needs --val, or the embedded corpus).
+    /// Compute the validation loss before every N-th step and after the last one (1..=2^32-1;
+    /// needs --val, or the embedded corpus).
     #[arg(long, default_value_t = 10, value_parser = in_range(1, u32::MAX as u64))]
     pub val_every: usize,
     /// Validation batches per evaluation, at most the batches the validation data holds
@@ -56,12 +57,21 @@ pub struct RunArgs {
     /// Sequence length T (at most the model's maximum sequence length).
     #[arg(long, default_value_t = 64, value_parser = in_range(1, 1 << 20))]
     pub seq: usize,
-    /// Training steps; 0 evaluates the loss of the first batch.
+    /// Training steps of the whole run (with --resume, counting the steps before it; the
+    /// learning-rate decay spans them); 0 evaluates the loss of the first batch.
     #[arg(long, default_value_t = 50)]
     pub steps: usize,
-    /// Learning rate (finite, at least 0).
+    /// Learning rate (finite, at least 0): the peak of the schedule.
     #[arg(long, default_value_t = 1e-3, allow_negative_numbers = true)]
     pub lr: f32,
+    /// Linear warmup: step s (0-based) of the first N gets lr·(s+1)/N (0..=2^31; may exceed
+    /// --steps).
+    #[arg(long, value_name = "N", default_value_t = 0, value_parser = in_range(0, 1 << 31), allow_negative_numbers = true)]
+    pub warmup_steps: usize,
+    /// After the warmup, cosine-decay the learning rate to this fraction of --lr at --steps
+    /// (llm.c's and nanoGPT's schedule; 0..=1; 1: constant).
+    #[arg(long, value_name = "FRACTION", default_value_t = 1.0, allow_negative_numbers = true)]
+    pub lr_decay_to: f32,
     /// AdamW weight decay (finite, at least 0).
     #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     pub weight_decay: f64,
@@ -119,9 +129,20 @@ pub struct RunArgs {
     /// Sampling temperature (0: greedy; finite, at most 100).
     #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
     pub temperature: f32,
-    /// Write the parameters after training as an llm.c checkpoint.
-    #[arg(long)]
+    /// Save after training (and every --save-every steps) to a folder, created if missing:
+    /// `model.bin` (llm.c checkpoint) and `state.bin` (AdamW moments, step, schedule and data
+    /// position) for --resume; or, to a path ending in `.bin`, the llm.c checkpoint alone.
+    /// Written to a temporary file and renamed: never torn.
+    #[arg(long, value_name = "DIR|FILE.bin")]
     pub save: Option<PathBuf>,
+    /// Also save every N steps (1..=2^31; needs --save).
+    #[arg(long, value_name = "N", value_parser = in_range(1, 1 << 31), allow_negative_numbers = true)]
+    pub save_every: Option<usize>,
+    /// Continue the run saved in this folder (by --save DIR) from its step up to --steps in
+    /// all, with the losses of one uninterrupted run. The graph's model, --precision, --batch,
+    /// --seq and --grad-accum must be the saved run's.
+    #[arg(long, value_name = "DIR")]
+    pub resume: Option<PathBuf>,
     /// Write one JSON object per step (step, loss, lr, ms, val_loss).
     #[arg(long)]
     pub log_json: Option<PathBuf>,
@@ -152,6 +173,7 @@ impl RunArgs {
             finite("--grad-clip", c as f64, 0.0, f64::INFINITY, true)?;
         }
         finite("--temperature", self.temperature as f64, 0.0, 100.0, false)?;
+        finite("--lr-decay-to", self.lr_decay_to as f64, 0.0, 1.0, false)?;
         finite("--divergence-factor", self.divergence_factor, 1.0, f64::INFINITY, true)?;
         if self.val.is_some() && self.data.is_none() {
             return Err("--val needs --data (the embedded corpus brings its own validation split)".into());
@@ -173,7 +195,17 @@ impl RunArgs {
             let name = self.precision.name();
             return Err(format!("--precision {name} needs --target cuda or --target ref (the CPU target runs fp32 programs only)"));
         }
-        for (flag, path) in [("--save", &self.save), ("--profile-json", &self.profile_json), ("--log-json", &self.log_json)] {
+        if self.save_every.is_some() && self.save.is_none() {
+            return Err("--save-every needs --save DIR (where to save)".into());
+        }
+        if self.resume.is_some() && self.init != "random" {
+            return Err("--resume restores the parameters from its folder: leave out --init".into());
+        }
+        if let Some(dir) = self.save.as_ref().filter(|p| !saves_model_only(p)) {
+            save_dir_writable(dir)?;
+        }
+        let save_file = self.save.as_ref().filter(|p| saves_model_only(p)).cloned();
+        for (flag, path) in [("--save", &save_file), ("--profile-json", &self.profile_json), ("--log-json", &self.log_json)] {
             if let Some(p) = path {
                 writable(flag, p)?;
             }
@@ -194,6 +226,24 @@ impl RunArgs {
             Target::Cuda => "cuda",
         }
     }
+}
+
+/// Whether `--save PATH` writes the llm.c checkpoint alone (a path ending in `.bin`) rather than
+/// a checkpoint folder.
+pub fn saves_model_only(path: &Path) -> bool {
+    path.extension().is_some_and(|e| e == "bin")
+}
+
+/// Checks that `--save DIR` can be a checkpoint folder: an existing folder that takes new files,
+/// or a new one whose parent exists.
+fn save_dir_writable(dir: &Path) -> Result<(), String> {
+    if dir.is_dir() {
+        return writable("--save", &dir.join(fusec_runtime::savedir::STATE_FILE));
+    }
+    if dir.exists() {
+        return Err(format!("--save {}: is a file, not a folder (a path ending in .bin saves the llm.c checkpoint alone)", dir.display()));
+    }
+    writable("--save", dir)
 }
 
 /// Checks that a file can be written at `path` (its folder exists and takes a new file) without

@@ -3,32 +3,37 @@
 //! Everything that can be checked before the first step is checked before any large
 //! allocation: the flags ([`args`]), the graph, the checkpoint's header against the graph, the
 //! token files, and the memory plan against the host's or the GPU's free memory (in the
-//! executors). The checkpoint is written right after training, before the summary and the
-//! sample, so a closed standard output never loses it.
+//! executors). The checkpoint is written right after the last step (and every `--save-every`
+//! steps: [`resume`]), before the final validation, the sample and the summary, so a closed
+//! standard output never loses it; the summary ends with where the wall time went
+//! ([`summary`]).
 
 mod args;
 mod build;
+mod resume;
+mod summary;
 
 pub use args::RunArgs;
 use args::Target;
 
-use std::collections::HashMap;
 use std::time::Instant;
 
 use fusec_models::Gpt2Config;
 use fusec_passes::optimizer::AdamWConfig;
-use fusec_passes::pipeline::{PassRun, PipelineOptions};
+use fusec_passes::pipeline::PipelineOptions;
 use fusec_passes::recompute::Recompute;
 use fusec_runtime::checkpoint::Checkpoint;
 use fusec_runtime::corpus::markov_tokens;
 use fusec_runtime::data::DataLoader;
-use fusec_runtime::params::{checkpoint_from_params, params_from_checkpoint};
+use fusec_runtime::params::{load_params, ParamSource};
 use fusec_runtime::programs::RunPrograms;
+use fusec_runtime::savedir;
 use fusec_runtime::tokens::read_tokens;
-use fusec_runtime::train::{eval_loss, init_state, train, TrainConfig};
+use fusec_runtime::train::{eval_loss, train_with, TrainConfig};
 
 use crate::report::{profile_json, profile_table, table, Progress};
 use crate::{load_graph, CliResult};
+use summary::{Phases, Summary};
 
 /// Runs `fusec run`.
 pub fn run(a: RunArgs) -> CliResult {
@@ -51,6 +56,9 @@ pub fn run(a: RunArgs) -> CliResult {
         let header = Checkpoint::read_header(a.init.as_ref()).map_err(|e| e.to_string())?;
         check_same_config(&a.init, &header, &model)?;
     }
+    if let Some(dir) = &a.resume {
+        resume::check(&a, dir, &model, &savedir::read_meta(dir)?)?;
+    }
     let (train_data, val_data, val_batches) = load_data(&a, &model)?;
 
     let opts = PipelineOptions {
@@ -67,22 +75,33 @@ pub fn run(a: RunArgs) -> CliResult {
         recompute: a.recompute.unwrap_or(Recompute::default_for(a.precision)),
         ..PipelineOptions::default()
     };
+    let mut phases = Phases { init: t_start.elapsed().as_secs_f64(), ..Phases::default() };
     let t_compile = Instant::now();
     let run = RunPrograms::compile(&g, &opts, &RunPrograms::bindings(a.batch, a.seq), a.sample > 0)?;
     let mut built = build::executor(&a, &run, threads)?;
     let ex = built.ex.as_mut();
-    let compile_ms = t_compile.elapsed().as_secs_f64() * 1e3;
+    phases.compile = t_compile.elapsed().as_secs_f64();
 
-    let ckpt = match a.init.as_str() {
-        "random" => fusec_runtime::checkpoint::random_init(&model, a.seed)?,
-        path => Checkpoint::read(path.as_ref()).map_err(|e| e.to_string())?,
+    // Parameters go to the executor one tensor at a time, as f32: no host copy of the model.
+    let t_init = Instant::now();
+    let (start, first_loss) = match &a.resume {
+        Some(dir) => {
+            let meta = savedir::resume(dir, ex, run.step()?, &run.bind, &model)?;
+            let (step, first) = resume::start(&meta, &a, train_data.num_tokens())?;
+            errln!("resuming {} at step {step}", dir.display());
+            (step, Some(first))
+        }
+        None => {
+            let src = if a.init == "random" { ParamSource::Random(a.seed) } else { ParamSource::File(a.init.as_ref()) };
+            load_params(ex, run.step()?, &model, src)?;
+            (0, None)
+        }
     };
-    init_state(ex, run.step()?, &params_from_checkpoint(&g, &ckpt)?)?;
-    drop(ckpt);
+    phases.init += t_init.elapsed().as_secs_f64();
 
     if a.steps == 0 {
         let loss = eval_loss(ex, &train_data, 1, a.batch, a.seq)?;
-        outln!("step 0: loss {loss:.6}")?;
+        outln!("step {start}: loss {loss:.6}")?;
         if let Some(v) = &val_data {
             outln!("val loss {:.6}", eval_loss(ex, v, val_batches, a.batch, a.seq)?)?;
         }
@@ -93,6 +112,8 @@ pub fn run(a: RunArgs) -> CliResult {
         seq: a.seq,
         steps: a.steps,
         lr: a.lr,
+        warmup_steps: a.warmup_steps,
+        lr_decay_to: a.lr_decay_to,
         betas: (opts.adamw.beta1 as f32, opts.adamw.beta2 as f32),
         grad_accum: a.grad_accum,
         grad_clip: a.grad_clip,
@@ -100,51 +121,54 @@ pub fn run(a: RunArgs) -> CliResult {
         val_batches,
         log_json: a.log_json.clone(),
         divergence_factor: (!a.no_divergence_check).then_some(a.divergence_factor),
+        start_step: start,
+        first_loss,
     };
     let tokens_per_step = a.batch * a.seq * a.grad_accum;
-    let mut progress = Progress::new(a.steps, tokens_per_step);
+    let mut progress = Progress::new(start, a.steps, tokens_per_step, !cfg.schedule().is_constant());
     let mut first_done = None;
-    let logs = train(ex, &cfg, &train_data, val_data.as_ref(), |r| {
+    let mut first = first_loss;
+    let t_train = Instant::now();
+    let outcome = train_with(ex, &cfg, &train_data, val_data.as_ref(), |ex, r| {
         first_done.get_or_insert_with(|| t_start.elapsed());
-        progress.step(r)
-    })?;
-    // Saved first: nothing printed below can lose it.
-    if let Some(path) = &a.save {
-        let mut now = HashMap::new();
-        for (name, _) in g.params() {
-            now.insert(name.to_string(), ex.get(name)?);
+        progress.step(r);
+        let first = *first.get_or_insert(r.loss);
+        let done = r.step + 1;
+        // The last step is always saved, and right away: nothing after it can lose it.
+        let due = done == a.steps || a.save_every.is_some_and(|n| done % n == 0);
+        if let Some(path) = a.save.as_ref().filter(|_| due) {
+            let t = Instant::now();
+            let meta = resume::state_meta(&a, &model, done, first, train_data.num_tokens());
+            resume::save(path, ex, &run, &model, &meta)?;
+            phases.saving += t.elapsed().as_secs_f64();
         }
-        checkpoint_from_params(&model, &now)?.write(path).map_err(|e| e.to_string())?;
+        Ok(())
+    })?;
+    phases.validation = outcome.val_secs;
+    phases.train = t_train.elapsed().as_secs_f64() - outcome.val_secs - phases.saving;
+    if let Some(v) = outcome.final_val {
+        errln!("validation after step {}: loss {v:.6}", a.steps);
+    }
+    if let Some(path) = &a.save {
         errln!("saved {}", path.display());
     }
-
-    let (first, last) = (logs[0].loss, logs[logs.len() - 1].loss);
-    let steady: Vec<f64> = logs.iter().skip(1).map(|l| l.ms).collect();
-    let ms = if steady.is_empty() { logs[0].ms } else { steady.iter().sum::<f64>() / steady.len() as f64 };
-    let val = logs.iter().rev().find_map(|l| l.val_loss).map(|v| format!(" (last val {v:.4})")).unwrap_or_default();
-    let mut rows = vec![
-        ("target".to_string(), format!("{}, {threads} thread(s), B={} T={}", a.target_name(), a.batch, a.seq)),
-        ("loss".into(), format!("{first:.4} → {last:.4} over {} steps{val}", logs.len())),
-        ("step time".into(), format!("{ms:.1} ms/step (first step {:.1} ms)", logs[0].ms)),
-        ("throughput".into(), format!("{:.0} tok/s", tokens_per_step as f64 / ms * 1e3)),
-        ("compile".into(), format!("{compile_ms:.1} ms: {}", pass_times(&run.pass_runs))),
-        (
-            "first step".into(),
-            format!(
-                "compile + first step {:.2} s; done {:.2} s after start",
-                (compile_ms + logs[0].ms) / 1e3,
-                first_done.unwrap_or_default().as_secs_f64()
-            ),
-        ),
-    ];
-    rows.append(&mut built.summary);
-    if let (Some(alloc), Some(peak)) = (ex.allocated_device_bytes(), ex.peak_device_bytes()) {
-        let (alloc, peak) = (crate::report::mib(alloc), crate::report::mib(peak));
-        let what =
-            format!("{alloc} allocated by fusec (plan, scratch, cuBLAS workspace); {peak} in use on the device (CUDA context included)");
-        rows.push(("peak memory".into(), what));
+    if a.sample > 0 {
+        let t = Instant::now();
+        crate::sample::print_sample(ex, &model, a.batch, a.seq, a.sample, a.temperature, a.seed)?;
+        phases.sample = t.elapsed().as_secs_f64();
     }
-    rows.push(("wall time".into(), format!("{:.1} s (training {:.1} s)", t_start.elapsed().as_secs_f64(), progress.elapsed())));
+    let summary = Summary {
+        args: &a,
+        threads,
+        outcome: &outcome,
+        start,
+        tokens_per_step,
+        pass_runs: &run.pass_runs,
+        first_done: first_done.unwrap_or_default(),
+        phases: &phases,
+        param_bytes: 4 * model.num_params() as u64,
+    };
+    let rows = summary.rows(ex, &built.summary, t_start.elapsed().as_secs_f64());
     out!("{}", table("summary", &rows))?;
     if let Some(p) = ex.profile() {
         if a.profile {
@@ -153,9 +177,6 @@ pub fn run(a: RunArgs) -> CliResult {
         if let Some(path) = &a.profile_json {
             std::fs::write(path, profile_json(&p)).map_err(|e| format!("{}: {e}", path.display()))?;
         }
-    }
-    if a.sample > 0 {
-        crate::sample::print_sample(ex, &model, a.batch, a.seq, a.sample, a.temperature, a.seed)?;
     }
     Ok(())
 }
@@ -205,8 +226,4 @@ fn load_data(a: &RunArgs, model: &Gpt2Config) -> Result<(DataLoader, Option<Data
         None => held.clamp(1, 4),
     };
     Ok((train, val, val_batches))
-}
-
-fn pass_times(runs: &[PassRun]) -> String {
-    runs.iter().map(|r| format!("{} {:.1}", r.name, r.time.as_secs_f64() * 1e3)).collect::<Vec<_>>().join(" · ")
 }

@@ -219,6 +219,30 @@ impl Executor for CpuExecutor {
         Ok(Tensor { dtype: dt, shape, data })
     }
 
+    fn set_f32(&mut self, name: &str, dtype: DType, _shape: &[usize], data: &[f32]) -> Result<(), String> {
+        let (off, dt, n) = self.place(name)?;
+        if dt != DType::F32 || dtype != DType::F32 {
+            return Err(format!("`{name}` is {dt} here: the CPU target holds f32 tensors only (set as {dtype})"));
+        }
+        if data.len() != n {
+            return Err(format!("`{name}` holds {n} elements, got {}", data.len()));
+        }
+        // SAFETY: the named range is inside the arena and typed f32.
+        unsafe { self.slice::<f32>(off, n) }.copy_from_slice(data);
+        Ok(())
+    }
+
+    fn get_f32(&self, name: &str, out: &mut Vec<f32>) -> Result<(), String> {
+        let (off, dt, n) = self.place(name)?;
+        if dt != DType::F32 {
+            return Err(format!("`{name}` is {dt}, not a float tensor"));
+        }
+        out.clear();
+        // SAFETY: as in `set_f32`.
+        out.extend_from_slice(unsafe { self.slice::<f32>(off, n) });
+        Ok(())
+    }
+
     fn profile(&self) -> Option<Profile> {
         self.profile.clone()
     }

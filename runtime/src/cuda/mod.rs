@@ -468,6 +468,41 @@ impl Executor for CudaExecutor {
         self.read(off, dt, self.types[name].1.clone())
     }
 
+    fn set_f32(&mut self, name: &str, dtype: DType, _shape: &[usize], data: &[f32]) -> Result<(), String> {
+        let (off, dt, n) = self.place(name)?;
+        if data.len() != n || dt != dtype {
+            return Err(format!("`{name}` holds {n} {dt} elements, got {} {dtype}", data.len()));
+        }
+        match dt {
+            DType::F32 => self.dev.upload(self.dev.base + off, data),
+            DType::BF16 => {
+                // Rounded (nearest even) a slice at a time: no full-size host copy.
+                const SLICE: usize = 1 << 22;
+                for (i, c) in data.chunks(SLICE).enumerate() {
+                    let bits: Vec<u16> = c.iter().map(|&x| (fusec_ir::interp::bf16_of_f32(x).to_bits() >> 16) as u16).collect();
+                    self.dev.upload(self.dev.base + off + (i * SLICE * 2) as u64, &bits)?;
+                }
+                Ok(())
+            }
+            d => Err(format!("`{name}`: {d} tensors cannot be set from f32 values")),
+        }
+    }
+
+    fn get_f32(&self, name: &str, out: &mut Vec<f32>) -> Result<(), String> {
+        let (off, dt, n) = self.place(name)?;
+        out.resize(n, 0.0);
+        match dt {
+            DType::F32 => self.dev.download(out, self.dev.base + off),
+            DType::BF16 => {
+                let mut v = vec![0u16; n];
+                self.dev.download(&mut v, self.dev.base + off)?;
+                out.iter_mut().zip(v).for_each(|(o, x)| *o = f32::from_bits((x as u32) << 16));
+                Ok(())
+            }
+            d => Err(format!("`{name}` is {d}, not a float tensor")),
+        }
+    }
+
     fn set_zeros(&mut self, name: &str, _dtype: DType, _shape: Vec<usize>) -> Result<(), String> {
         let (off, bytes) = *self.layout.named.get(name).ok_or_else(|| format!("no tensor named `{name}`"))?;
         self.dev.zero(self.dev.base + off, bytes)

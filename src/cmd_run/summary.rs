@@ -1,0 +1,137 @@
+//! The summary table at the end of `fusec run`: losses, speed, where the wall time went (phases
+//! that add up to it), memory.
+
+use std::time::Duration;
+
+use fusec_passes::pipeline::PassRun;
+use fusec_runtime::executor::Executor;
+use fusec_runtime::train::TrainOutcome;
+
+use super::args::RunArgs;
+use crate::report::mib;
+
+/// Seconds spent in each phase of a run; what is not in one is `other`.
+#[derive(Clone, Debug, Default)]
+pub struct Phases {
+    /// Reading the graph and data, checks, initializing or loading parameters and state.
+    pub init: f64,
+    /// Passes, memory plan, code generation, the executor's allocation.
+    pub compile: f64,
+    /// Training steps (without validation and saving).
+    pub train: f64,
+    /// Validation losses.
+    pub validation: f64,
+    /// Writing checkpoints.
+    pub saving: f64,
+    /// `--sample`.
+    pub sample: f64,
+}
+
+impl Phases {
+    /// `init 0.2 s · compile 1.0 s · … · other 0.0 s = 4.8 s`: the phases and what is left of
+    /// `wall` seconds.
+    pub fn row(&self, wall: f64) -> String {
+        let named = [
+            ("init", self.init),
+            ("compile", self.compile),
+            ("train", self.train),
+            ("validation", self.validation),
+            ("saving", self.saving),
+            ("sample", self.sample),
+        ];
+        let other = (wall - named.iter().map(|(_, s)| s).sum::<f64>()).max(0.0);
+        let parts: Vec<String> = named.iter().chain(&[("other", other)]).map(|(n, s)| format!("{n} {s:.2} s")).collect();
+        format!("{} = {wall:.2} s", parts.join(" · "))
+    }
+}
+
+/// What the summary reports about a finished training run.
+pub struct Summary<'a> {
+    /// The flags.
+    pub args: &'a RunArgs,
+    /// CPU threads.
+    pub threads: usize,
+    /// The training run.
+    pub outcome: &'a TrainOutcome,
+    /// Steps done before this process (a resumed run).
+    pub start: usize,
+    /// Tokens per optimizer step.
+    pub tokens_per_step: usize,
+    /// The Step program's per-pass times.
+    pub pass_runs: &'a [PassRun],
+    /// From the process start to the end of the first step.
+    pub first_done: Duration,
+    /// Where the time went.
+    pub phases: &'a Phases,
+    /// Parameter bytes (f32).
+    pub param_bytes: u64,
+}
+
+impl Summary<'_> {
+    /// The rows: (label, value); `build` (the executor's rows) go after the timing rows.
+    pub fn rows(&self, ex: &dyn Executor, build: &[(String, String)], wall: f64) -> Vec<(String, String)> {
+        let (a, logs) = (self.args, &self.outcome.logs);
+        let (first, last) = (logs[0].loss, logs[logs.len() - 1].loss);
+        let steady: Vec<f64> = logs.iter().skip(1).map(|l| l.ms).collect();
+        let ms = if steady.is_empty() { logs[0].ms } else { steady.iter().sum::<f64>() / steady.len() as f64 };
+        let val = match self.outcome.final_val {
+            Some(v) => format!(" (val {v:.4} after step {})", a.steps),
+            None => logs.iter().rev().find_map(|l| l.val_loss).map(|v| format!(" (last val {v:.4})")).unwrap_or_default(),
+        };
+        let resumed = match &a.resume {
+            Some(dir) => format!(", steps {}..={} resumed from {}", self.start + 1, a.steps, dir.display()),
+            None => String::new(),
+        };
+        let compile_ms = self.phases.compile * 1e3;
+        let mut rows = vec![
+            ("target".to_string(), format!("{}, {} thread(s), B={} T={}", a.target_name(), self.threads, a.batch, a.seq)),
+            ("loss".into(), format!("{first:.4} → {last:.4} over {} steps{val}{resumed}", logs.len())),
+            ("step time".into(), format!("{ms:.1} ms/step (first step {:.1} ms)", logs[0].ms)),
+            ("throughput".into(), format!("{:.0} tok/s", self.tokens_per_step as f64 / ms * 1e3)),
+            ("compile".into(), format!("{compile_ms:.1} ms: {}", pass_times(self.pass_runs))),
+            (
+                "first step".into(),
+                format!(
+                    "compile + first step {:.2} s; started {:.2} s and done {:.2} s after start",
+                    (compile_ms + logs[0].ms) / 1e3,
+                    self.first_done.as_secs_f64() - logs[0].ms / 1e3,
+                    self.first_done.as_secs_f64()
+                ),
+            ),
+        ];
+        rows.extend_from_slice(build);
+        if let (Some(alloc), Some(peak)) = (ex.allocated_device_bytes(), ex.peak_device_bytes()) {
+            let what = format!(
+                "{} allocated by fusec (plan, scratch, cuBLAS workspace); {} in use on the device (CUDA context included)",
+                mib(alloc),
+                mib(peak)
+            );
+            rows.push(("peak memory".into(), what));
+        }
+        if let Some(peak) = fusec_runtime::host::peak_rss_bytes() {
+            let ratio = peak as f64 / self.param_bytes.max(1) as f64;
+            rows.push((
+                "host memory".into(),
+                format!("peak {} resident = {ratio:.2}x the {} of f32 parameters", mib(peak), mib(self.param_bytes)),
+            ));
+        }
+        rows.push(("phases".into(), self.phases.row(wall)));
+        rows
+    }
+}
+
+fn pass_times(runs: &[PassRun]) -> String {
+    runs.iter().map(|r| format!("{} {:.1}", r.name, r.time.as_secs_f64() * 1e3)).collect::<Vec<_>>().join(" · ")
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn phases_add_up_to_the_wall_time() {
+        let p = super::Phases { init: 0.5, compile: 1.0, train: 2.0, validation: 0.25, saving: 0.125, sample: 0.0 };
+        assert_eq!(
+            p.row(4.0),
+            "init 0.50 s · compile 1.00 s · train 2.00 s · validation 0.25 s · saving 0.12 s · sample 0.00 s · other 0.12 s = 4.00 s"
+        );
+    }
+}
