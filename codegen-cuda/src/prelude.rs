@@ -12,9 +12,6 @@
 //! `emit/rows.rs`) with one 16-byte (8-byte) `st.global`: NVRTC 11.2 splits a plain C store of a
 //! register filled one lane at a time into 4- or 2-byte stores.
 //!
-//! `prefetch_l2` asks for a line of global memory in L2 (a team walking several rows fetches
-//! its next row's lines while it works on this one; see `emit/rows.rs`).
-//!
 //! Team reductions combine a row's partial values held by the `TEAM` threads that work on it:
 //! a butterfly of `__shfl_xor_sync` inside each warp (every lane ends with the same bits, since
 //! each step adds the same two values in either order), then, for teams wider than a warp,
@@ -52,7 +49,6 @@ __device__ __forceinline__ void st_b32x4(unsigned short* p, uint4 v) {
 __device__ __forceinline__ void st_b32x2(unsigned short* p, uint2 v) {
   asm volatile("st.global.v2.b32 [%0], {%1, %2};" :: "l"(p), "r"(v.x), "r"(v.y) : "memory");
 }
-__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" :: "l"(p)); }
 __device__ __forceinline__ float max_nan(float a, float b) { return (b > a || b != b) ? b : a; }
 __device__ __forceinline__ float min_nan(float a, float b) { return (b < a || b != b) ? b : a; }
 __device__ __forceinline__ float red_sum(float a, float b) { return a + b; }

@@ -83,9 +83,6 @@ impl Seg<'_> {
             // The previous row's last pass may still read the staged copies.
             let _ = writeln!(out, "    __syncthreads();");
         }
-        if teams < p.rows && std::env::var("FUSEC_NO_PREFETCH").is_err() {
-            self.prefetch_next_row(out, team, teams)?;
-        }
         let row_nodes = |level: u32| -> Vec<NodeId> {
             (0..p.nodes.len() as NodeId)
                 .filter(|&id| {
@@ -209,36 +206,6 @@ impl Seg<'_> {
         let stores = pass.stores.iter().map(|&s| &p.stores[s]);
         let w = self.width(&body, stores, if unrolled { team as u64 } else { 1 });
         (body, w, unrolled)
-    }
-
-    /// A team that walks several rows asks for its next row's lines of every row view the
-    /// kernel reads (`prefetch_l2`, one a lane per 128 bytes), so its first pass over that row
-    /// finds them in L2 instead of waiting on DRAM (the LayerNorm gradient: 8 rows a team,
-    /// two dependent passes a row).
-    fn prefetch_next_row(&self, out: &mut String, team: u32, teams: u64) -> R<()> {
-        let p = self.p;
-        let mut views: Vec<&View> = vec![];
-        for (id, n) in p.nodes.iter().enumerate() {
-            if let Expr::Load(v) = &n.expr {
-                let row_view = v.col && !v.row.is_empty() && v.mem != Mem::I32;
-                if self.plan.main_live[id] && row_view && !views.iter().any(|w| w.slot == v.slot && w.row == v.row) {
-                    views.push(v);
-                }
-            }
-        }
-        if views.is_empty() {
-            return Ok(());
-        }
-        let _ = writeln!(out, "    if (r + {teams} < {}) {{
-      const long long r_next = r + {teams};
-      const long long r = r_next;", p.rows);
-        for v in views {
-            let line = 128 / mem_bytes(v.mem);
-            let (s, off) = (self.slot_name(v.slot)?, self.offset(v));
-            let _ = writeln!(out, "      for (int c = lane * {line}; c < {}; c += {}) prefetch_l2(&{s}[{off}]);", p.cols, team as u64 * line);
-        }
-        let _ = writeln!(out, "    }}");
-        Ok(())
     }
 
     /// Whether `body` loads view `v`.
