@@ -126,7 +126,7 @@ pub fn resume(dir: &Path, ex: &mut dyn Executor, step_graph: &Graph, bind: &Bind
     let path = state_path(dir)?;
     let model_path = dir.join(MODEL_FILE);
     let reader = StateReader::open(&path).ok();
-    let crc = format!("{:08x}", load_params(ex, step_graph, cfg, ParamSource::File(&model_path))?.unwrap_or(0));
+    let crc = format!("{:08x}", load_params(ex, step_graph, cfg, ParamSource::File(model_path.clone()))?.unwrap_or(0));
     let (reader, path) = match reader {
         Some(r) if r.meta.get("model_crc") == Some(&crc) => (r, path),
         other => {

@@ -25,7 +25,7 @@ use fusec_passes::recompute::Recompute;
 use fusec_runtime::checkpoint::Checkpoint;
 use fusec_runtime::corpus::markov_tokens;
 use fusec_runtime::data::DataLoader;
-use fusec_runtime::params::{load_params, ParamSource};
+use fusec_runtime::params::{prefetch, ParamSource};
 use fusec_runtime::programs::RunPrograms;
 use fusec_runtime::savedir;
 use fusec_runtime::tokens::read_tokens;
@@ -60,6 +60,11 @@ pub fn run(a: RunArgs) -> CliResult {
         resume::check(&a, dir, &model, &savedir::read_meta(dir)?)?;
     }
     let (train_data, val_data, val_batches) = load_data(&a, &model)?;
+    // Drawn (or read) on another thread while the programs compile.
+    let params = a.resume.is_none().then(|| {
+        let src = if a.init == "random" { ParamSource::Random(a.seed) } else { ParamSource::File(a.init.clone().into()) };
+        prefetch(model, src)
+    });
 
     let opts = PipelineOptions {
         // Without accumulation over micro-steps the gradients are transients of the step.
@@ -82,7 +87,8 @@ pub fn run(a: RunArgs) -> CliResult {
     let ex = built.ex.as_mut();
     phases.compile = t_compile.elapsed().as_secs_f64();
 
-    // Parameters go to the executor one tensor at a time, as f32: no host copy of the model.
+    // Parameters go to the executor one tensor at a time, as f32, as the producer hands them
+    // over: no host copy of the model.
     let t_init = Instant::now();
     let (start, first_loss) = match &a.resume {
         Some(dir) => {
@@ -92,8 +98,7 @@ pub fn run(a: RunArgs) -> CliResult {
             (step, Some(first))
         }
         None => {
-            let src = if a.init == "random" { ParamSource::Random(a.seed) } else { ParamSource::File(a.init.as_ref()) };
-            load_params(ex, run.step()?, &model, src)?;
+            params.ok_or("internal: no parameters prepared")?.load(ex, run.step()?)?;
             (0, None)
         }
     };
