@@ -18,6 +18,8 @@
 //!   (`ds = scale p (dp - rowsum(dout * out))`, 0 above the diagonal). One warp per score row,
 //!   shuffle reductions in a fixed order.
 //! - `fusec_iota_f32` / `fusec_iota_i32`: `out[i] = (i / inner) % len`.
+//! - `fusec_round_bf16`: `out[i] = bf16(in[i])` (nearest even; the bf16 copies of the weights
+//!   made on the device from the f32 values just uploaded).
 //! - `fusec_gemm_epilogue`: after a cuBLAS product, `t (+ bias[c])`, GELU with the
 //!   pre-activation saved, `acc + t`, in `Op::Gemm`'s order (flags 1 bias, 2 GELU, 4 accumulate).
 //! - `fusec_gemm_epilogue_mixed`: the same after an f32 product when some of it is bf16 (the
@@ -219,6 +221,10 @@ extern "C" __global__ void __launch_bounds__(256) fusec_attn_dscores(const float
   const float* pr = p + row * T;
   float* x = dp + row * T;
   for (int j = lane; j < T; j += 32) x[j] = j <= i ? scale * pr[j] * (x[j] - dsum) : 0.0f;
+}
+extern "C" __global__ void __launch_bounds__(256) fusec_round_bf16(unsigned short* out, const float* in, long long n) {
+  const long long i = (long long)blockIdx.x * 256 + threadIdx.x;
+  if (i < n) out[i] = f32_to_bf16(in[i]);
 }
 extern "C" __global__ void __launch_bounds__(256) fusec_iota_f32(float* out, long long n, long long inner, long long len) {
   const long long i = (long long)blockIdx.x * 256 + threadIdx.x;

@@ -15,6 +15,12 @@ pub trait Executor {
     fn set(&mut self, name: &str, t: Tensor) -> Result<(), String>;
     /// Reads a named tensor back.
     fn get(&self, name: &str) -> Result<Tensor, String>;
+    /// Sets `copy` to the values of `name` (just set from `data`) rounded to `dtype`: the bf16
+    /// copies of the weights. Executors that hold both on the device round there.
+    fn set_copy(&mut self, name: &str, copy: &str, dtype: DType, shape: &[usize], data: &[f32]) -> Result<(), String> {
+        let _ = name;
+        self.set_f32(copy, dtype, shape, data)
+    }
     /// Sets a named tensor to zeros (executors that hold device or arena memory override this to
     /// avoid building a host tensor).
     fn set_zeros(&mut self, name: &str, dtype: DType, shape: Vec<usize>) -> Result<(), String> {

@@ -4,7 +4,8 @@
 
 use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
-use std::sync::mpsc::{sync_channel, Receiver};
+use std::sync::mpsc::{channel, Receiver};
+use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 
 use fusec_ir::interp::Tensor;
@@ -54,12 +55,48 @@ pub enum ParamSource {
     File(PathBuf),
 }
 
-/// Tensors a producer may have ready before the executor takes them (host memory: this many
-/// tensors, the one being made and the one being uploaded).
-const AHEAD: usize = 2;
+/// Bytes of parameters a producer may have ready before the executor takes them: all of GPT-2
+/// 124M's (drawn while compiling), 1 GiB of larger models' (the host-memory allowance).
+const AHEAD_BYTES: usize = 1 << 30;
 
 /// One parameter as produced: name, shape, values.
 type Produced = (String, Vec<usize>, Vec<f32>);
+
+/// Bytes produced and not yet taken (and whether the taker is gone), and its signal.
+#[derive(Default)]
+struct Budget {
+    waiting: Mutex<(usize, bool)>,
+    taken: Condvar,
+}
+
+impl Budget {
+    /// Waits until `bytes` more fit (or nothing waits: a tensor larger than the budget goes
+    /// alone; or the taker is gone), then counts them.
+    fn reserve(&self, bytes: usize) {
+        let mut w = self.waiting.lock().unwrap_or_else(|e| e.into_inner());
+        while !w.1 && w.0 > 0 && w.0 + bytes > AHEAD_BYTES {
+            w = self.taken.wait(w).unwrap_or_else(|e| e.into_inner());
+        }
+        w.0 += bytes;
+    }
+
+    fn release(&self, bytes: usize, gone: bool) {
+        let mut w = self.waiting.lock().unwrap_or_else(|e| e.into_inner());
+        w.0 = w.0.saturating_sub(bytes);
+        w.1 |= gone;
+        self.taken.notify_one();
+    }
+}
+
+/// Frees a producer waiting for room when the [`Prefetched`] holding it is dropped (its sends
+/// then fail and it stops).
+struct Taker(Arc<Budget>);
+
+impl Drop for Taker {
+    fn drop(&mut self) {
+        self.0.release(0, true);
+    }
+}
 
 /// Parameters produced (drawn or read) on a background thread from the moment [`prefetch`]
 /// returns, in checkpoint order: producing them overlaps compiling, and each tensor's upload
@@ -67,15 +104,19 @@ type Produced = (String, Vec<usize>, Vec<f32>);
 pub struct Prefetched {
     cfg: Gpt2Config,
     rx: Receiver<Produced>,
+    taker: Taker,
     producer: JoinHandle<Result<Option<u32>, String>>,
 }
 
 /// Starts producing the parameters of a GPT-2 of config `cfg` from `src`.
 pub fn prefetch(cfg: Gpt2Config, src: ParamSource) -> Prefetched {
-    let (tx, rx) = sync_channel::<Produced>(AHEAD);
+    let (tx, rx) = channel::<Produced>();
+    let budget = Arc::new(Budget::default());
+    let gate = budget.clone();
     let producer = std::thread::spawn(move || {
         // A closed channel (the run stopped) ends the producer quietly.
         let mut sink = |name: &str, shape: &[usize], data: &[f32]| {
+            gate.reserve(data.len() * 4);
             tx.send((name.to_string(), shape.to_vec(), data.to_vec())).map_err(|_| "stopped".to_string())
         };
         match &src {
@@ -89,7 +130,7 @@ pub fn prefetch(cfg: Gpt2Config, src: ParamSource) -> Prefetched {
             }
         }
     });
-    Prefetched { cfg, rx, producer }
+    Prefetched { cfg, rx, taker: Taker(budget), producer }
 }
 
 impl Prefetched {
@@ -100,6 +141,7 @@ impl Prefetched {
         let inputs = input_names(step_graph);
         for (name, shape, data) in self.rx.iter() {
             set_param(ex, &inputs, &name, &shape, &data)?;
+            self.taker.0.release(data.len() * 4, false);
         }
         self.producer.join().map_err(|_| "the parameter producer panicked".to_string())?
     }
@@ -125,7 +167,7 @@ pub fn set_param(ex: &mut dyn Executor, inputs: &HashSet<String>, name: &str, sh
     ex.set_f32(name, DType::F32, shape, data)?;
     let copy = format!("{}{name}", fusec_passes::amp::COPY_PREFIX);
     if inputs.contains(&copy) {
-        ex.set_f32(&copy, DType::BF16, shape, data)?;
+        ex.set_copy(name, &copy, DType::BF16, shape, data)?;
     }
     for prefix in ["m.", "v.", "grad."] {
         let state = format!("{prefix}{name}");

@@ -97,8 +97,8 @@ pub(crate) struct Native {
     pub flash: HashMap<(usize, DType), [CUfunction; 3]>,
 }
 
-/// Entry names of [`Native`], in field order.
-pub(crate) const NATIVE_ENTRIES: [&str; 13] = [
+/// Entry names of [`Native`], in field order, then `fusec_round_bf16` (the executor's).
+pub(crate) const NATIVE_ENTRIES: [&str; 14] = [
     "fusec_gather",
     "fusec_scatter_count",
     "fusec_scatter_offsets",
@@ -112,6 +112,7 @@ pub(crate) const NATIVE_ENTRIES: [&str; 13] = [
     "fusec_iota_i32",
     "fusec_gemm_epilogue",
     "fusec_gemm_epilogue_mixed",
+    "fusec_round_bf16",
 ];
 
 /// A compiled fused kernel: its source (launch rules) and one function per rule.
