@@ -47,9 +47,10 @@ pub(crate) const ROWS_PER_THREAD: u64 = 8;
 pub(crate) const MAX_CHUNKS: u64 = 1024;
 /// Column partials kept in registers per thread at most (beyond: in scratch).
 pub(crate) const MAX_REG_PARTIALS: u64 = 32;
-/// Shared memory a row kernel may use for copies of the row views that several passes read
-/// (`emit/rows.rs`): 99 KiB, the most a block may opt into on sm_86/sm_89 (sm_80: 163 KiB,
-/// sm_90: 227 KiB) less room for the team reduction's 128 bytes; two such blocks fit an H100's SM.
+/// Dynamic shared memory a row kernel may use (`emit/rows.rs`): for copies of the row views
+/// that several passes read (one team a block), or for the column partials of warp-wide teams
+/// (never both): 99 KiB, the most a block may opt into on sm_86/sm_89 (sm_80: 163 KiB, sm_90:
+/// 227 KiB), less room for the team reduction's 128 bytes; two such blocks fit an H100's SM.
 pub(crate) const STAGE_MAX_BYTES: u64 = 99 * 1024 - 256;
 
 /// The thread layout of a program's main kernel.

@@ -216,6 +216,11 @@ fn the_124m_bf16_step_reads_and_writes_bf16_rows_16_bytes_a_thread() {
     assert!(ce.contains("extern __shared__ __align__(16) unsigned char stage[];"), "{ce}");
     let rule = &bf.iter().find(|s| s.name == "cast_cross_entropy_with_grad").expect("classifier").launches[0];
     assert_eq!(rule.shared, 50304 * 2, "the staged row's bytes");
+    // The LayerNorm gradient's three column sums (24 partials a lane each): in each warp's
+    // slice of shared memory, not 72 registers.
+    let lg = bf.iter().find(|s| s.name == "cast_layernorm_grad_add_reduce_sum").expect("LayerNorm gradient");
+    assert!(lg.source.contains("(float*)(stage + 0) + (threadIdx.x / 32) * 768 + lane;"), "{}", lg.source);
+    assert_eq!(lg.launches[0].shared, 3 * 24 * 32 * 8 * 4);
     assert!(ce.contains("st_b32x4(&out1[r * 50304 + c], w"), "{ce}");
     // One scalar load a row: the target's logit, read directly for the loss.
     assert_eq!(ce.matches("bf16_to_f32(in0[").count(), 1, "{ce}");
