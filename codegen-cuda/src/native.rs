@@ -4,13 +4,14 @@
 //!   writes 0 and raises the error word (`err[0] = 1`, `err[1]` the index, `err[2]` the position).
 //! - Scatter-add, the adjoint, deterministic, in [`SCATTER_ENTRIES`]' five launches: the
 //!   positions of each output row as a CSR list (`count`: integer atomics, `offsets`: one block's
-//!   prefix sum, `fill`: each position into its row's list), `sort`: a block per output row
-//!   sorts its list into increasing position (a bitonic sort in shared memory up to
-//!   [`SCATTER_SORT`] entries, ranks from global memory beyond), `sum`: a block per output row and 128 columns; warp `w` sums
-//!   the `w`-th eighth of the sorted list, the eight partial rows are added in warp order. The
-//!   order of every sum is a function of the indices alone (no float atomics): same input,
-//!   same bits. Every output row is written (0 where no index points). The earlier design (a
-//!   block per 16 output rows scanning every index) took 0.67 ms a GPT-2 124M step on an H100.
+//!   prefix sum, which also lists the rows some index points to), `sort`: a block per listed
+//!   row sorts its list into increasing position (a bitonic sort in shared memory up to
+//!   [`SCATTER_SORT`] entries, ranks from global memory beyond), `sum`: a block per listed row
+//!   and 128 columns; warp `w` sums the `w`-th eighth of the sorted list, the eight partial rows
+//!   are added in warp order. The order of every sum is a function of the indices alone (no
+//!   float atomics): same input, same bits. The other rows are zeroed by a memset first. The
+//!   grids have one block per index at most, not per output row: launching 50,304 x 6 blocks
+//!   for `wte`, most of them for rows no token of the batch uses, had kept it at 0.5 ms.
 //! - Causal attention around cuBLAS products (the runtime runs `q k^T`, `p v` and the backward
 //!   products as batched GEMMs): `fusec_attn_softmax` (row max, sum of `exp`, the log-sum-exp
 //!   saved, `p = exp(scale s - lse)` below the diagonal, 0 above), `fusec_attn_probs` (`p` again
@@ -94,23 +95,29 @@ extern "C" __global__ void __launch_bounds__(256) fusec_scatter_count(const int*
   if (t < 0 || t >= rows) { err[0] = 1; err[1] = t; err[2] = s; return; }
   atomicAdd(&count[t], 1);
 }
-extern "C" __global__ void __launch_bounds__(1024) fusec_scatter_offsets(const int* count, int* offs, int* cursor, int rows) {
-  __shared__ int part[1024];
+extern "C" __global__ void __launch_bounds__(1024) fusec_scatter_offsets(const int* count, int* offs, int* cursor, int* nz, int rows) {
+  __shared__ int part[1024], used[1024];
   const int per = (rows + 1023) / 1024;
   const int lo = min(rows, (int)threadIdx.x * per), hi = min(rows, lo + per);
-  int sum = 0;
-  for (int r = lo; r < hi; ++r) sum += count[r];
+  int sum = 0, rows_used = 0;
+  for (int r = lo; r < hi; ++r) { sum += count[r]; rows_used += count[r] > 0; }
   part[threadIdx.x] = sum;
+  used[threadIdx.x] = rows_used;
   __syncthreads();
   for (int o = 1; o < 1024; o <<= 1) {
     const int v = threadIdx.x >= o ? part[threadIdx.x - o] : 0;
+    const int u = threadIdx.x >= o ? used[threadIdx.x - o] : 0;
     __syncthreads();
     part[threadIdx.x] += v;
+    used[threadIdx.x] += u;
     __syncthreads();
   }
-  int run = part[threadIdx.x] - sum;
-  for (int r = lo; r < hi; ++r) { offs[r] = run; cursor[r] = run; run += count[r]; }
-  if (threadIdx.x == 1023) offs[rows] = part[1023];
+  int run = part[threadIdx.x] - sum, k = used[threadIdx.x] - rows_used;
+  for (int r = lo; r < hi; ++r) {
+    offs[r] = run; cursor[r] = run; run += count[r];
+    if (count[r] > 0) nz[1 + k++] = r;
+  }
+  if (threadIdx.x == 1023) { offs[rows] = part[1023]; nz[0] = used[1023]; }
 }
 extern "C" __global__ void __launch_bounds__(256) fusec_scatter_fill(const int* idx, int* cursor, int* slots, int rows, int n) {
   const int s = blockIdx.x * 256 + threadIdx.x;
@@ -118,9 +125,11 @@ extern "C" __global__ void __launch_bounds__(256) fusec_scatter_fill(const int* 
   const int t = idx[s];
   if (t >= 0 && t < rows) slots[atomicAdd(&cursor[t], 1)] = s;
 }
-extern "C" __global__ void __launch_bounds__(256) fusec_scatter_sort(const int* offs, const int* slots, int* sorted) {
+extern "C" __global__ void __launch_bounds__(256) fusec_scatter_sort(const int* offs, const int* nz, const int* slots, int* sorted) {
   __shared__ int sl[SCATTER_SORT];
-  const int o = offs[blockIdx.x], len = offs[blockIdx.x + 1] - o;
+  if ((int)blockIdx.x >= nz[0]) return;
+  const int r = nz[1 + blockIdx.x];
+  const int o = offs[r], len = offs[r + 1] - o;
   if (len <= SCATTER_SORT) {
     // Bitonic sort of the list padded to a power of two with INT_MAX.
     int p = 1;
@@ -150,9 +159,10 @@ extern "C" __global__ void __launch_bounds__(256) fusec_scatter_sort(const int* 
     sorted[o + k] = v;
   }
 }
-extern "C" __global__ void __launch_bounds__(256) fusec_scatter_sum(const float* src, const int* offs, const int* sorted, float* out, int cols) {
+extern "C" __global__ void __launch_bounds__(256) fusec_scatter_sum(const float* src, const int* offs, const int* nz, const int* sorted, float* out, int cols) {
   __shared__ float part[8][32 * SCATTER_VEC];
-  const int r = blockIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  if ((int)blockIdx.x >= nz[0]) return;
+  const int r = nz[1 + blockIdx.x], warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int o = offs[r], len = offs[r + 1] - o;
   const int j0 = (int)((long long)len * warp / 8), j1 = (int)((long long)len * (warp + 1) / 8);
   const int c0 = blockIdx.y * 32 * SCATTER_VEC + lane * SCATTER_VEC;

@@ -168,13 +168,15 @@ impl Builder<'_> {
         self.scratch = self.scratch.max(bytes.div_ceil(256) * 256);
     }
 
-    /// The five launches of a deterministic scatter-add (see `fusec_codegen_cuda::native`): the
-    /// CSR lists of positions per output row live in scratch (`count`, `offs`, `cursor`,
-    /// `slots`, `sorted`: 32-bit words, `3 rows + 2 n + 1` of them).
+    /// The launches of a deterministic scatter-add (see `fusec_codegen_cuda::native`): the CSR
+    /// lists of positions per output row live in scratch (`count`, `offs`, `cursor`, `slots`,
+    /// `sorted`, and `nz`, the count and list of rows with positions: 32-bit words, `4 rows +
+    /// 2 n + 2` of them); the output is zeroed first.
     fn scatter_add(&mut self, s: &launches::ScatterAdd, err: Addr) -> Result<Vec<Step>, String> {
         let too_big = || format!("scatter_add: {} rows and {} indices exceed the kernels' 32-bit indexing", s.rows, s.n);
         let words =
-            s.rows.checked_mul(3).and_then(|w| w.checked_add(s.n.checked_mul(2)?)).and_then(|w| w.checked_add(1)).ok_or_else(too_big)?;
+            s.rows.checked_mul(4).and_then(|w| w.checked_add(s.n.checked_mul(2)?)).and_then(|w| w.checked_add(2)).ok_or_else(too_big)?;
+        let out_words = s.rows.checked_mul(s.cols).ok_or_else(too_big)?;
         let col_blocks = (s.cols as u64).div_ceil(32 * fusec_codegen_cuda::native::SCATTER_VEC as u64);
         if i32::try_from(words).is_err() || col_blocks > 65535 {
             return Err(too_big());
@@ -186,6 +188,9 @@ impl Builder<'_> {
         let (rows, n) = (s.rows as u64, s.n as u64);
         let at = |w: u64| Arg::Ptr(Addr::Scratch(w * 4));
         let (count, offs, cursor, slots, sorted) = (at(0), at(rows), at(2 * rows + 1), at(3 * rows + 1), at(3 * rows + 1 + n));
+        let nz = at(3 * rows + 1 + 2 * n);
+        // One block per row some index points to, at most one per index.
+        let listed = s.rows.min(s.n).max(1) as u32;
         let (ri, ni, ci) = (Arg::I32(s.rows as i32), Arg::I32(s.n as i32), Arg::I32(s.cols as i32));
         let (src, idx, out) = (Arg::Ptr(Addr::Plan(s.src)), Arg::Ptr(Addr::Plan(s.idx)), Arg::Ptr(Addr::Plan(s.out)));
         let f = self.native.scatter;
@@ -194,10 +199,11 @@ impl Builder<'_> {
         Ok(vec![
             Step::Fill32 { dst: Addr::Scratch(0), bits: 0, n: s.rows },
             Step::Kernel { f: f[0], grid: by_index, block, shared: 0, args: vec![idx, count, ri, ni, Arg::Ptr(err)] },
-            Step::Kernel { f: f[1], grid: [1, 1, 1], block: [1024, 1, 1], shared: 0, args: vec![count, offs, cursor, ri] },
+            Step::Kernel { f: f[1], grid: [1, 1, 1], block: [1024, 1, 1], shared: 0, args: vec![count, offs, cursor, nz, ri] },
             Step::Kernel { f: f[2], grid: by_index, block, shared: 0, args: vec![idx, cursor, slots, ri, ni] },
-            Step::Kernel { f: f[3], grid: [s.rows as u32, 1, 1], block, shared: 0, args: vec![offs, slots, sorted] },
-            Step::Kernel { f: f[4], grid: [s.rows as u32, col_blocks as u32, 1], block, shared: 0, args: vec![src, offs, sorted, out, ci] },
+            Step::Kernel { f: f[3], grid: [listed, 1, 1], block, shared: 0, args: vec![offs, nz, slots, sorted] },
+            Step::Fill32 { dst: Addr::Plan(s.out), bits: 0, n: out_words },
+            Step::Kernel { f: f[4], grid: [listed, col_blocks as u32, 1], block, shared: 0, args: vec![src, offs, nz, sorted, out, ci] },
         ])
     }
 
