@@ -156,6 +156,12 @@ fn classify(op: &Op) -> Class {
     }
 }
 
+/// Whether the pass may put `op` in a kernel with its operands' producers (an elementwise op,
+/// a reduction, or a node it copies into its readers).
+pub(crate) fn joins_producers(op: &Op) -> bool {
+    matches!(classify(op), Class::Pointwise | Class::Absorb | Class::Reduce)
+}
+
 /// A value a node reads, seen through the absorbable nodes in between.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Read {

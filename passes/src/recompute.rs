@@ -140,7 +140,7 @@ fn order(g: &Graph, last_forward: usize, recomputable: &[bool]) -> Vec<usize> {
         }
         // After the gradient's own elementwise and reduction readers (its kernel's epilogue):
         // before the next node that a kernel does not absorb.
-        let at = (y + 1..n).find(|&j| !absorbable(&g.nodes[j].op)).unwrap_or(n);
+        let at = (y + 1..n).find(|&j| !crate::fuse_elementwise::joins_producers(&g.nodes[j].op)).unwrap_or(n);
         for (i, _) in dep.iter().enumerate().filter(|(_, d)| **d) {
             moved[i] = true;
             before[at].push(i);
@@ -154,11 +154,6 @@ fn order(g: &Graph, last_forward: usize, recomputable: &[bool]) -> Vec<usize> {
         }
     }
     out
-}
-
-/// Whether `fuse-elementwise` may put `op` in a kernel with its operands' producers.
-fn absorbable(op: &Op) -> bool {
-    op.is_elementwise() || matches!(op, Op::Reduce { .. } | Op::Reshape { .. } | Op::Broadcast { .. } | Op::Const { .. })
 }
 
 /// Whether casting `v` to `to` widens a float (bf16 to f32).

@@ -51,14 +51,7 @@ __device__ __forceinline__ float ex2(float x) {
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
 }
-__device__ __forceinline__ float quad_max(float x) {
-  x = fmaxf(x, __shfl_xor_sync(FULL, x, 1));
-  return fmaxf(x, __shfl_xor_sync(FULL, x, 2));
-}
-__device__ __forceinline__ float quad_sum(float x) {
-  x = x + __shfl_xor_sync(FULL, x, 1);
-  return x + __shfl_xor_sync(FULL, x, 2);
-}
+// QUAD_REDUCTIONS
 // Rows [r0, r0 + R) of a row-major bf16 matrix (row stride `stride` elements, HD columns from
 // `base`) into shared memory at byte address `sm` (rows of LDS elements), by NT threads, 16
 // bytes each; rows at or past T are zeros.

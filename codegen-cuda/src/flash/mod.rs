@@ -20,6 +20,17 @@ pub mod tf32;
 
 use fusec_ir::DType;
 
+/// Reductions over the four lanes (`t = lane % 4`) that hold one row of an `mma` accumulator,
+/// shared by both families (spliced in where their sources say `// QUAD_REDUCTIONS`).
+const QUAD_REDUCTIONS: &str = r#"__device__ __forceinline__ float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(FULL, x, 1));
+  return fmaxf(x, __shfl_xor_sync(FULL, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+  x = x + __shfl_xor_sync(FULL, x, 1);
+  return x + __shfl_xor_sync(FULL, x, 2);
+}"#;
+
 /// The oldest architecture with the `mma.sync` shapes both families use (compute capability 8.0).
 pub const MIN_ARCH: (i32, i32) = (8, 0);
 
@@ -81,14 +92,15 @@ pub fn name(d: usize, dtype: DType) -> String {
 
 /// The CUDA C of the three kernels for head size `d` on storage `dtype` (see [`supported`]).
 pub fn source(d: usize, dtype: DType) -> String {
-    match family(d, dtype) {
+    let src = match family(d, dtype) {
         Some(Family::Tf32) => tf32::source(d, dtype, &name(d, dtype)),
         Some(Family::Bf16) => {
             let head = format!("// {} (fusec: {})\n", name(d, dtype), crate::CODEGEN_REVISION);
             head + &bf16::source(d, &bf16::Config::for_head(d))
         }
         None => panic!("flash attention for head size {d} on {dtype} storage"),
-    }
+    };
+    src.replacen("// QUAD_REDUCTIONS", QUAD_REDUCTIONS, 1)
 }
 
 /// The CUDA C of kernel `entry` of [`ENTRIES`] alone (the module's other kernels are left out

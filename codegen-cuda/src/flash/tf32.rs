@@ -153,14 +153,7 @@ __device__ __forceinline__ void mma_pv(float (*acc)[4], const float* p, const fl
 #pragma unroll
   for (int dn = 0; dn < KC; ++dn) mma8(acc[dn], a, sm[(k0 + 2 * t) * LD + dn * 8 + g], sm[(k0 + 2 * t + 1) * LD + dn * 8 + g]);
 }
-__device__ __forceinline__ float quad_max(float x) {
-  x = fmaxf(x, __shfl_xor_sync(FULL, x, 1));
-  return fmaxf(x, __shfl_xor_sync(FULL, x, 2));
-}
-__device__ __forceinline__ float quad_sum(float x) {
-  x = x + __shfl_xor_sync(FULL, x, 1);
-  return x + __shfl_xor_sync(FULL, x, 2);
-}
+// QUAD_REDUCTIONS
 // Rows `row0` and `row0 + 8` of a 16 x HD accumulator into a row-major matrix.
 __device__ __forceinline__ void store_rows(elem* base, long long stride, const float (*acc)[4], int row0, int T, int t, const float* mul) {
 #pragma unroll
