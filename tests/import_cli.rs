@@ -19,6 +19,11 @@ const V: usize = 100;
 const VP: usize = 128;
 const T: usize = 16;
 
+/// Tensors as (name, shape, values).
+type Tensors = Vec<(String, Vec<usize>, Vec<f32>)>;
+/// Tensors by name: (shape, values).
+type ByName = BTreeMap<String, (Vec<usize>, Vec<f32>)>;
+
 fn fusec(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_fusec")).args(args).output().unwrap()
 }
@@ -41,7 +46,7 @@ fn s(p: &Path) -> &str {
 
 /// The tensors of a Hugging Face GPT-2 with known values, in the official file's order.
 /// Every value has at most 8 significant bits: exact in F16 and BF16.
-fn hf_model() -> Vec<(String, Vec<usize>, Vec<f32>)> {
+fn hf_model() -> Tensors {
     let mut shapes = vec![("wte.weight".to_string(), vec![V, C]), ("wpe.weight".to_string(), vec![T, C])];
     for l in 0..L {
         for (part, shape) in [
@@ -125,7 +130,7 @@ fn config_json() -> String {
 }
 
 /// Reads every tensor of a safetensors file (F32 only) by name, and its metadata.
-fn read_safetensors(path: &Path) -> (BTreeMap<String, (Vec<usize>, Vec<f32>)>, Value) {
+fn read_safetensors(path: &Path) -> (ByName, Value) {
     let bytes = std::fs::read(path).unwrap();
     let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
     let header: Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
