@@ -139,4 +139,7 @@ fn bad_input_names_the_file_and_line() {
     refused(&[s(&old), "-o", s(&d.join("x.pdf"))], &["x.pdf", ".svg or .png"]);
     refused(&[s(&old), s(&old), "-o", s(&out), "--label", "one"], &["1 --label for 2 logs"]);
     refused(&[s(&old), "-o", s(&d.join("no/such/dir/x.svg"))], &["x.svg", "cannot write"]);
+    let wide = d.join("wide.jsonl");
+    std::fs::write(&wide, "{\"step\":0,\"loss\":1e308}\n{\"step\":1,\"loss\":-1e308}\n").unwrap();
+    refused(&[s(&wide), "-o", s(&out)], &["too wide to draw"]);
 }

@@ -86,22 +86,25 @@ fn draw<DB: DrawingBackend>(root: DrawingArea<DB, Shift>, series: &[Series], cha
     font()?;
     let e = |e: DrawingAreaErrorKind<DB::ErrorType>| format!("drawing the chart: {e}");
     let points = || series.iter().flat_map(|s| s.train.iter().chain(&s.val));
-    let (x_max, y) = (points().map(|p| p.0).fold(0.0, f64::max), span(points().map(|p| p.1)));
+    let (x_max, y) = (points().map(|p| p.0).fold(0.0, f64::max), span(points().map(|p| p.1))?);
     let x_max = if x_max > 0.0 { x_max } else { 1.0 };
     root.fill(&WHITE).map_err(e)?;
     let mut c = ChartBuilder::on(&root)
         .caption(&chart.title, (FAMILY, 22))
         .margin(16)
         .x_label_area_size(44)
-        .y_label_area_size(60)
+        .y_label_area_size(64)
         .build_cartesian_2d(0.0..x_max, y.0..y.1)
         .map_err(e)?;
     let count = |x: &f64| if chart.x_is_tokens { si(*x) } else { format!("{x:.0}") };
+    // Whole steps only: a short run gets one label per step.
+    let x_labels = if chart.x_is_tokens || x_max >= 10.0 { 10 } else { x_max as usize + 1 };
     c.configure_mesh()
+        .x_labels(x_labels)
         .x_desc(&chart.x_label)
         .y_desc("loss")
         .x_label_formatter(&count)
-        .y_label_formatter(&|y| format!("{y:.2}"))
+        .y_label_formatter(&|v| loss_label(*v, y.1 - y.0))
         .label_style((FAMILY, 14))
         .axis_desc_style((FAMILY, 16))
         .light_line_style(RGBColor(240, 240, 240))
@@ -136,11 +139,27 @@ fn draw<DB: DrawingBackend>(root: DrawingArea<DB, Shift>, series: &[Series], cha
     root.present().map_err(e)
 }
 
-/// The y range: the values' span with 5% room on each side (never empty).
-fn span(values: impl Iterator<Item = f64>) -> (f64, f64) {
+/// The y range: the values' span with 5% room on each side (never empty); an error when it is
+/// too wide to draw (its width overflows).
+fn span(values: impl Iterator<Item = f64>) -> Result<(f64, f64), String> {
     let (lo, hi) = values.fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), v| (lo.min(v), hi.max(v)));
     let pad = if hi > lo { 0.05 * (hi - lo) } else { 0.5 };
-    (lo - pad, hi + pad)
+    let (a, b) = (lo - pad, hi + pad);
+    if a.is_finite() && b.is_finite() && (b - a).is_finite() {
+        Ok((a, b))
+    } else {
+        Err(format!("the losses range from {lo:e} to {hi:e}: too wide to draw"))
+    }
+}
+
+/// A loss axis label: two decimals, up to six when the axis spans less than 0.1, and
+/// scientific notation for huge values.
+fn loss_label(v: f64, span: f64) -> String {
+    if v.abs() >= 1e6 {
+        return format!("{v:.2e}");
+    }
+    let decimals = ((-span.log10()).ceil() as i64 + 1).clamp(2, 6) as usize;
+    format!("{v:.decimals$}")
 }
 
 /// A count with an SI suffix: 512, 65.5k, 1.2M, 3B.
@@ -161,13 +180,20 @@ mod tests {
     use super::*;
 
     #[test]
+    fn loss_labels_have_the_digits_the_axis_needs() {
+        assert_eq!([loss_label(5.25, 3.0), loss_label(5.25, 0.001), loss_label(2e300, 1e300)], ["5.25", "5.2500", "2.00e300"]);
+    }
+
+    #[test]
     fn si_suffixes() {
         assert_eq!([si(0.0), si(512.0), si(65536.0), si(1.5e6), si(3e9)], ["0", "512", "65.54k", "1.5M", "3B"]);
     }
 
     #[test]
-    fn span_is_never_empty() {
-        assert_eq!(span([2.0].into_iter()), (1.5, 2.5));
-        assert_eq!(span([1.0, 3.0].into_iter()), (0.9, 3.1));
+    fn span_is_never_empty_nor_infinite() {
+        assert_eq!(span([2.0].into_iter()), Ok((1.5, 2.5)));
+        let (a, b) = span([1.0, 3.0].into_iter()).unwrap();
+        assert!((a - 0.9).abs() < 1e-12 && (b - 3.1).abs() < 1e-12);
+        assert!(span([1e308, -1e308].into_iter()).unwrap_err().contains("too wide"));
     }
 }
