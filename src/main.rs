@@ -4,6 +4,9 @@
 mod out;
 mod cmd_dump;
 mod cmd_export;
+mod cmd_export_weights;
+mod cmd_import;
+mod cmd_plot;
 mod cmd_prepare;
 mod cmd_run;
 mod report;
@@ -30,6 +33,12 @@ enum Command {
     Run(cmd_run::RunArgs),
     /// Tokenize text with GPT-2 BPE into llm.c token files (train and val).
     Prepare(cmd_prepare::PrepareArgs),
+    /// Draw the loss curves of `run --log-json` logs as SVG or PNG.
+    Plot(cmd_plot::PlotArgs),
+    /// Convert Hugging Face GPT-2 weights (safetensors + config.json) into an llm.c checkpoint.
+    Import(cmd_import::ImportArgs),
+    /// Write an llm.c checkpoint as Hugging Face GPT-2 weights (safetensors + config.json).
+    ExportWeights(cmd_export_weights::ExportWeightsArgs),
     /// Internal: compile CUDA modules sent on stdin with NVRTC (a cold build's worker process).
     #[command(hide = true)]
     NvrtcWorker,
@@ -48,6 +57,9 @@ fn main() -> ExitCode {
         Command::Export(a) => cmd_export::export(a),
         Command::Run(a) => cmd_run::run(a),
         Command::Prepare(a) => cmd_prepare::prepare(a),
+        Command::Plot(a) => cmd_plot::plot(a),
+        Command::Import(a) => cmd_import::import(a),
+        Command::ExportWeights(a) => cmd_export_weights::export_weights(a),
         Command::NvrtcWorker => fusec_codegen_cuda::nvrtc::workers::serve(),
     };
     match result {

@@ -20,7 +20,16 @@ fn text(b: &[u8]) -> String {
 
 #[test]
 fn every_command_has_help() {
-    for args in [vec!["--help"], vec!["dump", "--help"], vec!["export", "--help"], vec!["run", "--help"], vec!["prepare", "--help"]] {
+    for args in [
+        vec!["--help"],
+        vec!["dump", "--help"],
+        vec!["export", "--help"],
+        vec!["run", "--help"],
+        vec!["prepare", "--help"],
+        vec!["plot", "--help"],
+        vec!["import", "--help"],
+        vec!["export-weights", "--help"],
+    ] {
         let o = fusec(&args);
         assert!(o.status.success(), "{args:?}");
         assert!(text(&o.stdout).contains("Usage"), "{args:?}");

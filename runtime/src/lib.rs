@@ -11,7 +11,9 @@
 //!   [`checkpoint`], [`params`]: llm.c's token files and checkpoints and the data loader;
 //!   [`savedir`]: checkpoint folders (`model.bin` + [`state`]) for exact resume, written
 //!   through [`atomic`] so that they are never torn; [`host`]: the process's host memory;
-//!   [`tokenizer`], [`sample`]: GPT-2 BPE and sampling; [`corpus`]: the embedded demo corpus.
+//!   [`tokenizer`], [`sample`]: GPT-2 BPE and sampling; [`corpus`]: the embedded demo corpus;
+//!   [`hf_gpt2`]: Hugging Face GPT-2 weights to and from llm.c checkpoints, through
+//!   [`safetensors_io`].
 
 pub mod atomic;
 pub mod checkpoint;
@@ -21,12 +23,14 @@ pub mod cuda;
 pub mod data;
 pub mod executor;
 pub mod file_error;
+pub mod hf_gpt2;
 pub mod host;
 pub mod launches;
 pub mod layout;
 pub mod params;
 pub mod profile;
 pub mod programs;
+pub mod safetensors_io;
 pub mod sample;
 pub mod savedir;
 pub mod schedule;

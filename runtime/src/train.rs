@@ -40,7 +40,10 @@ pub struct TrainConfig {
     pub val_every: Option<usize>,
     /// Validation batches per evaluation.
     pub val_batches: usize,
-    /// Write one JSON object per step here.
+    /// Write one JSON object per step here: `step` (0-based), `loss`, `lr`, `tokens` (trained on
+    /// up to and including this step), `ms`, `val_loss` (measured before the step, when
+    /// validating then) and `grad_norm` (when clipping); after the last step
+    /// `{"step":N,"val_loss":x}` when validating. `fusec plot` draws it.
     pub log_json: Option<PathBuf>,
     /// Stop when a step's loss exceeds this many times the first step's loss, if set.
     pub divergence_factor: Option<f64>,
@@ -224,7 +227,7 @@ pub fn train_with(
         ex.zero_grads()?;
         let rec = StepLog { step, loss, lr, ms: t0.elapsed().as_secs_f64() * 1e3, val_loss, grad_norm };
         if let Some(f) = log_file.as_mut() {
-            writeln!(f, "{}", json_line(&rec)).map_err(|e| format!("writing the JSON log: {e}"))?;
+            writeln!(f, "{}", json_line(&rec, (step + 1) * b * t * k)).map_err(|e| format!("writing the JSON log: {e}"))?;
         }
         after_step(ex, &rec)?;
         out.logs.push(rec);
@@ -269,8 +272,9 @@ fn json_num(x: f64) -> String {
     }
 }
 
-fn json_line(r: &StepLog) -> String {
-    let mut s = format!("{{\"step\":{},\"loss\":{},\"lr\":{},\"ms\":{:.3}", r.step, json_num(r.loss), r.lr, r.ms);
+/// A step's JSON record; `tokens`: the tokens trained on up to and including this step.
+fn json_line(r: &StepLog, tokens: usize) -> String {
+    let mut s = format!("{{\"step\":{},\"loss\":{},\"lr\":{},\"tokens\":{tokens},\"ms\":{:.3}", r.step, json_num(r.loss), r.lr, r.ms);
     if let Some(v) = r.val_loss {
         s += &format!(",\"val_loss\":{}", json_num(v));
     }

@@ -76,6 +76,7 @@ fn json_log_has_one_object_per_step() {
         assert_eq!(l["step"].as_u64().unwrap() as usize, rec.step);
         assert!((l["loss"].as_f64().unwrap() - rec.loss).abs() < 1e-12);
         assert!(l["lr"].as_f64().is_some() && l["ms"].as_f64().is_some());
+        assert_eq!(l["tokens"].as_u64().unwrap() as usize, (rec.step + 1) * cfg.batch * cfg.seq, "tokens through this step");
     }
     let _ = std::fs::remove_file(path);
 }
