@@ -119,7 +119,6 @@ fn default_labels(logs: &[PathBuf]) -> Vec<String> {
 
 /// The line `fusec run --log-json LOG` ends with: the command that draws the log, with
 /// `LOG`'s extension replaced by `.svg` (`plot it: fusec plot log.jsonl -o log.svg`).
-#[allow(dead_code)] // called by `fusec run` (src/cmd_run) at the end of a run with --log-json
 pub fn plot_hint(log: &Path) -> String {
     let mut svg = log.with_extension("svg");
     if svg == log {

@@ -157,6 +157,9 @@ pub fn run(a: RunArgs) -> CliResult {
     if let Some(path) = &a.save {
         errln!("saved {}", path.display());
     }
+    if let Some(log) = &a.log_json {
+        errln!("{}", crate::cmd_plot::plot_hint(log));
+    }
     if a.sample > 0 {
         let t = Instant::now();
         crate::sample::print_sample(ex, &model, a.batch, a.seq, a.sample, a.temperature, a.seed)?;
