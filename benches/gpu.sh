@@ -96,7 +96,8 @@ python3 - "$OUTDIR" "$OUTDIR/torch.jsonl" <<'EOF2'
 import glob, json, os, re, sys
 out = sys.argv[1]
 def rate(path):
-    steps = [json.loads(l) for l in open(path) if l.strip()]
+    # Step records only (a run's log ends with a validation-only line).
+    steps = [s for s in (json.loads(l) for l in open(path) if l.strip()) if "ms" in s]
     ms = sorted(s["ms"] for s in steps[1:]) or [steps[0]["ms"]]
     med = ms[len(ms) // 2]
     return med, 16 * 1024 / (med / 1000.0), steps[0]["loss"], steps[-1]["loss"]
