@@ -34,6 +34,7 @@
 
 pub mod clif;
 pub mod gemm;
+pub mod isa;
 mod jit;
 mod math;
 mod ops;

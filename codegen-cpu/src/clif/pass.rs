@@ -238,7 +238,7 @@ impl Gen<'_, '_> {
 
     /// Computes row max `r` of the operand row `v` (its first `k` columns) natively.
     fn call_native_max(&mut self, r: NodeId, v: &View, k: u64) -> R<()> {
-        let f = crate::vmath::native_max().ok_or("internal: no native row max")?;
+        let f = crate::vmath::native_max(self.isa).ok_or("internal: no native row max")?;
         let mut sig = Signature::new(self.cc);
         sig.params.extend([AbiParam::new(types::I64), AbiParam::new(types::I64), AbiParam::new(types::I64)]);
         sig.returns.push(AbiParam::new(types::F32));
@@ -268,7 +268,7 @@ impl Gen<'_, '_> {
     fn call_native(&mut self, o: &Offload) -> R<()> {
         let t = o.node;
         let Expr::Unary(u, _) = self.p.node(t).expr else { return Err(format!("internal: offloaded %{t} is not a unary op")) };
-        let f = crate::vmath::native(u).ok_or_else(|| format!("internal: no native routine for `{u:?}`"))?;
+        let f = crate::vmath::native(u, self.isa).ok_or_else(|| format!("internal: no native routine for `{u:?}`"))?;
         let mut sig = Signature::new(self.cc);
         sig.params.extend([AbiParam::new(types::I64), AbiParam::new(types::I64), AbiParam::new(types::I64), AbiParam::new(types::F32)]);
         for _ in 0..2 * PREFETCH_STREAMS {

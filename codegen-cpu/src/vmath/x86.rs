@@ -1,0 +1,96 @@
+//! What the AVX2 and AVX-512 row routines share: the polynomials, the prefetch schedule, and
+//! the final combination of a row max's 16 lanes.
+
+use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
+
+/// The Cephes `expf` polynomial, highest degree first (as `math::exp`).
+#[allow(clippy::excessive_precision)]
+pub(super) const EXP_P: [f32; 6] = [1.987_569_1e-4, 1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 1.666_666_5e-1, 5.000_000_1e-1];
+/// The Cephes `tanhf` polynomial (as `math::tanh`).
+#[allow(clippy::excessive_precision)]
+pub(super) const TANH_P: [f32; 5] = [-5.704_988_7e-3, 2.063_908_9e-2, -5.373_971_6e-2, 1.333_144_2e-1, -3.333_328_2e-1];
+/// `exp`'s argument range and Cody-Waite constants (as `math::exp`).
+pub(super) const EXP_HI: f32 = 89.0;
+pub(super) const EXP_LO: f32 = -104.0;
+pub(super) const LOG2E: f32 = std::f32::consts::LOG2_E;
+pub(super) const C1: f32 = 0.693_359_4;
+#[allow(clippy::excessive_precision)]
+pub(super) const C2: f32 = -2.121_944_4e-4;
+/// `2^23 + 2^22`: adding it rounds to an integer held in the low mantissa bits.
+pub(super) const MAGIC: f32 = 12_582_912.0;
+/// `tanh` switches from the odd polynomial to `1 - 2 / (e^{2|x|} + 1)` at this `|x|`.
+pub(super) const TANH_SMALL: f32 = 0.625;
+
+/// Byte ranges to prefetch into L2 while a row is computed (the next row of up to three
+/// operands and results), a few cache lines per 32 elements so the requests spread over it.
+pub(super) struct Prefetch {
+    streams: [(*const u8, usize); 3],
+    per: usize,
+}
+
+impl Prefetch {
+    /// The schedule for a row of `n` elements.
+    pub(super) fn new(streams: [(*const u8, usize); 3], n: usize) -> Prefetch {
+        let lines: usize = streams.iter().map(|s| s.1.div_ceil(64)).sum();
+        Prefetch { streams, per: lines.div_ceil(n.div_ceil(32).max(1)) }
+    }
+
+    /// Issues the next iteration's prefetches (the addresses need not be valid memory).
+    #[inline(always)]
+    pub(super) fn step(&mut self) {
+        let mut k = 0;
+        for s in self.streams.iter_mut() {
+            while k < self.per && s.1 > 0 {
+                // SAFETY: a prefetch never faults, whatever the address.
+                unsafe { _mm_prefetch::<_MM_HINT_T1>(s.0 as *const i8) };
+                s.0 = s.0.wrapping_add(64);
+                s.1 = s.1.saturating_sub(64);
+                k += 1;
+            }
+        }
+    }
+}
+
+/// `max_nan(a, b)` of the generated code: `b` if `b > a` or `b` is NaN, else `a`.
+#[inline(always)]
+fn max_nan(a: f32, b: f32) -> f32 {
+    if b > a || b.is_nan() {
+        b
+    } else {
+        a
+    }
+}
+
+/// A row max from its 16 lane maxima `l` (column `c < n4` went to lane `c % 16`) and their NaN
+/// flags, as the column loop combines them: copies `(0 ⊕ 1) ⊕ (2 ⊕ 3)` with
+/// `a ⊕ b = a < b ? b : a`, NaN flags or-ed, NaN lanes set to NaN, then lanes
+/// `(0 ⊕' 1) ⊕' (2 ⊕' 3)` with `max_nan`, then the tail columns `n4..n` in order.
+///
+/// # Safety
+/// `src[n4..n]` must be valid for reads.
+pub(super) unsafe fn combine_max(l: &[f32; 16], nan: u16, src: *const f32, n4: usize, n: usize) -> f32 {
+    let pick = |a: f32, b: f32| if a < b { b } else { a };
+    let mut v = [0f32; 4];
+    for (j, v) in v.iter_mut().enumerate() {
+        let c = pick(pick(l[j], l[4 + j]), pick(l[8 + j], l[12 + j]));
+        let flag = (nan >> j) & 1 | (nan >> (4 + j)) & 1 | (nan >> (8 + j)) & 1 | (nan >> (12 + j)) & 1;
+        *v = if flag != 0 { f32::NAN } else { c };
+    }
+    let mut m = max_nan(max_nan(v[0], v[1]), max_nan(v[2], v[3]));
+    for c in n4..n {
+        m = max_nan(m, *src.add(c));
+    }
+    m
+}
+
+/// The row sum from the 16 lane sums `l` (column `c < n4` added into lane `c % 16`) as the
+/// column loop combines its partial sums: lane `4k + j` is lane `j` of accumulator copy `k`;
+/// copies `(0 + 1) + (2 + 3)`, then lanes `(0 + 1) + (2 + 3)`.
+#[inline(always)]
+pub(super) fn tree_sum(l: &[f32; 16]) -> f32 {
+    let mut v = [0f32; 4];
+    for (j, v) in v.iter_mut().enumerate() {
+        *v = (l[j] + l[4 + j]) + (l[8 + j] + l[12 + j]);
+    }
+    (v[0] + v[1]) + (v[2] + v[3])
+}
