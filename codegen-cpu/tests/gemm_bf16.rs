@@ -1,5 +1,6 @@
-//! `gemm_bf16` on both of its paths (AVX512-BF16 dot products where the host has them, widened
-//! operands everywhere) against the interpreter's `gemm` node: every transpose, batch,
+//! `gemm_bf16` on the path of every instruction-set level the host supports (AVX512-BF16 dot
+//! products, FMA on operands widened while packing, widened operands through the `gemm` crate)
+//! against the interpreter's `gemm` node: every transpose, batch,
 //! shared-`b`, epilogue and result type, at sizes that cross the packing blocks (odd k, k past
 //! one block of pairs, rows past one packed block, partial micro-tiles).
 
@@ -13,12 +14,12 @@ use fusec_ir::testkit::assert_close_slice;
 use fusec_ir::{Bindings, DType, Dim, Gemm, GemmSpec, Graph, Op, Shape, Type};
 use half::bf16;
 
-/// The paths this host can run: the widened one always, the dot products with AVX512-BF16.
+/// The paths this host can run, one per instruction-set level: widened operands through the
+/// `gemm` crate (`scalar`), FMA on operands widened while packing (`avx2`, `avx512`), dot
+/// products (`avx512bf16`).
 fn paths() -> Vec<Isa> {
-    let mut v = vec![Isa::Scalar];
-    if Isa::Avx512Bf16.supported() {
-        v.push(Isa::Avx512Bf16);
-    } else {
+    let v: Vec<Isa> = Isa::ALL.into_iter().filter(|i| i.supported()).collect();
+    if !Isa::Avx512Bf16.supported() {
         fusec_ir::testkit::skip("bf16 dot-product products", "this host has no AVX512-BF16");
     }
     v

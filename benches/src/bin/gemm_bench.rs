@@ -6,10 +6,12 @@
 //! `cargo run --release -p fusec-benches --bin gemm_bench -- [--threads N] [--plain]
 //! [--config small|124m|both] [--secs S] [--only SUBSTR] [--products LIST]`. `--plain` drops the
 //! forward epilogues (pure products); `--only` keeps the shapes whose name contains `SUBSTR`;
-//! `--products` lists what multiplies (comma-separated, default `f32`): `f32` (`gemm_f32`),
-//! `bf16-dot` and `bf16-widen` (`gemm_bf16` on its AVX512-BF16 and its widened path; bf16
-//! operands and activations, f32 weight gradients, as `--precision bf16` runs them). With more
-//! than one, each shape runs them in turn, alternating, so that a busy host slows all alike.
+//! `--products` lists what multiplies (comma-separated, default `f32`): `f32` (`gemm_f32`), and
+//! `bf16@LEVEL` (`gemm_bf16` on the path of an instruction-set level: `avx512bf16` dot
+//! products, `avx512` or `avx2` FMA on operands widened while packing, `scalar` widened
+//! operands through the `gemm` crate; bf16 operands and activations, f32 weight gradients, as
+//! `--precision bf16` runs them). With more than one, each shape runs them in turn, alternating,
+//! so that a busy host slows all alike.
 
 use fusec_codegen_cpu::gemm::{gemm_bf16_on, gemm_f32, Bf16Out};
 use fusec_codegen_cpu::isa::Isa;
@@ -26,19 +28,17 @@ enum Kind {
 
 impl Kind {
     fn parse(s: &str) -> Kind {
-        match s {
-            "f32" => Kind::F32,
-            "bf16-dot" => Kind::Bf16(Isa::Avx512Bf16),
-            "bf16-widen" => Kind::Bf16(Isa::Scalar),
-            other => panic!("--products: unknown `{other}` (f32, bf16-dot, bf16-widen)"),
+        match s.split_once('@') {
+            None if s == "f32" => Kind::F32,
+            Some(("bf16", level)) => Kind::Bf16(Isa::parse(level).unwrap_or_else(|e| panic!("--products: {e}"))),
+            _ => panic!("--products: unknown `{s}` (f32, bf16@avx512bf16, bf16@avx512, bf16@avx2, bf16@scalar)"),
         }
     }
 
-    fn name(self) -> &'static str {
+    fn name(self) -> String {
         match self {
-            Kind::F32 => "f32",
-            Kind::Bf16(Isa::Avx512Bf16) => "bf16-dot",
-            Kind::Bf16(_) => "bf16-widen",
+            Kind::F32 => "f32".into(),
+            Kind::Bf16(isa) => format!("bf16@{}", isa.name()),
         }
     }
 }
@@ -193,7 +193,7 @@ fn bench(cfg: &Config, kinds: &[Kind], threads: usize, plain: bool, secs: f64, o
     );
     print!("{:<20} {:>6} {:>6} {:>6} {:>3}", "shape", "M", "N", "K", "x");
     for k in kinds {
-        print!(" | {:>10} {:>7} {:>8} {:>7}", format!("{} med ms", k.name()), "GFLOP/s", "best ms", "GFLOP/s");
+        print!(" | {:>17} {:>7} {:>8} {:>7}", format!("{} med ms", k.name()), "GFLOP/s", "best ms", "GFLOP/s");
     }
     println!();
     let mut totals = vec![(0.0, 0.0); kinds.len()];
@@ -208,14 +208,14 @@ fn bench(cfg: &Config, kinds: &[Kind], threads: usize, plain: bool, secs: f64, o
         for ((med, best), tot) in times.iter().zip(totals.iter_mut()) {
             tot.0 += med * x as f64;
             tot.1 += best * x as f64;
-            print!(" | {:>10.3} {:>7.1} {:>8.3} {:>7.1}", med * 1e3, gf(*med), best * 1e3, gf(*best));
+            print!(" | {:>17.3} {:>7.1} {:>8.3} {:>7.1}", med * 1e3, gf(*med), best * 1e3, gf(*best));
         }
         println!();
     }
     let gf = |t: f64| total_flops as f64 / t / 1e9;
     for (k, (med, best)) in kinds.iter().zip(&totals) {
         println!(
-            "{:>10}: GEMM time of one step ({:.2} GFLOP): best {:.1} ms = {:.1} GFLOP/s (the ceiling); median {:.1} ms = {:.1} GFLOP/s",
+            "{:>15}: GEMM time of one step ({:.2} GFLOP): best {:.1} ms = {:.1} GFLOP/s (the ceiling); median {:.1} ms = {:.1} GFLOP/s",
             k.name(),
             total_flops as f64 / 1e9,
             best * 1e3,
@@ -241,15 +241,15 @@ fn main() {
             "--only" => only = value("a substring of shape names"),
             "--products" => kinds = value("a list").split(',').map(Kind::parse).collect(),
             "-h" | "--help" => {
-                println!("gemm_bench [--threads N] [--config small|124m|both] [--secs S] [--plain] [--only SUBSTR] [--products f32,bf16-dot,bf16-widen]");
+                println!("gemm_bench [--threads N] [--config small|124m|both] [--secs S] [--plain] [--only SUBSTR] [--products f32,bf16@LEVEL,..]");
                 return;
             }
             other => panic!("unknown argument `{other}` (try --help)"),
         }
     }
     let threads = threads.max(1);
-    if kinds.contains(&Kind::Bf16(Isa::Avx512Bf16)) && !Isa::Avx512Bf16.supported() {
-        eprintln!("bf16-dot needs AVX512-BF16, which this host lacks");
+    if let Some(Kind::Bf16(isa)) = kinds.iter().find(|k| matches!(k, Kind::Bf16(i) if !i.supported())) {
+        eprintln!("this host does not support {}", isa.name());
         std::process::exit(2);
     }
     rayon::ThreadPoolBuilder::new().num_threads(threads).build_global().expect("the rayon pool is built once");

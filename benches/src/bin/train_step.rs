@@ -6,10 +6,10 @@
 //! [--config small|124m] [--precision LIST]`
 //!
 //! `--precision` lists variants (comma-separated, default `fp32`): `fp32`, `bf16` or
-//! `bf16+residual`, each optionally `@LEVEL` to force an instruction-set level (`bf16@avx2`: the
-//! widened bf16 products; `bf16@avx512bf16`: the dot products; default: the host's). Each variant
-//! has its own executor, with the CLI's default recompute mode for its precision; the variants'
-//! steps alternate (one step of each per round, `--steps` rounds) so that a busy host slows them
+//! `bf16+residual`, each optionally `:RECOMPUTE` (`none`, `gelu`, `gelu+layernorm`; default: the
+//! CLI's for the precision) and `@LEVEL` to force an instruction-set level (`bf16@avx2`: bf16
+//! products on operands widened while packing; `bf16@avx512bf16`: the dot products; default:
+//! the host's). Each variant has its own executor; the variants' steps alternate (one step of each per round, `--steps` rounds) so that a busy host slows them
 //! alike, and each variant's median is printed with its ratio to the first.
 
 use std::time::Instant;
@@ -68,24 +68,26 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-/// `PREC[@LEVEL]` as `(precision, level)`.
-fn parse_variant(s: &str) -> (Precision, Isa) {
-    let (p, isa) = s.split_once('@').map_or((s, None), |(p, i)| (p, Some(i)));
+/// `PREC[:RECOMPUTE][@LEVEL]` as `(precision, recompute, level)`.
+fn parse_variant(s: &str) -> (Precision, Recompute, Isa) {
+    let (rest, isa) = s.split_once('@').map_or((s, None), |(p, i)| (p, Some(i)));
+    let (p, rc) = rest.split_once(':').map_or((rest, None), |(p, r)| (p, Some(r)));
     let precision: Precision = p.parse().unwrap_or_else(|e| panic!("--precision {s}: {e}"));
+    let recompute = rc.map_or(Recompute::default_for(precision), |r| r.parse().unwrap_or_else(|e| panic!("--precision {s}: {e}")));
     let isa = isa.map_or_else(fusec_codegen_cpu::isa::current, |i| Isa::parse(i).unwrap_or_else(|e| panic!("--precision {s}: {e}")));
-    (precision, isa)
+    (precision, recompute, isa)
 }
 
 /// Compiles and loads one variant of `case`.
 fn variant(spec: &str, case: &Case, fwd: &Graph, threads: usize) -> Variant {
-    let (precision, isa) = parse_variant(spec);
+    let (precision, recompute, isa) = parse_variant(spec);
     let t0 = Instant::now();
-    let opts = PipelineOptions { precision, recompute: Recompute::default_for(precision), ..PipelineOptions::default() };
+    let opts = PipelineOptions { precision, recompute, ..PipelineOptions::default() };
     let run = RunPrograms::compile(fwd, &opts, &RunPrograms::bindings(case.b, case.t), false).unwrap();
     let (mut ex, build) = CpuExecutor::with_isa(&run, threads, false, isa).unwrap_or_else(|e| panic!("{spec}: {e}"));
     let compile_ms = t0.elapsed().as_secs_f64() * 1e3;
     prepare(&mut ex, fwd, run.step().unwrap(), case);
-    Variant { name: format!("{}@{}", precision.name(), isa.name()), ex, build, compile_ms }
+    Variant { name: format!("{}:{}@{}", precision.name(), Recompute::NAMES[recompute as usize], isa.name()), ex, build, compile_ms }
 }
 
 /// Milliseconds of one run of the Step program's launches that pass `keep`.

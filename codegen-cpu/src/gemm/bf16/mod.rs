@@ -30,10 +30,12 @@
 //! path's `gemm` crate calls allocate their packing buffers.
 
 #[cfg(target_arch = "x86_64")]
-mod dot;
+mod kernels;
+#[cfg(target_arch = "x86_64")]
+mod packed;
 mod widen;
 
-use super::{check, for_each_task, gelu, Raw, Tile, Tiling};
+use super::{check, for_each_task, gelu as gelu_f32, Raw, Tile, Tiling};
 use crate::isa::Isa;
 use fusec_ir::GemmSpec;
 use half::bf16;
@@ -90,16 +92,18 @@ pub fn gemm_bf16_on(
         y: out,
         pre: pre_gelu.map(|v| Raw(v.as_mut_ptr() as *mut u16)),
     };
-    let dot = isa.bf16_dot() && isa.supported();
+    let isa = if isa.supported() { isa } else { Isa::Scalar };
     for_each_task(job.tiling.tasks(), threads, &|t| {
-        // SAFETY: the pointers come from slices checked against the spec above, and distinct
-        // tasks write disjoint tiles of `y` and `pre_gelu`.
+        // SAFETY: the pointers come from slices checked against the spec above, distinct tasks
+        // write disjoint tiles of `y` and `pre_gelu`, and the host supports `isa`.
         unsafe {
             #[cfg(target_arch = "x86_64")]
-            if dot {
-                return dot::tile(&job, t);
+            match isa {
+                Isa::Avx512Bf16 => return packed::tile::<kernels::Dot512>(&job, t),
+                Isa::Avx512 => return packed::tile::<kernels::Fma512>(&job, t),
+                Isa::Avx2 => return packed::tile::<kernels::Fma256>(&job, t),
+                Isa::Scalar => {}
             }
-            let _ = dot;
             widen::tile(&job, t)
         }
     });
@@ -189,7 +193,7 @@ fn high_bits(x: f32) -> u16 {
 }
 
 /// The epilogue of one row of f32 products (`t`, overwritten), rounding as the module docs say;
-/// one loop per step so that each vectorizes.
+/// one loop per step (one in all for a plain or biased bf16 product) so that each vectorizes.
 #[inline]
 fn finish_row(s: &GemmSpec, t: &mut [f32], bias: Option<&[u16]>, y: Row<'_>, pre: Option<&mut [u16]>) {
     match y {
@@ -199,6 +203,11 @@ fn finish_row(s: &GemmSpec, t: &mut [f32], bias: Option<&[u16]>, y: Row<'_>, pre
             round_steps(t, bias, pre);
             add_or_copy(y, t, s.accumulate);
         }
+        // The common bf16 results, in one pass: `round(t)` or `round(round(t) + bias)`.
+        Row::Bf16(y) if !s.gelu && !s.accumulate => match bias {
+            Some(b) => y.iter_mut().zip(t.iter()).zip(b).for_each(|((y, t), b)| *y = bf16_bits(round(*t) + widen_bits(*b))),
+            None => y.iter_mut().zip(t.iter()).for_each(|(y, t)| *y = bf16_bits(*t)),
+        },
         Row::Bf16(y) => {
             round_steps(t, bias, pre);
             if s.accumulate {
@@ -224,12 +233,24 @@ fn add_or_copy(y: &mut [f32], t: &[f32], accumulate: bool) {
 /// values the interpreter's product, bias add and GELU give.
 #[inline(always)]
 fn round_steps(t: &mut [f32], bias: Option<&[u16]>, pre: Option<&mut [u16]>) {
-    match bias {
-        Some(b) => t.iter_mut().zip(b).for_each(|(t, b)| *t = round(round(*t) + widen_bits(*b))),
-        None => t.iter_mut().for_each(|t| *t = round(*t)),
+    let gelu = pre.is_some();
+    let biased = |t: f32, b: Option<&u16>| match b {
+        Some(b) => round(round(t) + widen_bits(*b)),
+        None => round(t),
+    };
+    match (bias, pre) {
+        (Some(b), Some(p)) => t.iter_mut().zip(b).zip(p.iter_mut()).for_each(|((t, b), p)| {
+            *t = biased(*t, Some(b));
+            *p = high_bits(*t);
+        }),
+        (None, Some(p)) => t.iter_mut().zip(p.iter_mut()).for_each(|(t, p)| {
+            *t = biased(*t, None);
+            *p = high_bits(*t);
+        }),
+        (Some(b), None) => t.iter_mut().zip(b).for_each(|(t, b)| *t = biased(*t, Some(b))),
+        (None, None) => t.iter_mut().for_each(|t| *t = biased(*t, None)),
     }
-    if let Some(p) = pre {
-        p.iter_mut().zip(t.iter()).for_each(|(p, t)| *p = high_bits(*t));
-        t.iter_mut().for_each(|t| *t = round(gelu(*t)));
+    if gelu {
+        t.iter_mut().for_each(|t| *t = round(gelu_f32(*t)));
     }
 }
