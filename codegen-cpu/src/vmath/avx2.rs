@@ -4,7 +4,7 @@
 
 use std::arch::x86_64::*;
 
-use super::x86::{combine_max, tree_sum, Prefetch, C1, C2, EXP_HI, EXP_LO, EXP_P, LOG2E, MAGIC, TANH_P, TANH_SMALL};
+use super::x86::{combine_max, tree_sum, Elem, Prefetch, C1, C2, EXP_HI, EXP_LO, EXP_P, LOG2E, MAGIC, TANH_P, TANH_SMALL};
 
 #[inline(always)]
 unsafe fn splat(x: f32) -> __m256 {
@@ -74,6 +74,60 @@ unsafe fn first(k: i64) -> __m256i {
     _mm256_cmpgt_epi32(_mm256_set1_epi32(k), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7))
 }
 
+/// How a routine reads its source row: f32, or bf16 widened exactly.
+pub(super) trait Load8 {
+    /// Lanes `i..i + 8`.
+    unsafe fn load(src: *const u8, i: usize) -> __m256;
+    /// Lanes `i..i + k` (`k < 8`), zeros after them; reads nothing past them.
+    unsafe fn part(src: *const u8, i: usize, k: usize) -> __m256;
+    /// The element type, for the scalar tail of a row max.
+    type Elem: Elem;
+}
+
+/// f32 rows.
+pub(super) struct F32s;
+/// bf16 rows.
+pub(super) struct Bf16s;
+
+impl Load8 for F32s {
+    type Elem = f32;
+    #[inline(always)]
+    unsafe fn load(src: *const u8, i: usize) -> __m256 {
+        _mm256_loadu_ps((src as *const f32).add(i))
+    }
+    #[inline(always)]
+    unsafe fn part(src: *const u8, i: usize, k: usize) -> __m256 {
+        _mm256_maskload_ps((src as *const f32).add(i), first(k as i64))
+    }
+}
+
+impl Load8 for Bf16s {
+    type Elem = u16;
+    #[inline(always)]
+    unsafe fn load(src: *const u8, i: usize) -> __m256 {
+        let h = _mm_loadu_si128((src as *const u16).add(i) as *const __m128i);
+        _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
+    }
+    #[inline(always)]
+    unsafe fn part(src: *const u8, i: usize, k: usize) -> __m256 {
+        let mut b = [0u16; 8];
+        std::ptr::copy_nonoverlapping((src as *const u16).add(i), b.as_mut_ptr(), k);
+        Self::load(b.as_ptr() as *const u8, 0)
+    }
+}
+
+/// Lanes `i..i + k` of the row (`k <= 8`; zeros after them).
+#[inline(always)]
+unsafe fn load_upto<L: Load8>(src: *const u8, i: usize, k: usize) -> __m256 {
+    if k >= 8 {
+        L::load(src, i)
+    } else if k == 0 {
+        _mm256_setzero_ps()
+    } else {
+        L::part(src, i, k)
+    }
+}
+
 /// The 16 lanes of the pair `(lo, hi)`.
 #[inline(always)]
 unsafe fn lanes(lo: __m256, hi: __m256) -> [f32; 16] {
@@ -83,112 +137,72 @@ unsafe fn lanes(lo: __m256, hi: __m256) -> [f32; 16] {
     l
 }
 
-/// `$dst[i] = $f($src[i] - $shift)` for `i < $n`, 8 lanes at a time (masked tails), while
-/// prefetching; evaluates to the row sum of the results in the column loop's order (column
+/// `dst[i] = f(src[i] - shift)` for `i < n`, 8 lanes at a time (masked tails), while
+/// prefetching; returns the row sum of the results in the column loop's order (column
 /// `c < n4` into lane `c % 16` of the pair of accumulators, then [`tree_sum`]; the last
 /// `n % 4` columns added in order).
-macro_rules! map {
-    ($dst:expr, $n:expr, $src:expr, $shift:expr, $pf:expr, $f:ident) => {{
-        let (dst, n, src): (*mut f32, usize, *const f32) = ($dst, $n as usize, $src);
-        let store = !dst.is_null();
-        let shift = _mm256_set1_ps($shift);
-        let mut pf = Prefetch::new($pf, n);
-        let n4 = n / 4 * 4;
-        let mut acc = [_mm256_setzero_ps(); 2];
-        let mut i = 0;
-        while i + 32 <= n4 {
-            pf.step();
-            let mut v = [_mm256_setzero_ps(); 4];
-            for (k, v) in v.iter_mut().enumerate() {
-                *v = $f(_mm256_sub_ps(_mm256_loadu_ps(src.add(i + 8 * k)), shift));
-                if store {
-                    _mm256_storeu_ps(dst.add(i + 8 * k), *v);
-                }
-            }
-            acc[0] = _mm256_add_ps(acc[0], v[0]);
-            acc[1] = _mm256_add_ps(acc[1], v[1]);
-            acc[0] = _mm256_add_ps(acc[0], v[2]);
-            acc[1] = _mm256_add_ps(acc[1], v[3]);
-            i += 32;
-        }
-        // Whole vectors of four: column `i` goes to half `(i % 16) / 8`, as in the loop.
-        while i < n4 {
-            let rest = (n4 - i).min(8);
-            let m = first(rest as i64);
-            let a = $f(_mm256_sub_ps(_mm256_maskload_ps(src.add(i), m), shift));
+#[inline(always)]
+unsafe fn map<L: Load8>(dst: *mut f32, n: usize, src: *const u8, shift: f32, pf: [(*const u8, usize); 3], f: impl Fn(__m256) -> __m256) -> f32 {
+    let store = !dst.is_null();
+    let shift = _mm256_set1_ps(shift);
+    let mut pf = Prefetch::new(pf, n);
+    let n4 = n / 4 * 4;
+    let mut acc = [_mm256_setzero_ps(); 2];
+    let mut i = 0;
+    while i + 32 <= n4 {
+        pf.step();
+        let mut v = [_mm256_setzero_ps(); 4];
+        for (k, v) in v.iter_mut().enumerate() {
+            *v = f(_mm256_sub_ps(L::load(src, i + 8 * k), shift));
             if store {
-                _mm256_maskstore_ps(dst.add(i), m, a);
-            }
-            let h = &mut acc[(i % 16) / 8];
-            *h = _mm256_blendv_ps(*h, _mm256_add_ps(*h, a), _mm256_castsi256_ps(m));
-            i += rest;
-        }
-        let mut sum = tree_sum(&lanes(acc[0], acc[1]));
-        // The scalar tail columns, in order.
-        if n4 < n {
-            let m = first((n - n4) as i64);
-            let a = $f(_mm256_sub_ps(_mm256_maskload_ps(src.add(n4), m), shift));
-            if store {
-                _mm256_maskstore_ps(dst.add(n4), m, a);
-            }
-            for x in &lanes(a, a)[..n - n4] {
-                sum += *x;
+                _mm256_storeu_ps(dst.add(i + 8 * k), *v);
             }
         }
-        sum
-    }};
+        acc[0] = _mm256_add_ps(acc[0], v[0]);
+        acc[1] = _mm256_add_ps(acc[1], v[1]);
+        acc[0] = _mm256_add_ps(acc[0], v[2]);
+        acc[1] = _mm256_add_ps(acc[1], v[3]);
+        i += 32;
+    }
+    // Whole vectors of four: column `i` goes to half `(i % 16) / 8`, as in the loop.
+    while i < n4 {
+        let rest = (n4 - i).min(8);
+        let m = first(rest as i64);
+        let a = f(_mm256_sub_ps(load_upto::<L>(src, i, rest), shift));
+        if store {
+            _mm256_maskstore_ps(dst.add(i), m, a);
+        }
+        let h = &mut acc[(i % 16) / 8];
+        *h = _mm256_blendv_ps(*h, _mm256_add_ps(*h, a), _mm256_castsi256_ps(m));
+        i += rest;
+    }
+    let mut sum = tree_sum(&lanes(acc[0], acc[1]));
+    // The scalar tail columns, in order.
+    if n4 < n {
+        let m = first((n - n4) as i64);
+        let a = f(_mm256_sub_ps(L::part(src, n4, n - n4), shift));
+        if store {
+            _mm256_maskstore_ps(dst.add(n4), m, a);
+        }
+        for x in &lanes(a, a)[..n - n4] {
+            sum += *x;
+        }
+    }
+    sum
 }
 
 #[target_feature(enable = "avx2")]
-unsafe fn exp_avx2(dst: *mut f32, n: u64, src: *const f32, shift: f32, pf: [(*const u8, usize); 3]) -> f32 {
-    map!(dst, n, src, shift, pf, exp8)
+unsafe fn exp_avx2<L: Load8>(dst: *mut f32, n: u64, src: *const u8, shift: f32, pf: [(*const u8, usize); 3]) -> f32 {
+    map::<L>(dst, n as usize, src, shift, pf, |x| exp8(x))
 }
 
 #[target_feature(enable = "avx2")]
-unsafe fn tanh_avx2(dst: *mut f32, n: u64, src: *const f32, shift: f32, pf: [(*const u8, usize); 3]) -> f32 {
-    map!(dst, n, src, shift, pf, tanh8)
+unsafe fn tanh_avx2<L: Load8>(dst: *mut f32, n: u64, src: *const u8, shift: f32, pf: [(*const u8, usize); 3]) -> f32 {
+    map::<L>(dst, n as usize, src, shift, pf, |x| tanh8(x))
 }
 
-/// `exp` over a row ([`super::RowFn`]).
-///
-/// # Safety
-/// `dst[..n]` must be valid for writes and `src[..n]` for reads (they may be the same
-/// buffer), and the host must have AVX2 (the prefetched ranges need not be valid).
-#[allow(clippy::too_many_arguments)]
-pub(super) unsafe extern "C" fn exp_row(
-    dst: *mut f32,
-    n: u64,
-    src: *const f32,
-    shift: f32,
-    a: *const u8,
-    an: u64,
-    b: *const u8,
-    bn: u64,
-    c: *const u8,
-    cn: u64,
-) -> f32 {
-    exp_avx2(dst, n, src, shift, [(a, an as usize), (b, bn as usize), (c, cn as usize)])
-}
-
-/// `tanh` over a row ([`super::RowFn`]).
-///
-/// # Safety
-/// As [`exp_row`].
-#[allow(clippy::too_many_arguments)]
-pub(super) unsafe extern "C" fn tanh_row(
-    dst: *mut f32,
-    n: u64,
-    src: *const f32,
-    shift: f32,
-    a: *const u8,
-    an: u64,
-    b: *const u8,
-    bn: u64,
-    c: *const u8,
-    cn: u64,
-) -> f32 {
-    tanh_avx2(dst, n, src, shift, [(a, an as usize), (b, bn as usize), (c, cn as usize)])
-}
+super::x86::row_fns!(exp_row, exp_row_bf16, exp_avx2);
+super::x86::row_fns!(tanh_row, tanh_row_bf16, tanh_avx2);
 
 /// One step of a max chain over a 16-lane block: `acc = acc < x ? x : acc` in the lanes of
 /// `m`, and the NaN flags of `x` in those lanes.
@@ -202,10 +216,11 @@ unsafe fn max_step(acc: &mut [__m256; 2], nan: &mut [__m256; 2], x: [__m256; 2],
 }
 
 #[target_feature(enable = "avx2")]
-unsafe fn max_avx2(src: *const f32, n: usize, n4: usize) -> f32 {
+unsafe fn max_avx2<L: Load8>(src: *const u8, n: u64, n4: u64) -> f32 {
+    let (n, n4) = (n as usize, n4 as usize);
     // The chains of `avx512::max_avx512`, each a pair of halves.
     let all = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
-    let load = |at: usize| [_mm256_loadu_ps(src.add(at)), _mm256_loadu_ps(src.add(at + 8))];
+    let load = |at: usize| [L::load(src, at), L::load(src, at + 8)];
     let mut accs = [[_mm256_set1_ps(f32::NEG_INFINITY); 2]; 4];
     let mut nan = [_mm256_setzero_ps(); 2];
     let mut i = 0;
@@ -226,19 +241,13 @@ unsafe fn max_avx2(src: *const f32, n: usize, n4: usize) -> f32 {
         i += 16;
     }
     if i < n4 {
-        let rest = (n4 - i) as i64;
-        let m = [first(rest), first(rest - 8)];
-        let x = [_mm256_maskload_ps(src.add(i), m[0]), _mm256_maskload_ps(src.add(i + 8), m[1])];
+        let rest = n4 - i;
+        let m = [first(rest as i64), first(rest as i64 - 8)];
+        let x = [load_upto::<L>(src, i, rest), load_upto::<L>(src, i + 8, rest.saturating_sub(8))];
         max_step(&mut acc, &mut nan, x, [_mm256_castsi256_ps(m[0]), _mm256_castsi256_ps(m[1])]);
     }
     let flags = (_mm256_movemask_ps(nan[0]) as u16) | ((_mm256_movemask_ps(nan[1]) as u16) << 8);
-    combine_max(&lanes(acc[0], acc[1]), flags, src, n4, n)
+    combine_max::<L::Elem>(&lanes(acc[0], acc[1]), flags, src, n4, n)
 }
 
-/// The row max ([`super::MaxFn`]).
-///
-/// # Safety
-/// `src[..n]` must be valid for reads and the host must have AVX2.
-pub(super) unsafe extern "C" fn max_row(src: *const f32, n: u64, n4: u64) -> f32 {
-    max_avx2(src, n as usize, n4 as usize)
-}
+super::x86::max_fns!(max_row, max_row_bf16, max_avx2);

@@ -2,7 +2,7 @@
 
 use std::arch::x86_64::*;
 
-use super::x86::{combine_max, tree_sum, Prefetch, C1, C2, EXP_HI, EXP_LO, EXP_P, LOG2E, MAGIC, TANH_P, TANH_SMALL};
+use super::x86::{combine_max, tree_sum, Elem, Prefetch, C1, C2, EXP_HI, EXP_LO, EXP_P, LOG2E, MAGIC, TANH_P, TANH_SMALL};
 
 #[inline(always)]
 unsafe fn splat(x: f32) -> __m512 {
@@ -67,6 +67,49 @@ unsafe fn tanh16(x: __m512) -> __m512 {
     _mm512_mask_blend_ps(small, large_v, small_v)
 }
 
+/// How a routine reads its source row: f32, or bf16 widened exactly (the same values, so the
+/// same results).
+pub(super) trait Load16 {
+    /// Lanes `i..i + 16`.
+    unsafe fn load(src: *const u8, i: usize) -> __m512;
+    /// Lanes `i..i + k` (`k < 16`), zeros after them; reads nothing past them.
+    unsafe fn part(src: *const u8, i: usize, k: usize) -> __m512;
+    /// The element type, for the scalar tail of a row max.
+    type Elem: Elem;
+}
+
+/// f32 rows.
+pub(super) struct F32s;
+/// bf16 rows.
+pub(super) struct Bf16s;
+
+impl Load16 for F32s {
+    type Elem = f32;
+    #[inline(always)]
+    unsafe fn load(src: *const u8, i: usize) -> __m512 {
+        _mm512_loadu_ps((src as *const f32).add(i))
+    }
+    #[inline(always)]
+    unsafe fn part(src: *const u8, i: usize, k: usize) -> __m512 {
+        _mm512_maskz_loadu_ps(((1u32 << k) - 1) as __mmask16, (src as *const f32).add(i))
+    }
+}
+
+impl Load16 for Bf16s {
+    type Elem = u16;
+    #[inline(always)]
+    unsafe fn load(src: *const u8, i: usize) -> __m512 {
+        let h = _mm256_loadu_si256((src as *const u16).add(i) as *const __m256i);
+        _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
+    }
+    #[inline(always)]
+    unsafe fn part(src: *const u8, i: usize, k: usize) -> __m512 {
+        let mut b = [0u16; 16];
+        std::ptr::copy_nonoverlapping((src as *const u16).add(i), b.as_mut_ptr(), k);
+        Self::load(b.as_ptr() as *const u8, 0)
+    }
+}
+
 /// The 16 lanes of `v`.
 #[inline(always)]
 unsafe fn lanes(v: __m512) -> [f32; 16] {
@@ -75,110 +118,72 @@ unsafe fn lanes(v: __m512) -> [f32; 16] {
     l
 }
 
-/// `$dst[i] = $f($src[i] - $shift)` for `i < $n`, 16 lanes at a time (masked tails), while
-/// prefetching; evaluates to the row sum of the results in the column loop's order (see
+/// `dst[i] = f(src[i] - shift)` for `i < n`, 16 lanes at a time (masked tails), while
+/// prefetching; returns the row sum of the results in the column loop's order (see
 /// [`tree_sum`]; the last `n % 4` columns added in order).
-macro_rules! map {
-    ($dst:expr, $n:expr, $src:expr, $shift:expr, $pf:expr, $f:ident) => {{
-        let (dst, n, src): (*mut f32, usize, *const f32) = ($dst, $n as usize, $src);
-        let store = !dst.is_null();
-        let shift = _mm512_set1_ps($shift);
-        let mut pf = Prefetch::new($pf, n);
-        let n4 = n / 4 * 4;
-        let mut acc = _mm512_setzero_ps();
-        let mut i = 0;
-        while i + 32 <= n4 {
-            pf.step();
-            let a = $f(_mm512_sub_ps(_mm512_loadu_ps(src.add(i)), shift));
-            let b = $f(_mm512_sub_ps(_mm512_loadu_ps(src.add(i + 16)), shift));
-            if store {
-                _mm512_storeu_ps(dst.add(i), a);
-                _mm512_storeu_ps(dst.add(i + 16), b);
-            }
-            acc = _mm512_add_ps(acc, a);
-            acc = _mm512_add_ps(acc, b);
-            i += 32;
+#[inline(always)]
+unsafe fn map<L: Load16>(dst: *mut f32, n: usize, src: *const u8, shift: f32, pf: [(*const u8, usize); 3], f: impl Fn(__m512) -> __m512) -> f32 {
+    let store = !dst.is_null();
+    let shift = _mm512_set1_ps(shift);
+    let mut pf = Prefetch::new(pf, n);
+    let n4 = n / 4 * 4;
+    let mut acc = _mm512_setzero_ps();
+    let mut i = 0;
+    while i + 32 <= n4 {
+        pf.step();
+        let a = f(_mm512_sub_ps(L::load(src, i), shift));
+        let b = f(_mm512_sub_ps(L::load(src, i + 16), shift));
+        if store {
+            _mm512_storeu_ps(dst.add(i), a);
+            _mm512_storeu_ps(dst.add(i + 16), b);
         }
-        // Whole vectors of four: lanes of the sum as in the loop.
-        while i < n4 {
-            let rest = (n4 - i).min(16);
-            let m: __mmask16 = if rest == 16 { 0xffff } else { (1u16 << rest) - 1 };
-            let a = $f(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, src.add(i)), shift));
-            if store {
-                _mm512_mask_storeu_ps(dst.add(i), m, a);
-            }
-            acc = _mm512_mask_add_ps(acc, m, acc, a);
-            i += rest;
+        acc = _mm512_add_ps(acc, a);
+        acc = _mm512_add_ps(acc, b);
+        i += 32;
+    }
+    // Whole vectors of four: lanes of the sum as in the loop.
+    while i < n4 {
+        let rest = (n4 - i).min(16);
+        let m: __mmask16 = if rest == 16 { 0xffff } else { (1u16 << rest) - 1 };
+        let x = if rest == 16 { L::load(src, i) } else { L::part(src, i, rest) };
+        let a = f(_mm512_sub_ps(x, shift));
+        if store {
+            _mm512_mask_storeu_ps(dst.add(i), m, a);
         }
-        let mut sum = tree_sum(&lanes(acc));
-        // The scalar tail columns, in order.
-        if n4 < n {
-            let m: __mmask16 = (1u16 << (n - n4)) - 1;
-            let a = $f(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, src.add(n4)), shift));
-            if store {
-                _mm512_mask_storeu_ps(dst.add(n4), m, a);
-            }
-            for x in &lanes(a)[..n - n4] {
-                sum += *x;
-            }
+        acc = _mm512_mask_add_ps(acc, m, acc, a);
+        i += rest;
+    }
+    let mut sum = tree_sum(&lanes(acc));
+    // The scalar tail columns, in order.
+    if n4 < n {
+        let m: __mmask16 = (1u16 << (n - n4)) - 1;
+        let a = f(_mm512_sub_ps(L::part(src, n4, n - n4), shift));
+        if store {
+            _mm512_mask_storeu_ps(dst.add(n4), m, a);
         }
-        sum
-    }};
+        for x in &lanes(a)[..n - n4] {
+            sum += *x;
+        }
+    }
+    sum
 }
 
 #[target_feature(enable = "avx512f")]
-unsafe fn exp_avx512(dst: *mut f32, n: u64, src: *const f32, shift: f32, pf: [(*const u8, usize); 3]) -> f32 {
-    map!(dst, n, src, shift, pf, exp16)
+unsafe fn exp_avx512<L: Load16>(dst: *mut f32, n: u64, src: *const u8, shift: f32, pf: [(*const u8, usize); 3]) -> f32 {
+    map::<L>(dst, n as usize, src, shift, pf, |x| exp16(x))
 }
 
 #[target_feature(enable = "avx512f")]
-unsafe fn tanh_avx512(dst: *mut f32, n: u64, src: *const f32, shift: f32, pf: [(*const u8, usize); 3]) -> f32 {
-    map!(dst, n, src, shift, pf, tanh16)
+unsafe fn tanh_avx512<L: Load16>(dst: *mut f32, n: u64, src: *const u8, shift: f32, pf: [(*const u8, usize); 3]) -> f32 {
+    map::<L>(dst, n as usize, src, shift, pf, |x| tanh16(x))
 }
 
-/// `exp` over a row ([`super::RowFn`]).
-///
-/// # Safety
-/// `dst[..n]` must be valid for writes and `src[..n]` for reads (they may be the same
-/// buffer), and the host must have AVX-512F (the prefetched ranges need not be valid).
-#[allow(clippy::too_many_arguments)]
-pub(super) unsafe extern "C" fn exp_row(
-    dst: *mut f32,
-    n: u64,
-    src: *const f32,
-    shift: f32,
-    a: *const u8,
-    an: u64,
-    b: *const u8,
-    bn: u64,
-    c: *const u8,
-    cn: u64,
-) -> f32 {
-    exp_avx512(dst, n, src, shift, [(a, an as usize), (b, bn as usize), (c, cn as usize)])
-}
-
-/// `tanh` over a row ([`super::RowFn`]).
-///
-/// # Safety
-/// As [`exp_row`].
-#[allow(clippy::too_many_arguments)]
-pub(super) unsafe extern "C" fn tanh_row(
-    dst: *mut f32,
-    n: u64,
-    src: *const f32,
-    shift: f32,
-    a: *const u8,
-    an: u64,
-    b: *const u8,
-    bn: u64,
-    c: *const u8,
-    cn: u64,
-) -> f32 {
-    tanh_avx512(dst, n, src, shift, [(a, an as usize), (b, bn as usize), (c, cn as usize)])
-}
+super::x86::row_fns!(exp_row, exp_row_bf16, exp_avx512);
+super::x86::row_fns!(tanh_row, tanh_row_bf16, tanh_avx512);
 
 #[target_feature(enable = "avx512f")]
-unsafe fn max_avx512(src: *const f32, n: usize, n4: usize) -> f32 {
+unsafe fn max_avx512<L: Load16>(src: *const u8, n: u64, n4: u64) -> f32 {
+    let (n, n4) = (n as usize, n4 as usize);
     // Four independent chains over interleaved blocks of 16 (one chain would wait on the
     // compare-and-blend latency), combined in block order.
     let mut accs = [_mm512_set1_ps(f32::NEG_INFINITY); 4];
@@ -186,7 +191,7 @@ unsafe fn max_avx512(src: *const f32, n: usize, n4: usize) -> f32 {
     let mut i = 0;
     while i + 64 <= n4 {
         for (k, acc) in accs.iter_mut().enumerate() {
-            let x = _mm512_loadu_ps(src.add(i + 16 * k));
+            let x = L::load(src, i + 16 * k);
             let lt = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(*acc, x);
             *acc = _mm512_mask_blend_ps(lt, *acc, x);
             nan |= _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(x, x);
@@ -199,7 +204,7 @@ unsafe fn max_avx512(src: *const f32, n: usize, n4: usize) -> f32 {
         acc = _mm512_mask_blend_ps(lt, acc, *a);
     }
     while i + 16 <= n4 {
-        let x = _mm512_loadu_ps(src.add(i));
+        let x = L::load(src, i);
         let lt = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(acc, x);
         acc = _mm512_mask_blend_ps(lt, acc, x);
         nan |= _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(x, x);
@@ -207,18 +212,12 @@ unsafe fn max_avx512(src: *const f32, n: usize, n4: usize) -> f32 {
     }
     if i < n4 {
         let m: __mmask16 = (1u16 << (n4 - i)) - 1;
-        let x = _mm512_maskz_loadu_ps(m, src.add(i));
+        let x = L::part(src, i, n4 - i);
         let lt = _mm512_mask_cmp_ps_mask::<_CMP_LT_OQ>(m, acc, x);
         acc = _mm512_mask_blend_ps(lt, acc, x);
         nan |= _mm512_mask_cmp_ps_mask::<_CMP_UNORD_Q>(m, x, x);
     }
-    combine_max(&lanes(acc), nan, src, n4, n)
+    combine_max::<L::Elem>(&lanes(acc), nan, src, n4, n)
 }
 
-/// The row max ([`super::MaxFn`]).
-///
-/// # Safety
-/// `src[..n]` must be valid for reads and the host must have AVX-512F.
-pub(super) unsafe extern "C" fn max_row(src: *const f32, n: u64, n4: u64) -> f32 {
-    max_avx512(src, n as usize, n4 as usize)
-}
+super::x86::max_fns!(max_row, max_row_bf16, max_avx512);

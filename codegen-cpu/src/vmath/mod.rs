@@ -42,33 +42,43 @@ mod x86;
 /// either way). Meanwhile it prefetches `a[..a_bytes]`, `b[..b_bytes]` and `c[..c_bytes]`
 /// into L2 (the next row of the kernel's operands and results: the routine computes while
 /// the memory system fetches; the ranges need not be valid memory).
-pub(crate) type RowFn = unsafe extern "C" fn(*mut f32, u64, *const f32, f32, *const u8, u64, *const u8, u64, *const u8, u64) -> f32;
+pub(crate) type RowFn = unsafe extern "C" fn(*mut f32, u64, *const u8, f32, *const u8, u64, *const u8, u64, *const u8, u64) -> f32;
 
 /// `fn(src, n, n4) -> max`: the NaN-propagating maximum of `src[..n]` as the column loop would
 /// compute it with its vector part ending at column `n4` (the same value; a NaN anywhere gives
 /// the loop's NaN; see the module docs for the sign of a zero maximum).
-pub(crate) type MaxFn = unsafe extern "C" fn(*const f32, u64, u64) -> f32;
+pub(crate) type MaxFn = unsafe extern "C" fn(*const u8, u64, u64) -> f32;
 
-/// The native row maximum at level `isa`, if it has one.
-pub(crate) fn native_max(isa: Isa) -> Option<MaxFn> {
+/// The native row maximum at level `isa` of a row stored as `mem`, if it has one.
+pub(crate) fn native_max(isa: Isa, mem: Mem) -> Option<MaxFn> {
     #[cfg(target_arch = "x86_64")]
     {
-        match isa {
-            Isa::Avx512 | Isa::Avx512Bf16 => return Some(avx512::max_row as MaxFn),
-            Isa::Avx2 => return Some(avx2::max_row as MaxFn),
-            Isa::Scalar => {}
+        let (f32s, bf16s): (MaxFn, MaxFn) = match isa {
+            Isa::Avx512 | Isa::Avx512Bf16 => (avx512::max_row, avx512::max_row_bf16),
+            Isa::Avx2 => (avx2::max_row, avx2::max_row_bf16),
+            Isa::Scalar => return None,
+        };
+        match mem {
+            Mem::F32 => return Some(f32s),
+            Mem::Bf16 => return Some(bf16s),
+            Mem::I32 => {}
         }
     }
-    let _ = isa;
+    let _ = (isa, mem);
     None
 }
 
+/// Whether a native routine can read a row stored as `mem` directly: f32, or bf16 widened.
+pub(crate) fn readable(mem: Mem) -> bool {
+    matches!(mem, Mem::F32 | Mem::Bf16)
+}
+
 /// The operand row and the number of leading columns a native row maximum reads for the
-/// argument `a` of a row max: an f32 operand row, or one masked to its first `k` columns
-/// (`select(c < k, x, -inf)`, the padded vocabulary of cross-entropy).
+/// argument `a` of a row max: an f32 or bf16 operand row, or one masked to its first `k`
+/// columns (`select(c < k, x, -inf)`, the padded vocabulary of cross-entropy).
 pub(crate) fn max_source(p: &Prog, a: NodeId) -> Option<(View, u64)> {
     let f32_row = |x: NodeId| match &p.node(x).expr {
-        Expr::Load(v) if v.col && v.mem == Mem::F32 => Some(v.clone()),
+        Expr::Load(v) if v.col && readable(v.mem) => Some(v.clone()),
         _ => None,
     };
     if let Some(v) = f32_row(a) {
@@ -87,22 +97,28 @@ pub(crate) fn max_source(p: &Prog, a: NodeId) -> Option<(View, u64)> {
     f32_row(x).map(|v| (v, k as u64))
 }
 
-/// The native routine for `u` at level `isa`, if it has one.
-pub(crate) fn native(u: UnaryOp, isa: Isa) -> Option<RowFn> {
+/// The native routine for `u` at level `isa` reading its argument from a row stored as `mem`
+/// (f32 for a row buffer), if it has one.
+pub(crate) fn native(u: UnaryOp, isa: Isa, mem: Mem) -> Option<RowFn> {
     #[cfg(target_arch = "x86_64")]
     {
-        let (exp, tanh): (RowFn, RowFn) = match isa {
-            Isa::Avx512 | Isa::Avx512Bf16 => (avx512::exp_row, avx512::tanh_row),
-            Isa::Avx2 => (avx2::exp_row, avx2::tanh_row),
+        let fns: [RowFn; 4] = match isa {
+            Isa::Avx512 | Isa::Avx512Bf16 => [avx512::exp_row, avx512::exp_row_bf16, avx512::tanh_row, avx512::tanh_row_bf16],
+            Isa::Avx2 => [avx2::exp_row, avx2::exp_row_bf16, avx2::tanh_row, avx2::tanh_row_bf16],
             Isa::Scalar => return None,
         };
+        let m = match mem {
+            Mem::F32 => 0,
+            Mem::Bf16 => 1,
+            Mem::I32 => return None,
+        };
         match u {
-            UnaryOp::Exp => return Some(exp),
-            UnaryOp::Tanh => return Some(tanh),
+            UnaryOp::Exp => return Some(fns[m]),
+            UnaryOp::Tanh => return Some(fns[2 + m]),
             _ => {}
         }
     }
-    let _ = (u, isa);
+    let _ = (u, isa, mem);
     None
 }
 
@@ -122,7 +138,7 @@ pub(crate) fn assign(p: &mut Prog, isa: Isa) {
     for id in 0..n {
         let node = &p.nodes[id];
         let Expr::Unary(u, a) = node.expr else { continue };
-        if !node.space.has_col() || node.level == FINAL || native(u, isa).is_none() {
+        if !node.space.has_col() || node.level == FINAL || native(u, isa, Mem::F32).is_none() {
             continue;
         }
         // Does the argument read an offloaded node of this level (through element values)?
@@ -155,12 +171,10 @@ pub(crate) fn assign(p: &mut Prog, isa: Isa) {
         };
         p.offloads.push((id, slot));
     }
-    if native_max(isa).is_some() {
-        for id in 0..n as NodeId {
-            if let Expr::RowReduce(ReduceOp::Max, a) = p.node(id).expr {
-                if p.node(a).space.has_col() && max_source(p, a).is_some() {
-                    p.native_maxes.push(id);
-                }
+    for id in 0..n as NodeId {
+        if let Expr::RowReduce(ReduceOp::Max, a) = p.node(id).expr {
+            if p.node(a).space.has_col() && max_source(p, a).is_some_and(|(v, _)| native_max(isa, v.mem).is_some()) {
+                p.native_maxes.push(id);
             }
         }
     }

@@ -61,6 +61,26 @@ fn max_nan(a: f32, b: f32) -> f32 {
     }
 }
 
+/// An element type of source rows, read as f32 (bf16 widened exactly).
+pub(super) trait Elem {
+    /// Element `i` of the row at `src`.
+    unsafe fn at(src: *const u8, i: usize) -> f32;
+}
+
+impl Elem for f32 {
+    #[inline(always)]
+    unsafe fn at(src: *const u8, i: usize) -> f32 {
+        *(src as *const f32).add(i)
+    }
+}
+
+impl Elem for u16 {
+    #[inline(always)]
+    unsafe fn at(src: *const u8, i: usize) -> f32 {
+        f32::from_bits((*(src as *const u16).add(i) as u32) << 16)
+    }
+}
+
 /// A row max from its 16 lane maxima `l` (column `c < n4` went to lane `c % 16`) and their NaN
 /// flags, as the column loop combines them: copies `(0 ⊕ 1) ⊕ (2 ⊕ 3)` with
 /// `a ⊕ b = a < b ? b : a`, NaN flags or-ed, NaN lanes set to NaN, then lanes
@@ -68,7 +88,7 @@ fn max_nan(a: f32, b: f32) -> f32 {
 ///
 /// # Safety
 /// `src[n4..n]` must be valid for reads.
-pub(super) unsafe fn combine_max(l: &[f32; 16], nan: u16, src: *const f32, n4: usize, n: usize) -> f32 {
+pub(super) unsafe fn combine_max<E: Elem>(l: &[f32; 16], nan: u16, src: *const u8, n4: usize, n: usize) -> f32 {
     let pick = |a: f32, b: f32| if a < b { b } else { a };
     let mut v = [0f32; 4];
     for (j, v) in v.iter_mut().enumerate() {
@@ -78,7 +98,7 @@ pub(super) unsafe fn combine_max(l: &[f32; 16], nan: u16, src: *const f32, n4: u
     }
     let mut m = max_nan(max_nan(v[0], v[1]), max_nan(v[2], v[3]));
     for c in n4..n {
-        m = max_nan(m, *src.add(c));
+        m = max_nan(m, E::at(src, c));
     }
     m
 }
@@ -94,3 +114,76 @@ pub(super) fn tree_sum(l: &[f32; 16]) -> f32 {
     }
     (v[0] + v[1]) + (v[2] + v[3])
 }
+
+/// The `extern "C"` entry points ([`super::RowFn`]) of a row map `$inner::<L>` for f32 and bf16
+/// source rows (`F32s` / `Bf16s` of the invoking module).
+macro_rules! row_fns {
+    ($f32:ident, $bf16:ident, $inner:ident) => {
+        /// The row map over an f32 source row ([`super::RowFn`]).
+        ///
+        /// # Safety
+        /// `dst[..n]` must be valid for writes (or `dst` null) and `src[..n]` for reads (they
+        /// may be the same buffer), and the host must have the instruction set named in the
+        /// module (the prefetched ranges need not be valid).
+        #[allow(clippy::too_many_arguments)]
+        pub(super) unsafe extern "C" fn $f32(
+            dst: *mut f32,
+            n: u64,
+            src: *const u8,
+            shift: f32,
+            a: *const u8,
+            an: u64,
+            b: *const u8,
+            bn: u64,
+            c: *const u8,
+            cn: u64,
+        ) -> f32 {
+            $inner::<F32s>(dst, n, src, shift, [(a, an as usize), (b, bn as usize), (c, cn as usize)])
+        }
+
+        /// The row map over a bf16 source row (widened exactly: the f32 routine's results).
+        ///
+        /// # Safety
+        /// As the f32 version, with `src[..n]` bf16.
+        #[allow(clippy::too_many_arguments)]
+        pub(super) unsafe extern "C" fn $bf16(
+            dst: *mut f32,
+            n: u64,
+            src: *const u8,
+            shift: f32,
+            a: *const u8,
+            an: u64,
+            b: *const u8,
+            bn: u64,
+            c: *const u8,
+            cn: u64,
+        ) -> f32 {
+            $inner::<Bf16s>(dst, n, src, shift, [(a, an as usize), (b, bn as usize), (c, cn as usize)])
+        }
+    };
+}
+pub(super) use row_fns;
+
+/// The `extern "C"` entry points ([`super::MaxFn`]) of a row max `$inner::<L>` for f32 and bf16
+/// source rows.
+macro_rules! max_fns {
+    ($f32:ident, $bf16:ident, $inner:ident) => {
+        /// The row max of an f32 row ([`super::MaxFn`]).
+        ///
+        /// # Safety
+        /// `src[..n]` must be valid for reads and the host must have the module's instruction
+        /// set.
+        pub(super) unsafe extern "C" fn $f32(src: *const u8, n: u64, n4: u64) -> f32 {
+            $inner::<F32s>(src, n, n4)
+        }
+
+        /// The row max of a bf16 row (widened exactly).
+        ///
+        /// # Safety
+        /// As the f32 version, with `src[..n]` bf16.
+        pub(super) unsafe extern "C" fn $bf16(src: *const u8, n: u64, n4: u64) -> f32 {
+            $inner::<Bf16s>(src, n, n4)
+        }
+    };
+}
+pub(super) use max_fns;

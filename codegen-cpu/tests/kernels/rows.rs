@@ -178,6 +178,21 @@ fn native_math_matches_generated_code() {
             *v = [0.0, -0.0, -1.5, -0.0][i % 4];
         }
         native_matches_inline(&kernel, &b, &ins, &format!("cross-entropy C={cols}"));
+
+        // bf16 logits (the classifier of `--precision bf16`): the routines read the bf16 row.
+        let mut k = Body::new();
+        let x16 = k.input(DType::BF16, &d);
+        let tg = k.input(DType::I32, &r);
+        let dl = k.input(DType::F32, &r);
+        let x = k.op(Op::Cast { to: DType::F32 }, &[x16]);
+        let loss = k.op(Op::CrossEntropy { vocab }, &[x, tg]);
+        let gr = k.op(Op::CrossEntropyGrad { vocab }, &[x, tg, dl]);
+        let g16 = k.op(Op::Cast { to: DType::BF16 }, &[gr]);
+        let sm = k.op(Op::Softmax, &[x]);
+        let kernel = k.kernel("cast_ce_rows", &[loss, g16, sm]);
+        let mut ins = random_inputs(&kernel, &b, 70 + cols, vocab, &[]);
+        ins[0].data.iter_mut().for_each(|v| *v = fusec_ir::interp::round_to(DType::BF16, *v * 5.0));
+        native_matches_inline(&kernel, &b, &ins, &format!("bf16 cross-entropy C={cols}"));
     }
 }
 
