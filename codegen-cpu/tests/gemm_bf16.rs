@@ -107,7 +107,10 @@ fn exact(s: &GemmSpec, feeds: &HashMap<String, Tensor>) -> Vec<f64> {
 fn check_rounded(what: &str, got: &[f64], want: &[f64], scale: &[f64], percent: usize) {
     for (j, ((g, w), s)) in got.iter().zip(want).zip(scale).enumerate() {
         let tol = 1.2 / 128.0 * (w.abs() + s) + 1e-5;
-        assert!((g - w).abs() <= tol || (g.is_nan() && w.is_nan()), "{what}: element {j} is {g:e}, the interpreter's {w:e} (tolerance {tol:e})");
+        assert!(
+            (g - w).abs() <= tol || (g.is_nan() && w.is_nan()),
+            "{what}: element {j} is {g:e}, the interpreter's {w:e} (tolerance {tol:e})"
+        );
     }
     let same = got.iter().zip(want).filter(|(g, w)| g == w).count();
     assert!(same * 100 >= got.len() * percent, "{what}: only {same} of {} values equal the interpreter's", got.len());

@@ -146,4 +146,3 @@ fn fp32_training_gives_the_same_bits_at_every_isa_level() {
         fusec_ir::testkit::skip("fp32 at every ISA level", "this host has only the scalar level");
     }
 }
-

@@ -8,9 +8,9 @@ mod common;
 use fusec_codegen_cpu::isa::Isa;
 use fusec_ir::interp::Rounding;
 use fusec_ir::testkit::max_abs_diff;
+use fusec_models::build_gpt2;
 use fusec_passes::amp::Precision;
 use fusec_passes::pipeline::PipelineOptions;
-use fusec_models::build_gpt2;
 use fusec_runtime::checkpoint::Checkpoint;
 use fusec_runtime::data::DataLoader;
 use fusec_runtime::executor::Executor;
@@ -93,7 +93,9 @@ fn cpu_bf16_stays_within_2e_2_of_llmc_fp32_losses() {
                 (worst_llmc, worst_ref) = (worst_llmc.max(a), worst_ref.max(b));
             }
             assert_eq!(logs.len(), 10);
-            eprintln!("{precision:?} {isa:?}: worst relative loss difference from llm.c fp32 {worst_llmc:e}, from the interpreter {worst_ref:e}");
+            eprintln!(
+                "{precision:?} {isa:?}: worst relative loss difference from llm.c fp32 {worst_llmc:e}, from the interpreter {worst_ref:e}"
+            );
         }
     }
 }

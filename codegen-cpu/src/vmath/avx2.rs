@@ -142,7 +142,14 @@ unsafe fn lanes(lo: __m256, hi: __m256) -> [f32; 16] {
 /// `c < n4` into lane `c % 16` of the pair of accumulators, then [`tree_sum`]; the last
 /// `n % 4` columns added in order).
 #[inline(always)]
-unsafe fn map<L: Load8>(dst: *mut f32, n: usize, src: *const u8, shift: f32, pf: [(*const u8, usize); 3], f: impl Fn(__m256) -> __m256) -> f32 {
+unsafe fn map<L: Load8>(
+    dst: *mut f32,
+    n: usize,
+    src: *const u8,
+    shift: f32,
+    pf: [(*const u8, usize); 3],
+    f: impl Fn(__m256) -> __m256,
+) -> f32 {
     let store = !dst.is_null();
     let shift = _mm256_set1_ps(shift);
     let mut pf = Prefetch::new(pf, n);

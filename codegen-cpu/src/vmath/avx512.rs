@@ -122,7 +122,14 @@ unsafe fn lanes(v: __m512) -> [f32; 16] {
 /// prefetching; returns the row sum of the results in the column loop's order (see
 /// [`tree_sum`]; the last `n % 4` columns added in order).
 #[inline(always)]
-unsafe fn map<L: Load16>(dst: *mut f32, n: usize, src: *const u8, shift: f32, pf: [(*const u8, usize); 3], f: impl Fn(__m512) -> __m512) -> f32 {
+unsafe fn map<L: Load16>(
+    dst: *mut f32,
+    n: usize,
+    src: *const u8,
+    shift: f32,
+    pf: [(*const u8, usize); 3],
+    f: impl Fn(__m512) -> __m512,
+) -> f32 {
     let store = !dst.is_null();
     let shift = _mm512_set1_ps(shift);
     let mut pf = Prefetch::new(pf, n);

@@ -76,7 +76,20 @@ fn avx2_and_avx512_row_maps_agree_bit_for_bit() {
                     runs.push((d, sum, label.to_string()));
                 }
                 let mut d = vec![0f32; n];
-                let sw = unsafe { f16[0](d.as_mut_ptr(), n as u64, wide.as_ptr() as *const u8, shift, std::ptr::null(), 0, std::ptr::null(), 0, std::ptr::null(), 0) };
+                let sw = unsafe {
+                    f16[0](
+                        d.as_mut_ptr(),
+                        n as u64,
+                        wide.as_ptr() as *const u8,
+                        shift,
+                        std::ptr::null(),
+                        0,
+                        std::ptr::null(),
+                        0,
+                        std::ptr::null(),
+                        0,
+                    )
+                };
                 let pairs = [(0, &runs[1].0, runs[1].1), (2, &d, sw), (3, &d, sw)];
                 for (i, want, wsum) in pairs {
                     let (got, gsum, label) = (&runs[i].0, runs[i].1, &runs[i].2);
@@ -95,8 +108,7 @@ fn avx2_and_avx512_row_maxima_agree_bit_for_bit() {
     if !both() {
         return;
     }
-    let maxes: [(MaxFn, MaxFn, &str); 2] =
-        [(avx2::max_row, avx512::max_row, "f32"), (avx2::max_row_bf16, avx512::max_row_bf16, "bf16")];
+    let maxes: [(MaxFn, MaxFn, &str); 2] = [(avx2::max_row, avx512::max_row, "f32"), (avx2::max_row_bf16, avx512::max_row_bf16, "bf16")];
     for n in (0..=150).chain([1000, 1024]) {
         for seed in 0..4u64 {
             let mut src: Vec<f32> = values(n, 100 + seed).into_iter().map(|x| if x.is_nan() && seed < 2 { -1.0 } else { x }).collect();

@@ -96,7 +96,12 @@ pub fn translate(plan: &[launches::Launch], bind: &Bindings, kc: &mut KernelComp
                     ]
                 };
                 let bf16 = attn.dtype == DType::BF16;
-                let cast = |widen: bool, name: &str| Launch { kind: Kind::AttnCast { attn: *attn, widen }, name: name.into(), bytes: l.bytes, flops: 0 };
+                let cast = |widen: bool, name: &str| Launch {
+                    kind: Kind::AttnCast { attn: *attn, widen },
+                    name: name.into(),
+                    bytes: l.bytes,
+                    flops: 0,
+                };
                 if bf16 {
                     out.push(cast(true, "attn_widen"));
                 }

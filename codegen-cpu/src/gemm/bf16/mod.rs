@@ -55,7 +55,15 @@ pub enum Bf16Out<'a> {
 ///
 /// # Panics
 /// If a slice length does not match the spec.
-pub fn gemm_bf16(spec: &GemmSpec, a: &[bf16], b: &[bf16], bias: Option<&[bf16]>, y: Bf16Out<'_>, pre_gelu: Option<&mut [bf16]>, threads: usize) {
+pub fn gemm_bf16(
+    spec: &GemmSpec,
+    a: &[bf16],
+    b: &[bf16],
+    bias: Option<&[bf16]>,
+    y: Bf16Out<'_>,
+    pre_gelu: Option<&mut [bf16]>,
+    threads: usize,
+) {
     gemm_bf16_on(crate::isa::current(), spec, a, b, bias, y, pre_gelu, threads)
 }
 

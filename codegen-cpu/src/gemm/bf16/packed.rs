@@ -77,7 +77,15 @@ fn take<T: Copy + Default>(v: &mut Vec<T>, len: usize) -> &mut [T] {
 /// # Safety
 /// `src` must cover `k` values of every line; `dst` must hold `k.div_ceil(KU) * width` values.
 #[inline(always)]
-unsafe fn pack_lines<M: Micro>(src: *const u16, lines: usize, k: usize, k_stride: isize, line_stride: isize, width: usize, dst: &mut [u32]) {
+unsafe fn pack_lines<M: Micro>(
+    src: *const u16,
+    lines: usize,
+    k: usize,
+    k_stride: isize,
+    line_stride: isize,
+    width: usize,
+    dst: &mut [u32],
+) {
     let full = k / M::KU;
     let hi_off = if M::KU == 2 { k_stride } else { 0 };
     for q in 0..full {
