@@ -114,19 +114,16 @@ PY
 build_llmc() { # dir B T
   local dir=$1 src=$1/train_gpt2.c
   cp "$LLMC/train_gpt2.c" "$src"
-  local -a edits=(
-    "s/int B = 4;/int B = $2;/"
-    "s/int T = 64;/int T = $3;/"
-    "s/step <= 40;/step <= $STEPS;/"
-    "s/if (step % 10 == 0) {/if (0) {/"
-    "s/if (step > 0 \&\& step % 20 == 0) {/if (0) {/"
-  )
-  for e in "${edits[@]}"; do
-    local before
-    before=$(md5sum < "$src")
-    sed -i "$e" "$src"
-    [ "$(md5sum < "$src")" != "$before" ] || die "llm.c's train_gpt2.c does not have what '$e' changes (another version?)"
+  # (what the source says, what it becomes): each must be there.
+  local -a from=("int B = 4;" "int T = 64;" "step <= 40;" "if (step % 10 == 0) {" "if (step > 0 && step % 20 == 0) {")
+  local -a to=("int B = $2;" "int T = $3;" "step <= $STEPS;" "if (0) {" "if (0) {")
+  local i text
+  text=$(<"$src")
+  for i in "${!from[@]}"; do
+    [[ $text == *"${from[$i]}"* ]] || die "llm.c's train_gpt2.c has no '${from[$i]}' to change (another version?)"
+    text=${text/"${from[$i]}"/"${to[$i]}"}
   done
+  printf '%s\n' "$text" >"$src"
   gcc -Ofast -march=native -fopenmp -DOMP -Wno-unused-result -I"$LLMC" -o "$dir/train_gpt2" "$src" -lm \
     || die "compiling llm.c's train_gpt2.c failed"
 }

@@ -141,7 +141,10 @@ impl KernelCompiler {
             return Ok(c.clone());
         }
         let mut progs = lower_kernel(k, bind)?;
-        progs.iter_mut().for_each(|p| crate::vmath::assign(p, self.level));
+        for p in progs.iter_mut() {
+            crate::vmath::assign(p, self.level);
+            crate::stash::assign(p);
+        }
         let mut segments = Vec::with_capacity(progs.len());
         let mut scratch: Vec<Vec<f32>> = Vec::new();
         let mut clif_text = String::new();

@@ -40,6 +40,7 @@ mod math;
 mod ops;
 mod plan;
 mod run;
+mod stash;
 mod vmath;
 
 pub use jit::KernelCompiler;
