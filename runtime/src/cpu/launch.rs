@@ -1,6 +1,6 @@
 //! The launch plan translated for the CPU, built once per run: kernels compiled by Cranelift
-//! with their operand addresses resolved, attention split into its GEMM and softmax stages
-//! (between a widening and a narrowing launch on bf16 storage), storage types checked.
+//! with their operand addresses resolved, attention split into its GEMM and softmax stages,
+//! storage types checked.
 //! Executing a step walks the list and allocates nothing.
 
 use std::sync::Arc;
@@ -8,7 +8,7 @@ use std::sync::Arc;
 use fusec_codegen_cpu::{CompiledKernel, KernelCompiler};
 use fusec_ir::{Bindings, DType};
 
-use super::ops::AttnStage;
+use super::attention::AttnStage;
 use crate::launches::{self, Attention, Fill, Gather, Iota, LaunchOp, Product, ScatterAdd};
 
 /// What one CPU launch does; offsets are bytes into the one allocation.
@@ -23,9 +23,6 @@ pub enum Kind {
     ScatterAdd(ScatterAdd),
     /// One stage of causal attention.
     Attention { stage: AttnStage, attn: Attention },
-    /// bf16 attention: its operands widened into f32 scratch (`widen`), or its result rounded
-    /// back to bf16.
-    AttnCast { attn: Attention, widen: bool },
     /// Index fill.
     Iota(Iota),
     /// Constant fill.
@@ -95,21 +92,11 @@ pub fn translate(plan: &[launches::Launch], bind: &Bindings, kc: &mut KernelComp
                         (AttnStage::GradQkv, "gemm_attn_dqkv", 3 * gemm),
                     ]
                 };
-                let bf16 = attn.dtype == DType::BF16;
-                let cast = |widen: bool, name: &str| Launch {
-                    kind: Kind::AttnCast { attn: *attn, widen },
-                    name: name.into(),
-                    bytes: l.bytes,
-                    flops: 0,
-                };
-                if bf16 {
-                    out.push(cast(true, "attn_widen"));
+                if !matches!(attn.dtype, DType::F32 | DType::BF16) {
+                    return Err(l.err(format!("attention on {} storage is not supported by the CPU target", attn.dtype)));
                 }
                 for &(stage, name, flops) in stages {
                     out.push(Launch { kind: Kind::Attention { stage, attn: *attn }, name: name.into(), bytes: l.bytes, flops });
-                }
-                if bf16 {
-                    out.push(cast(false, "attn_narrow"));
                 }
                 continue;
             }

@@ -56,8 +56,8 @@ pub struct CpuExecutor {
     types: HashMap<String, (DType, Vec<usize>)>,
     threads: usize,
     isa: Isa,
-    /// Attention's per-head score matrices and bf16 widening buffers, outside the memory plan:
-    /// sized once for the largest attention.
+    /// Attention's per-head score matrices, outside the memory plan: sized once for the largest
+    /// attention.
     attn: AttnScratch,
     /// Per-launch timings, when profiling.
     pub profile: Option<Profile>,
@@ -156,7 +156,6 @@ impl CpuExecutor {
                 ops::scatter_add(f(s.src, s.n * s.cols), s.cols, self.slice::<i32>(s.idx, s.n), f(s.out, s.rows * s.cols))?
             }
             Kind::Attention { stage, attn } => self.attn.stage(base, *stage, attn),
-            Kind::AttnCast { attn, widen } => self.attn.convert(base, attn, *widen),
             Kind::Iota(it) => {
                 let n: usize = it.shape.iter().product();
                 let inner: usize = it.shape[it.axis + 1..].iter().product();
