@@ -87,7 +87,6 @@ fn flags_that_the_target_does_not_read_are_refused() {
         refused(&[flag], &[flag, "--target cuda only"]);
     }
     refused(&["--target", "ref", "--profile"], &["--profile", "--target cpu"]);
-    refused(&["--precision", "bf16"], &["--precision bf16 needs"]);
 }
 
 #[test]

@@ -192,14 +192,43 @@ fn cpu_target_trains_profiles_and_samples() {
 }
 
 #[test]
-fn bf16_runs_on_the_interpreter_and_is_refused_on_the_cpu_target() {
-    let args = ["run", "models/gpt2-tiny.graph", "--precision", "bf16", "--batch", "2", "--seq", "16", "--steps", "2"];
+fn bf16_runs_on_the_interpreter_and_the_cpu_target() {
+    let args = ["run", "models/gpt2-tiny.graph", "--precision", "bf16", "--batch", "2", "--seq", "16", "--steps", "3"];
     let o = fusec(&[&args[..], &["--target", "ref"]].concat());
     assert!(o.status.success(), "{}", text(&o.stderr));
-    assert!(text(&o.stdout).contains("over 2 steps"), "{}", text(&o.stdout));
-    let o = fusec(&[&args[..], &["--target", "cpu"]].concat());
+    assert!(text(&o.stdout).contains("over 3 steps"), "{}", text(&o.stdout));
+    for precision in ["bf16", "bf16+residual"] {
+        let mut a = args;
+        a[3] = precision;
+        let o = fusec(&[&a[..], &["--target", "cpu"]].concat());
+        let out = text(&o.stdout);
+        assert!(o.status.success(), "{precision}: {}", text(&o.stderr));
+        assert!(out.contains("over 3 steps") && out.contains("cpu isa "), "{precision}: {out}");
+    }
+}
+
+#[test]
+fn the_cpu_isa_is_detected_or_forced_and_a_bad_name_is_refused() {
+    let run = |isa: Option<&str>| {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_fusec"));
+        c.args(["run", "models/gpt2-tiny.graph", "--target", "cpu", "--batch", "2", "--seq", "16", "--steps", "2"]);
+        match isa {
+            Some(v) => c.env("FUSEC_CPU_ISA", v),
+            None => c.env_remove("FUSEC_CPU_ISA"),
+        };
+        c.output().unwrap()
+    };
+    let o = run(None);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let row = text(&o.stdout).lines().find(|l| l.starts_with("cpu isa")).map(str::to_string).expect("a `cpu isa` row");
+    assert!(row.contains("detected") && row.contains("avx512_bf16: "), "{row}");
+    // The lowest level runs everywhere and says so.
+    let o = run(Some("scalar"));
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    assert!(text(&o.stdout).contains("cpu isa     scalar (FUSEC_CPU_ISA"), "{}", text(&o.stdout));
+    let o = run(Some("avx9"));
     assert_eq!(o.status.code(), Some(2));
-    assert!(text(&o.stderr).contains("--precision bf16 needs --target cuda or --target ref"), "{}", text(&o.stderr));
+    assert!(text(&o.stderr).contains("FUSEC_CPU_ISA=\"avx9\" is not an instruction-set level"), "{}", text(&o.stderr));
 }
 
 #[test]

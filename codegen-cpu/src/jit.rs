@@ -8,9 +8,10 @@
 //!   segments — the AdamW updates of equally shaped parameters — share one compiled function.
 //!
 //! Each compiled program gets its own small `JITModule`, owned by an [`Arc`] that every kernel
-//! using it holds, so code is freed exactly when no kernel needs it. The ISA is the host's
-//! (`cranelift-native`: SSE4.1/AVX are used where present), `opt_level = speed`, the IR
-//! verifier on in debug builds.
+//! using it holds, so code is freed exactly when no kernel needs it. The target is the host's
+//! (`cranelift-native`: SSE4.1/AVX are used where present) limited to the instruction-set level
+//! ([`Isa`]: no AVX-512 encodings below `avx512`, no AVX below `avx2`), `opt_level = speed`, the
+//! IR verifier on in debug builds.
 
 use std::collections::HashMap;
 use std::fmt::Write;
@@ -27,6 +28,7 @@ use fusec_passes::lower_rows::lower_kernel;
 use sha2::{Digest, Sha256};
 
 use crate::clif;
+use crate::isa::Isa;
 use crate::run::{CompiledKernel, RunState, SegmentRun, SlotRef};
 
 /// Bumped whenever generated code changes for the same input (part of every cache key).
@@ -60,13 +62,13 @@ impl Drop for Code {
 
 /// Compiles fused kernels to machine code and caches them (see the module docs).
 pub struct KernelCompiler {
-    isa: OwnedTargetIsa,
+    target: OwnedTargetIsa,
     fctx: FunctionBuilderContext,
     kernels: HashMap<[u8; 32], Arc<CompiledKernel>>,
     codes: HashMap<[u8; 32], (Arc<Code>, String)>,
     compiled: usize,
     hits: usize,
-    native_math: bool,
+    level: Isa,
 }
 
 fn sha(parts: &[&str]) -> [u8; 32] {
@@ -80,42 +82,68 @@ fn sha(parts: &[&str]) -> [u8; 32] {
 }
 
 impl KernelCompiler {
-    /// A compiler for the host CPU.
+    /// A compiler for the host CPU at the selected instruction-set level
+    /// ([`crate::isa::current`]).
     pub fn new() -> Result<Self, String> {
+        Self::for_isa(crate::isa::current())
+    }
+
+    /// A compiler whose code uses level `level`'s native routines and target flags; an error if
+    /// the host does not support it.
+    pub fn for_isa(level: Isa) -> Result<Self, String> {
+        if !level.supported() {
+            return Err(format!("this host does not support the instruction-set level {}", level.name()));
+        }
         let mut flags = settings::builder();
         let set = |f: &mut settings::Builder, k: &str, v: &str| f.set(k, v).map_err(|e| format!("cranelift flag {k}: {e}"));
         set(&mut flags, "opt_level", "speed")?;
         set(&mut flags, "is_pic", "false")?;
         set(&mut flags, "use_colocated_libcalls", "false")?;
         set(&mut flags, "enable_verifier", if cfg!(debug_assertions) { "true" } else { "false" })?;
-        let isa = cranelift_native::builder()
-            .map_err(|e| format!("this host is not supported by Cranelift: {e}"))?
-            .finish(settings::Flags::new(flags))
-            .map_err(|e| format!("cranelift ISA: {e}"))?;
+        let mut target = cranelift_native::builder().map_err(|e| format!("this host is not supported by Cranelift: {e}"))?;
+        #[cfg(target_arch = "x86_64")]
+        {
+            let mut off: Vec<&str> = vec![];
+            if level < Isa::Avx512 {
+                off.extend(["has_avx512f", "has_avx512vl", "has_avx512dq", "has_avx512bitalg", "has_avx512vbmi", "has_avx512vnni"]);
+            }
+            if level < Isa::Avx2 {
+                off.extend(["has_avx", "has_avx2", "has_fma"]);
+            }
+            for flag in off {
+                target.set(flag, "false").map_err(|e| format!("cranelift flag {flag}: {e}"))?;
+            }
+        }
+        let target = target.finish(settings::Flags::new(flags)).map_err(|e| format!("cranelift ISA: {e}"))?;
         Ok(KernelCompiler {
-            isa,
+            target,
             fctx: FunctionBuilderContext::new(),
             kernels: HashMap::new(),
             codes: HashMap::new(),
             compiled: 0,
             hits: 0,
-            native_math: true,
+            level,
         })
+    }
+
+    /// The instruction-set level of the code this compiler makes.
+    pub fn isa(&self) -> Isa {
+        self.level
     }
 
     /// Compiles (or fetches from the cache) one kernel for concrete symbolic-dim values. An
     /// `Err` names what the lowering or the CPU compiler does not support.
     pub fn compile(&mut self, k: &fusec_ir::Kernel, bind: &fusec_ir::Bindings) -> Result<Arc<CompiledKernel>, String> {
         let binds: String = bind.0.iter().map(|(s, v)| format!("{s}={v};")).collect();
-        let native = if self.native_math { "native" } else { "" };
-        let key = sha(&[&k.name, &fusec_ir::text::print(&k.body), &binds, native]);
+        let key = sha(&[&k.name, &fusec_ir::text::print(&k.body), &binds, self.level.name()]);
         if let Some(c) = self.kernels.get(&key) {
             self.hits += 1;
             return Ok(c.clone());
         }
         let mut progs = lower_kernel(k, bind)?;
-        if self.native_math {
-            progs.iter_mut().for_each(crate::vmath::assign);
+        for p in progs.iter_mut() {
+            crate::vmath::assign(p, self.level);
+            crate::stash::assign(p);
         }
         let mut segments = Vec::with_capacity(progs.len());
         let mut scratch: Vec<Vec<f32>> = Vec::new();
@@ -169,14 +197,6 @@ impl KernelCompiler {
         Ok(ck)
     }
 
-    /// Whether element `exp` / `tanh` over long rows and row maxima of operand rows may run in
-    /// the native routines (AVX-512F hosts; on by default). They give the same bits as the
-    /// generated code (a row max: the same value; the sign of a zero maximum may differ), so
-    /// this only changes speed; tests compare the two.
-    pub fn set_native_math(&mut self, on: bool) {
-        self.native_math = on;
-    }
-
     /// `(kernels compiled, kernel cache hits)`.
     pub fn stats(&self) -> (usize, usize) {
         (self.compiled, self.hits)
@@ -193,9 +213,9 @@ impl KernelCompiler {
         if let Some((c, t)) = self.codes.get(&key) {
             return Ok((c.clone(), t.clone(), key));
         }
-        let built = clif::build(p, self.isa.default_call_conv(), self.isa.frontend_config(), &mut self.fctx)
+        let built = clif::build(p, self.level, self.target.default_call_conv(), self.target.frontend_config(), &mut self.fctx)
             .map_err(|e| format!("kernel `{}`: {e}", p.name))?;
-        let mut module = JITModule::new(JITBuilder::with_isa(self.isa.clone(), default_libcall_names()));
+        let mut module = JITModule::new(JITBuilder::with_isa(self.target.clone(), default_libcall_names()));
         let mut text = String::new();
         let mut ids = Vec::new();
         for (i, f) in std::iter::once(built.main).chain(built.finalize).enumerate() {

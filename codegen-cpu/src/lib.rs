@@ -17,11 +17,13 @@
 //! 2. [`clif`] (+ `plan`, `ops`, `math`): each program becomes a Cranelift function over a chunk
 //!    of rows (unrolled f32x4 column loops with independent reduction accumulators, a scalar tail)
 //!    and, when it has column results, a finalize function; `exp`/`log`/`tanh` are inline
-//!    polynomial routines (≤ 1.4 ulp measured). On AVX-512F hosts, element `exp`/`tanh` of rows
-//!    of at least 64 columns and the row max of an operand row run in native 16-lane routines
-//!    (`vmath`) called once per row, which also return the row sum and prefetch the next row;
-//!    they give the same bits as the generated loops (but for the sign of a zero row max).
-//! 3. `jit`: compilation for the host CPU, with a kernel cache (identical bodies compile once)
+//!    polynomial routines (≤ 1.4 ulp measured). At the `avx512` and `avx2` instruction-set
+//!    levels ([`isa`]), element `exp`/`tanh` of rows of at least 64 columns and the row max of
+//!    an f32 or bf16 operand row run in native 16- or 8-lane routines (`vmath`) called once per
+//!    row, which also return the row sum and prefetch the next row; they give the same bits as
+//!    the generated loops (but for the sign of a zero row max). bf16-derived element values
+//!    that later passes would recompute are kept in row buffers instead (`stash`).
+//! 3. `jit`: compilation for the host CPU (limited to the instruction-set level), with a kernel cache (identical bodies compile once)
 //!    and a function cache (equal segments of different kernels share code); `run`
 //!    ([`CompiledKernel::run`]) invokes it over rayon, allocating nothing per call.
 //!
@@ -34,11 +36,13 @@
 
 pub mod clif;
 pub mod gemm;
+pub mod isa;
 mod jit;
 mod math;
 mod ops;
 mod plan;
 mod run;
+mod stash;
 mod vmath;
 
 pub use jit::KernelCompiler;

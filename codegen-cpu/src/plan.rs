@@ -20,7 +20,7 @@
 //! cross-entropy gradient's `p - 1` at the target) computes `b` in the column loop and writes
 //! the stores' values at column `t` separately.
 
-use fusec_ir::rows::{liveness, region, Expr, Liveness, Mem, NodeId, Prog, Region, Ty, View};
+use fusec_ir::rows::{liveness, region, Expr, Liveness, NodeId, Prog, Region, Ty, View};
 use fusec_ir::{BinaryOp, ReduceOp};
 
 /// The work of one pass over the columns of a row.
@@ -56,8 +56,8 @@ pub(crate) struct Offload {
     pub(crate) node: NodeId,
     /// Its row buffer's scratch slot.
     pub(crate) slot: u32,
-    /// When the argument is an f32 operand row (a contiguous column view), minus a per-row
-    /// value or not: the view and the value. The routine then reads the operand directly
+    /// When the argument is an f32 or bf16 operand row (a contiguous column view), minus a
+    /// per-row value or not: the view and the value. The routine then reads the operand directly
     /// (no pass writes the argument).
     pub(crate) src: Option<(View, Option<NodeId>)>,
     /// Row sums of the node, which the routine returns (summed in the order the column loop
@@ -116,7 +116,7 @@ pub(crate) fn plan(p: &Prog) -> Plan {
         .map(|&(t, slot)| {
             let a = arg(t);
             let f32_row = |x: NodeId| match &p.node(x).expr {
-                Expr::Load(v) if v.col && v.mem == Mem::F32 => Some(v.clone()),
+                Expr::Load(v) if v.col && crate::vmath::readable(v.mem) => Some(v.clone()),
                 _ => None,
             };
             let src = match p.node(a).expr {

@@ -1,10 +1,9 @@
-//! `gemm_f32` / `gemm_bf16` against a naive f64 triple loop, over every transpose, batch,
+//! `gemm_f32` against a naive f64 triple loop, over every transpose, batch,
 //! shared-`b` and epilogue combination, at odd sizes and sizes crossing tile boundaries.
 
-use fusec_codegen_cpu::gemm::{gelu, gemm_bf16, gemm_f32, Bf16Out};
+use fusec_codegen_cpu::gemm::{gelu, gemm_f32};
 use fusec_ir::testkit::assert_close_slice;
 use fusec_ir::GemmSpec;
-use half::bf16;
 
 /// A small deterministic generator (xorshift64*), so failures reproduce.
 struct Rng(u64);
@@ -239,30 +238,4 @@ fn wrong_length_panics() {
 fn missing_pre_gelu_panics() {
     let s = GemmSpec { gelu: true, ..GemmSpec::new(2, 3, 4) };
     gemm_f32(&s, &[0.0; 8], &[0.0; 12], None, &mut [0.0; 6], None, 1);
-}
-
-/// Rounds to bf16 and back.
-fn bf(v: &[f32]) -> Vec<bf16> {
-    v.iter().map(|x| bf16::from_f32(*x)).collect()
-}
-
-#[test]
-fn bf16_operands_both_outputs() {
-    for (trans_a, trans_b, accumulate) in [(false, true, false), (true, false, true), (false, false, true), (true, true, false)] {
-        let s = GemmSpec { batch: 2, m: 70, n: 530, k: 64, trans_a, trans_b, b_shared: true, bias: true, gelu: true, accumulate };
-        let (a, b, bias, y0) = inputs(&s, 99);
-        let (a16, b16, bias16, y016) = (bf(&a), bf(&b), bf(&bias), bf(&y0));
-        let wide = |v: &[bf16]| v.iter().map(|x| x.to_f32()).collect::<Vec<f32>>();
-        let (want_y, want_pre) = reference(&s, &wide(&a16), &wide(&b16), Some(&wide(&bias16)), &wide(&y016));
-        for threads in [1, 2] {
-            let mut pre = vec![bf16::NAN; s.y_len()];
-            let mut y = wide(&y016);
-            gemm_bf16(&s, &a16, &b16, Some(&bias16), Bf16Out::F32(&mut y), Some(&mut pre), threads);
-            assert_close_slice("bf16 -> f32 y", &y, &want_y, 1e-2, 1e-2);
-            assert_close_slice("bf16 pre_gelu", &wide(&pre), &want_pre, 1e-2, 1e-2);
-            let mut y = y016.clone();
-            gemm_bf16(&s, &a16, &b16, Some(&bias16), Bf16Out::Bf16(&mut y), Some(&mut pre), threads);
-            assert_close_slice("bf16 -> bf16 y", &wide(&y), &want_y, 1e-2, 1e-2);
-        }
-    }
 }

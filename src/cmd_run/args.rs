@@ -89,7 +89,8 @@ pub struct RunArgs {
     pub no_divergence_check: bool,
     /// Mixed precision: `bf16` stores activations and runs products in bf16 (fp32 master weights,
     /// statistics, softmax, loss and residual stream); `bf16+residual` also keeps the residual
-    /// stream in bf16 (llm.c). `fusec dump --pass amp` prints the policy. `--target cuda` or `ref`.
+    /// stream in bf16 (llm.c). `fusec dump --pass amp` prints the policy. Every target: on the CPU,
+    /// products use AVX512-BF16 dot products where the host has them, else widened operands.
     #[arg(long, default_value = "fp32", value_parser = precision_parser())]
     pub precision: Precision,
     /// What the backward recomputes instead of storing: `none`, `gelu` (GELU outputs: less
@@ -190,10 +191,6 @@ impl RunArgs {
         }
         if self.target == Target::Ref && (self.profile || self.profile_json.is_some()) {
             return Err("--profile and --profile-json time compiled kernels: use --target cpu or --target cuda".into());
-        }
-        if self.precision.is_bf16() && self.target == Target::Cpu {
-            let name = self.precision.name();
-            return Err(format!("--precision {name} needs --target cuda or --target ref (the CPU target runs fp32 programs only)"));
         }
         if self.save_every.is_some() && self.save.is_none() {
             return Err("--save-every needs --save DIR (where to save)".into());

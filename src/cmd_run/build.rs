@@ -26,6 +26,7 @@ pub fn executor(a: &RunArgs, run: &RunPrograms, threads: usize) -> Result<Built,
         Target::Ref => Box::new(RefExecutor::new(run, fusec_ir::interp::Rounding::F32)),
         Target::Cpu => {
             let (ex, build) = CpuExecutor::new(run, threads, profile)?;
+            summary.push(("cpu isa".into(), build.isa.describe()));
             let plan = &build.step_plan;
             let (compiled, hits) = build.kernels;
             summary.push(("kernels".into(), format!("{compiled} compiled, {hits} cache hits (identical kernels compile once)")));

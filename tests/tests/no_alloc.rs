@@ -1,8 +1,8 @@
 //! A CPU training step allocates nothing of its own: the arena is allocated once, launches are
 //! built once, scratch buffers grow once. A counting global allocator checks it (its own test
-//! binary). The one exception is outside fusec: the `gemm` crate allocates its packing buffers
-//! (at most two) inside every call, so a launch that calls it may allocate that much and every
-//! other launch must allocate nothing.
+//! binary), in fp32 and in bf16 on each bf16 product path. The one exception is outside fusec:
+//! the `gemm` crate allocates its packing buffers (at most two) inside every call, so a launch
+//! that calls it may allocate that much and every other launch must allocate nothing.
 
 mod common;
 
@@ -10,9 +10,12 @@ use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use fusec_codegen_cpu::gemm::crate_calls;
+use fusec_codegen_cpu::isa::Isa;
 use fusec_ir::interp::Tensor;
 use fusec_ir::rng::Rng;
 use fusec_models::{build_gpt2, Gpt2Config};
+use fusec_passes::amp::Precision;
+use fusec_passes::pipeline::PipelineOptions;
 use fusec_runtime::checkpoint::random_init;
 use fusec_runtime::executor::Executor;
 use fusec_runtime::params::params_from_checkpoint;
@@ -42,12 +45,23 @@ static GLOBAL: Counting = Counting;
 
 #[test]
 fn cpu_training_steps_allocate_nothing() {
+    let bf16 = PipelineOptions { precision: Precision::Bf16, ..PipelineOptions::default() };
+    let mut runs = vec![(PipelineOptions::default(), fusec_codegen_cpu::isa::current()), (bf16.clone(), Isa::Scalar)];
+    if Isa::Avx512Bf16.supported() {
+        runs.push((bf16, Isa::Avx512Bf16));
+    }
+    for (opts, isa) in runs {
+        steps_allocate_nothing(&opts, isa);
+    }
+}
+
+fn steps_allocate_nothing(opts: &PipelineOptions, isa: Isa) {
     let cfg = Gpt2Config { layers: 2, heads: 2, channels: 32, vocab: 100, padded_vocab: 128, max_seq: 32 };
     let (b, t) = (2, 32);
     let fwd = build_gpt2(&cfg, "t");
     let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
     pool.install(|| {
-        let (mut ex, step) = common::cpu_executor(&fwd, b, t, 2);
+        let (mut ex, step) = common::cpu_executor_with(&fwd, opts, b, t, 2, isa);
         init_state(&mut ex, &step, &params_from_checkpoint(&fwd, &random_init(&cfg, 1).unwrap()).unwrap()).unwrap();
         let mut rng = Rng::new(3);
         let toks: Vec<i32> = (0..b * t).map(|_| rng.below(100) as i32).collect();
@@ -75,7 +89,7 @@ fn cpu_training_steps_allocate_nothing() {
             ex.zero_grads().unwrap();
             per_step.push((ALLOCS.load(Ordering::SeqCst) - before, crate_calls() - calls));
         }
-        eprintln!("(allocations, gemm-crate calls) per step: {per_step:?}");
+        eprintln!("{:?} {isa:?}: (allocations, gemm-crate calls) per step: {per_step:?}", opts.precision);
         // Per launch, allocations beyond the gemm crate's (at most 2 a call). rayon may grow a job
         // queue now and then, so a launch fails only if it allocates beyond that in every one of
         // several runs: an allocation made every step cannot hide.
@@ -102,7 +116,7 @@ fn cpu_training_steps_allocate_nothing() {
         }
         assert!(excess.len() > 20);
         for (name, extra) in &excess {
-            assert_eq!(*extra, 0, "launch {name} allocates on every run");
+            assert_eq!(*extra, 0, "{:?} {isa:?}: launch {name} allocates on every run", opts.precision);
         }
     });
 }

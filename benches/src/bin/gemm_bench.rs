@@ -4,12 +4,44 @@
 //! GEMM time of one step: what a whole training step is compared against.
 //!
 //! `cargo run --release -p fusec-benches --bin gemm_bench -- [--threads N] [--plain]
-//! [--config small|124m|both] [--secs S] [--only SUBSTR]`. `--plain` drops the forward epilogues
-//! (pure products); `--only` keeps the shapes whose name contains `SUBSTR`.
+//! [--config small|124m|both] [--secs S] [--only SUBSTR] [--products LIST]`. `--plain` drops the
+//! forward epilogues (pure products); `--only` keeps the shapes whose name contains `SUBSTR`;
+//! `--products` lists what multiplies (comma-separated, default `f32`): `f32` (`gemm_f32`), and
+//! `bf16@LEVEL` (`gemm_bf16` on the path of an instruction-set level: `avx512bf16` dot
+//! products, `avx512` or `avx2` FMA on operands widened while packing, `scalar` widened
+//! operands through the `gemm` crate; bf16 operands and activations, f32 weight gradients, as
+//! `--precision bf16` runs them). With more than one, each shape runs them in turn, alternating,
+//! so that a busy host slows all alike.
 
-use fusec_codegen_cpu::gemm::gemm_f32;
+use fusec_codegen_cpu::gemm::{gemm_bf16_on, gemm_f32, Bf16Out};
+use fusec_codegen_cpu::isa::Isa;
 use fusec_ir::GemmSpec;
+use half::bf16;
 use std::time::{Duration, Instant};
+
+/// What multiplies.
+#[derive(Clone, Copy, PartialEq, Debug)]
+enum Kind {
+    F32,
+    Bf16(Isa),
+}
+
+impl Kind {
+    fn parse(s: &str) -> Kind {
+        match s.split_once('@') {
+            None if s == "f32" => Kind::F32,
+            Some(("bf16", level)) => Kind::Bf16(Isa::parse(level).unwrap_or_else(|e| panic!("--products: {e}"))),
+            _ => panic!("--products: unknown `{s}` (f32, bf16@avx512bf16, bf16@avx512, bf16@avx2, bf16@scalar)"),
+        }
+    }
+
+    fn name(self) -> String {
+        match self {
+            Kind::F32 => "f32".into(),
+            Kind::Bf16(isa) => format!("bf16@{}", isa.name()),
+        }
+    }
+}
 
 /// A GPT-2 shape: layers, channels, padded vocabulary, batch and sequence length.
 struct Config {
@@ -77,34 +109,76 @@ fn fill(len: usize, seed: u64) -> Vec<f32> {
         .collect()
 }
 
-/// `(median, best)` seconds per call of `s` over at least 3 calls and about `secs` seconds.
-fn time(s: &GemmSpec, threads: usize, secs: f64) -> (f64, f64) {
-    let a = fill(s.a_len(), 1);
-    let b: Vec<f32> = fill(s.b_len(), 2).iter().map(|v| v * 0.05).collect();
-    let bias = s.bias.then(|| fill(s.n, 3));
-    let mut y = fill(s.y_len(), 4);
-    let mut pre = vec![0.0f32; if s.gelu { s.y_len() } else { 0 }];
-    let call = |y: &mut [f32], pre: &mut [f32]| {
-        let pre = s.gelu.then_some(pre);
-        gemm_f32(s, &a, &b, bias.as_deref(), y, pre, threads);
-    };
-    call(&mut y, &mut pre); // warm up: page in, fill the crate's caches
-    let mut samples = Vec::new();
-    let start = Instant::now();
-    while samples.len() < 3 || (start.elapsed() < Duration::from_secs_f64(secs) && samples.len() < 1000) {
-        let t = Instant::now();
-        call(&mut y, &mut pre);
-        samples.push(t.elapsed().as_secs_f64());
-        if s.accumulate && samples.len() % 16 == 0 {
-            y.iter_mut().for_each(|v| *v *= 0.5); // keep the accumulator bounded
-        }
-    }
-    std::hint::black_box(&y);
-    samples.sort_by(f64::total_cmp);
-    (samples[samples.len() / 2], samples[0])
+/// Operands and results of one product in f32 and bf16.
+struct Data {
+    a: Vec<f32>,
+    b: Vec<f32>,
+    bias: Option<Vec<f32>>,
+    y: Vec<f32>,
+    pre: Vec<f32>,
+    a16: Vec<bf16>,
+    b16: Vec<bf16>,
+    bias16: Option<Vec<bf16>>,
+    y16: Vec<bf16>,
+    pre16: Vec<bf16>,
 }
 
-fn bench(cfg: &Config, threads: usize, plain: bool, secs: f64, only: &str) {
+impl Data {
+    fn new(s: &GemmSpec) -> Data {
+        let a = fill(s.a_len(), 1);
+        let b: Vec<f32> = fill(s.b_len(), 2).iter().map(|v| v * 0.05).collect();
+        let bias = s.bias.then(|| fill(s.n, 3));
+        let y = fill(s.y_len(), 4);
+        let pre = vec![0.0f32; if s.gelu { s.y_len() } else { 0 }];
+        let h = |v: &[f32]| v.iter().map(|x| bf16::from_f32(*x)).collect::<Vec<_>>();
+        let (a16, b16, bias16, y16, pre16) = (h(&a), h(&b), bias.as_deref().map(h), h(&y), h(&pre));
+        Data { a, b, bias, y, pre, a16, b16, bias16, y16, pre16 }
+    }
+
+    /// One product. bf16: weight gradients (`accumulate`) into f32, the rest into bf16.
+    fn call(&mut self, s: &GemmSpec, kind: Kind, threads: usize) {
+        match kind {
+            Kind::F32 => gemm_f32(s, &self.a, &self.b, self.bias.as_deref(), &mut self.y, s.gelu.then_some(&mut self.pre[..]), threads),
+            Kind::Bf16(isa) => {
+                let y = if s.accumulate { Bf16Out::F32(&mut self.y) } else { Bf16Out::Bf16(&mut self.y16) };
+                let pre = s.gelu.then_some(&mut self.pre16[..]);
+                gemm_bf16_on(isa, s, &self.a16, &self.b16, self.bias16.as_deref(), y, pre, threads)
+            }
+        }
+        if s.accumulate {
+            self.y.iter_mut().for_each(|v| *v *= 0.5); // keep the accumulator bounded
+        }
+    }
+}
+
+/// `(median, best)` seconds per call of `s` for each of `kinds`, over at least 3 rounds and
+/// about `secs` seconds per kind, the kinds alternating call by call.
+fn time(s: &GemmSpec, kinds: &[Kind], threads: usize, secs: f64) -> Vec<(f64, f64)> {
+    let mut d = Data::new(s);
+    for &k in kinds {
+        d.call(s, k, threads); // warm up: page in, fill the caches
+    }
+    let mut samples = vec![Vec::new(); kinds.len()];
+    let start = Instant::now();
+    let budget = Duration::from_secs_f64(secs * kinds.len() as f64);
+    while samples[0].len() < 3 || (start.elapsed() < budget && samples[0].len() < 1000) {
+        for (k, kind) in kinds.iter().enumerate() {
+            let t = Instant::now();
+            d.call(s, *kind, threads);
+            samples[k].push(t.elapsed().as_secs_f64());
+        }
+    }
+    std::hint::black_box((&d.y, &d.y16));
+    samples
+        .into_iter()
+        .map(|mut v| {
+            v.sort_by(f64::total_cmp);
+            (v[v.len() / 2], v[0])
+        })
+        .collect()
+}
+
+fn bench(cfg: &Config, kinds: &[Kind], threads: usize, plain: bool, secs: f64, only: &str) {
     println!(
         "\n== {}: L={} C={} Vp={} B={} T={} (BT={}), {} thread(s){}",
         cfg.name,
@@ -117,47 +191,45 @@ fn bench(cfg: &Config, threads: usize, plain: bool, secs: f64, only: &str) {
         threads,
         if plain { ", no epilogues" } else { "" }
     );
-    println!(
-        "{:<20} {:>6} {:>6} {:>6} {:>3} | {:>8} {:>7} | {:>8} {:>7} | {:>8}",
-        "shape", "M", "N", "K", "x", "med ms", "GFLOP/s", "best ms", "GFLOP/s", "ms/step"
-    );
-    let (mut total_med, mut total_best, mut total_flops) = (0.0, 0.0, 0u64);
+    print!("{:<20} {:>6} {:>6} {:>6} {:>3}", "shape", "M", "N", "K", "x");
+    for k in kinds {
+        print!(" | {:>17} {:>7} {:>8} {:>7}", format!("{} med ms", k.name()), "GFLOP/s", "best ms", "GFLOP/s");
+    }
+    println!();
+    let mut totals = vec![(0.0, 0.0); kinds.len()];
+    let mut total_flops = 0u64;
     for sh in step_shapes(cfg, plain).into_iter().filter(|s| s.name.contains(only)) {
-        let (med, best) = time(&sh.spec, threads, secs);
+        let times = time(&sh.spec, kinds, threads, secs);
         let (flops, x) = (sh.spec.flops(), sh.per_step);
-        total_med += med * x as f64;
-        total_best += best * x as f64;
         total_flops += flops * x as u64;
         let s = &sh.spec;
         let gf = |t: f64| flops as f64 / t / 1e9;
-        println!(
-            "{:<20} {:>6} {:>6} {:>6} {:>3} | {:>8.3} {:>7.1} | {:>8.3} {:>7.1} | {:>8.2}",
-            sh.name,
-            s.m,
-            s.n,
-            s.k,
-            x,
-            med * 1e3,
-            gf(med),
-            best * 1e3,
-            gf(best),
-            best * x as f64 * 1e3
-        );
+        print!("{:<20} {:>6} {:>6} {:>6} {:>3}", sh.name, s.m, s.n, s.k, x);
+        for ((med, best), tot) in times.iter().zip(totals.iter_mut()) {
+            tot.0 += med * x as f64;
+            tot.1 += best * x as f64;
+            print!(" | {:>17.3} {:>7.1} {:>8.3} {:>7.1}", med * 1e3, gf(*med), best * 1e3, gf(*best));
+        }
+        println!();
     }
     let gf = |t: f64| total_flops as f64 / t / 1e9;
-    println!(
-        "GEMM time of one step ({:.2} GFLOP): best {:.1} ms = {:.1} GFLOP/s (the ceiling); median {:.1} ms = {:.1} GFLOP/s",
-        total_flops as f64 / 1e9,
-        total_best * 1e3,
-        gf(total_best),
-        total_med * 1e3,
-        gf(total_med)
-    );
+    for (k, (med, best)) in kinds.iter().zip(&totals) {
+        println!(
+            "{:>15}: GEMM time of one step ({:.2} GFLOP): best {:.1} ms = {:.1} GFLOP/s (the ceiling); median {:.1} ms = {:.1} GFLOP/s",
+            k.name(),
+            total_flops as f64 / 1e9,
+            best * 1e3,
+            gf(*best),
+            med * 1e3,
+            gf(*med)
+        );
+    }
 }
 
 fn main() {
     let mut threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     let (mut plain, mut config, mut secs, mut only) = (false, "both".to_string(), 0.4, String::new());
+    let mut kinds = vec![Kind::F32];
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
         let mut value = |what: &str| args.next().unwrap_or_else(|| panic!("{arg} needs {what}"));
@@ -167,20 +239,25 @@ fn main() {
             "--secs" => secs = value("seconds").parse().expect("--secs S"),
             "--plain" => plain = true,
             "--only" => only = value("a substring of shape names"),
+            "--products" => kinds = value("a list").split(',').map(Kind::parse).collect(),
             "-h" | "--help" => {
-                println!("gemm_bench [--threads N] [--config small|124m|both] [--secs S] [--plain]");
+                println!("gemm_bench [--threads N] [--config small|124m|both] [--secs S] [--plain] [--only SUBSTR] [--products f32,bf16@LEVEL,..]");
                 return;
             }
             other => panic!("unknown argument `{other}` (try --help)"),
         }
     }
     let threads = threads.max(1);
+    if let Some(Kind::Bf16(isa)) = kinds.iter().find(|k| matches!(k, Kind::Bf16(i) if !i.supported())) {
+        eprintln!("this host does not support {}", isa.name());
+        std::process::exit(2);
+    }
     rayon::ThreadPoolBuilder::new().num_threads(threads).build_global().expect("the rayon pool is built once");
     let small = Config { name: "small", layers: 4, channels: 256, vocab_padded: 8192, batch: 8, seq: 256 };
     let gpt2 = Config { name: "gpt2-124M", layers: 12, channels: 768, vocab_padded: 50304, batch: 4, seq: 64 };
     for cfg in [small, gpt2] {
         if config == "both" || config.eq_ignore_ascii_case(cfg.name) || (config == "124m" && cfg.layers == 12) {
-            bench(&cfg, threads, plain, secs, &only);
+            bench(&cfg, &kinds, threads, plain, secs, &only);
         }
     }
 }

@@ -2,17 +2,28 @@
 //! outside GEMMs, for the `small` config (B=8, T=256) and the 124M shape (B=4, T=64). In the same
 //! process, the step's GEMM launches alone give the ceiling the step is compared with.
 //!
-//! `cargo run --release -p fusec-benches --bin train_step -- [--steps N] [--threads N] [--config small|124m]`
+//! `cargo run --release -p fusec-benches --bin train_step -- [--steps N] [--threads N]
+//! [--config small|124m] [--precision LIST]`
+//!
+//! `--precision` lists variants (comma-separated, default `fp32`): `fp32`, `bf16` or
+//! `bf16+residual`, each optionally `:RECOMPUTE` (`none`, `gelu`, `gelu+layernorm`; default: the
+//! CLI's for the precision) and `@LEVEL` to force an instruction-set level (`bf16@avx2`: bf16
+//! products on operands widened while packing; `bf16@avx512bf16`: the dot products; default:
+//! the host's). Each variant has its own executor; the variants' steps alternate (one step of each per round, `--steps` rounds) so that a busy host slows them
+//! alike, and each variant's median is printed with its ratio to the first.
 
 use std::time::Instant;
 
+use fusec_codegen_cpu::isa::Isa;
 use fusec_ir::interp::Tensor;
 use fusec_ir::rng::Rng;
 use fusec_ir::{DType, Graph};
 use fusec_models::{build_gpt2, Gpt2Config};
+use fusec_passes::amp::Precision;
 use fusec_passes::pipeline::PipelineOptions;
+use fusec_passes::recompute::Recompute;
 use fusec_runtime::checkpoint::random_init;
-use fusec_runtime::cpu::CpuExecutor;
+use fusec_runtime::cpu::{CpuBuild, CpuExecutor};
 use fusec_runtime::executor::Executor;
 use fusec_runtime::params::params_from_checkpoint;
 use fusec_runtime::programs::{Program, RunPrograms};
@@ -23,6 +34,14 @@ struct Case {
     cfg: Gpt2Config,
     b: usize,
     t: usize,
+}
+
+/// One executor to time: a precision at an instruction-set level.
+struct Variant {
+    name: String,
+    ex: CpuExecutor,
+    build: CpuBuild,
+    compile_ms: f64,
 }
 
 fn arg(name: &str) -> Option<String> {
@@ -49,88 +68,120 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
+/// `PREC[:RECOMPUTE][@LEVEL]` as `(precision, recompute, level)`.
+fn parse_variant(s: &str) -> (Precision, Recompute, Isa) {
+    let (rest, isa) = s.split_once('@').map_or((s, None), |(p, i)| (p, Some(i)));
+    let (p, rc) = rest.split_once(':').map_or((rest, None), |(p, r)| (p, Some(r)));
+    let precision: Precision = p.parse().unwrap_or_else(|e| panic!("--precision {s}: {e}"));
+    let recompute = rc.map_or(Recompute::default_for(precision), |r| r.parse().unwrap_or_else(|e| panic!("--precision {s}: {e}")));
+    let isa = isa.map_or_else(fusec_codegen_cpu::isa::current, |i| Isa::parse(i).unwrap_or_else(|e| panic!("--precision {s}: {e}")));
+    (precision, recompute, isa)
+}
+
+/// Compiles and loads one variant of `case`.
+fn variant(spec: &str, case: &Case, fwd: &Graph, threads: usize) -> Variant {
+    let (precision, recompute, isa) = parse_variant(spec);
+    let t0 = Instant::now();
+    let opts = PipelineOptions { precision, recompute, ..PipelineOptions::default() };
+    let run = RunPrograms::compile(fwd, &opts, &RunPrograms::bindings(case.b, case.t), false).unwrap();
+    let (mut ex, build) = CpuExecutor::with_isa(&run, threads, false, isa).unwrap_or_else(|e| panic!("{spec}: {e}"));
+    let compile_ms = t0.elapsed().as_secs_f64() * 1e3;
+    prepare(&mut ex, fwd, run.step().unwrap(), case);
+    Variant { name: format!("{}:{}@{}", precision.name(), Recompute::NAMES[recompute as usize], isa.name()), ex, build, compile_ms }
+}
+
+/// Milliseconds of one run of the Step program's launches that pass `keep`.
+fn time_once(ex: &mut CpuExecutor, keep: &dyn Fn(&str) -> bool) -> f64 {
+    let t = Instant::now();
+    ex.run_traced(Program::Step, keep, |_| {}).unwrap();
+    t.elapsed().as_secs_f64() * 1e3
+}
+
+fn is_gemm(n: &str) -> bool {
+    n.starts_with("gemm") || n == "matmul"
+}
+
+/// The share of one step's time outside GEMM launches (every launch timed).
+fn share_outside_gemms(ex: &mut CpuExecutor) -> f64 {
+    let (mut gemm, mut other) = (0.0, 0.0);
+    let mut t = Instant::now();
+    ex.run_traced(
+        Program::Step,
+        |_: &str| true,
+        |name: &str| {
+            let dt = t.elapsed().as_secs_f64();
+            if is_gemm(name) {
+                gemm += dt
+            } else {
+                other += dt
+            }
+            t = Instant::now();
+        },
+    )
+    .unwrap();
+    other / (gemm + other)
+}
+
+fn report(case: &Case, v: &mut Variant, step_ms: f64, first_ms: f64, steps: usize) {
+    let gemm_ms = median((0..steps).map(|_| time_once(&mut v.ex, &is_gemm)).collect());
+    let share = median((0..steps).map(|_| share_outside_gemms(&mut v.ex)).collect());
+    let (gemm_flops, other_flops) = v.ex.flops(Program::Step);
+    let tokens = (case.b * case.t) as f64;
+    println!(
+        "\n[{} {}] L={} C={} Vp={} B={} T={}: compile {:.0} ms ({} kernels, {} cache hits), arena {:.1} MiB",
+        case.name,
+        v.name,
+        case.cfg.layers,
+        case.cfg.channels,
+        case.cfg.padded_vocab,
+        case.b,
+        case.t,
+        v.compile_ms,
+        v.build.kernels.0,
+        v.build.kernels.1,
+        v.build.arena_bytes as f64 / 1048576.0
+    );
+    println!(
+        "  step                {step_ms:9.1} ms   {:9.0} tok/s   {:6.1} GFLOP/s   ({:.2}x the first variant's median)",
+        tokens / step_ms * 1e3,
+        (gemm_flops + other_flops) as f64 / step_ms / 1e6,
+        step_ms / first_ms
+    );
+    println!(
+        "  GEMMs alone         {gemm_ms:9.1} ms   (the ceiling: {:.1} GFLOP/s)   step / ceiling = {:.2}",
+        gemm_flops as f64 / gemm_ms / 1e6,
+        step_ms / gemm_ms
+    );
+    println!("  outside GEMM launches {:6.1}% of the step (every launch timed within the same steps)", 100.0 * share);
+}
+
 fn main() {
     let steps: usize = arg("--steps").and_then(|s| s.parse().ok()).unwrap_or(5);
     let threads: usize =
         arg("--threads").and_then(|s| s.parse().ok()).unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1));
     rayon::ThreadPoolBuilder::new().num_threads(threads).build_global().unwrap();
     let only = arg("--config");
+    let specs = arg("--precision").unwrap_or_else(|| "fp32".into());
     let cases = [
         Case { name: "small", cfg: Gpt2Config::preset("small").unwrap(), b: 8, t: 256 },
         Case { name: "124m", cfg: Gpt2Config::preset("d12").unwrap(), b: 4, t: 64 },
     ];
-    println!("fusec CPU training step, {threads} thread(s), median of {steps} steps");
+    println!("fusec CPU training step, {threads} thread(s), median of {steps} steps, variants alternating: {specs}");
     for case in cases.iter().filter(|c| only.as_deref().is_none_or(|o| o == c.name)) {
         let fwd = build_gpt2(&case.cfg, case.name);
-        let t0 = Instant::now();
-        let bind = RunPrograms::bindings(case.b, case.t);
-        let run = RunPrograms::compile(&fwd, &PipelineOptions::default(), &bind, false).unwrap();
-        let (mut ex, build) = CpuExecutor::new(&run, threads, false).unwrap();
-        let compile_ms = t0.elapsed().as_secs_f64() * 1e3;
-        prepare(&mut ex, &fwd, run.step().unwrap(), case);
-        let time = |ex: &mut CpuExecutor, keep: &dyn Fn(&str) -> bool| {
-            ex.run_traced(Program::Step, keep, |_| {}).unwrap(); // warm-up
-            median(
-                (0..steps)
-                    .map(|_| {
-                        let t = Instant::now();
-                        ex.run_traced(Program::Step, keep, |_| {}).unwrap();
-                        t.elapsed().as_secs_f64() * 1e3
-                    })
-                    .collect(),
-            )
-        };
-        let is_gemm = |n: &str| n.starts_with("gemm") || n == "matmul";
-        let step_ms = time(&mut ex, &|_| true);
-        let gemm_ms = time(&mut ex, &is_gemm);
-        // The share outside GEMMs from the same steps: every launch timed, split by kind.
-        let share = median(
-            (0..steps)
-                .map(|_| {
-                    let (mut gemm, mut other) = (0.0, 0.0);
-                    let mut t = Instant::now();
-                    ex.run_traced(
-                        Program::Step,
-                        |_: &str| true,
-                        |name: &str| {
-                            let dt = t.elapsed().as_secs_f64();
-                            if is_gemm(name) {
-                                gemm += dt
-                            } else {
-                                other += dt
-                            }
-                            t = Instant::now();
-                        },
-                    )
-                    .unwrap();
-                    other / (gemm + other)
-                })
-                .collect(),
-        );
-        let (gemm_flops, other_flops) = ex.flops(Program::Step);
-        let tokens = (case.b * case.t) as f64;
-        println!(
-            "\n[{}] L={} C={} Vp={} B={} T={}: compile {compile_ms:.0} ms ({} kernels, {} cache hits), arena {:.1} MiB",
-            case.name,
-            case.cfg.layers,
-            case.cfg.channels,
-            case.cfg.padded_vocab,
-            case.b,
-            case.t,
-            build.kernels.0,
-            build.kernels.1,
-            build.arena_bytes as f64 / 1048576.0
-        );
-        println!(
-            "  step                {step_ms:9.1} ms   {:9.0} tok/s   {:6.1} GFLOP/s",
-            tokens / step_ms * 1e3,
-            (gemm_flops + other_flops) as f64 / step_ms / 1e6
-        );
-        println!(
-            "  GEMMs alone         {gemm_ms:9.1} ms   (the ceiling: {:.1} GFLOP/s)   step / ceiling = {:.2}",
-            gemm_flops as f64 / gemm_ms / 1e6,
-            step_ms / gemm_ms
-        );
-        println!("  outside GEMM launches {:6.1}% of the step (every launch timed within the same steps)", 100.0 * share);
+        let mut vs: Vec<Variant> = specs.split(',').map(|s| variant(s, case, &fwd, threads)).collect();
+        for v in vs.iter_mut() {
+            time_once(&mut v.ex, &|_| true); // warm-up
+        }
+        let mut samples = vec![vec![]; vs.len()];
+        for _ in 0..steps {
+            for (v, s) in vs.iter_mut().zip(samples.iter_mut()) {
+                s.push(time_once(&mut v.ex, &|_| true));
+            }
+        }
+        let medians: Vec<f64> = samples.into_iter().map(median).collect();
+        for (v, &m) in vs.iter_mut().zip(&medians) {
+            report(case, v, m, medians[0], steps);
+        }
     }
 }

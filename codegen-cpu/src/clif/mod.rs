@@ -56,6 +56,7 @@ use cranelift_frontend::{FunctionBuilder, FunctionBuilderContext};
 use fusec_ir::rows::{region, Expr, NodeId, Prog, Region, RowTerm, Space, Ty, View, FINAL, UNI_PARTIAL_STRIDE};
 use fusec_ir::ReduceOp;
 
+use crate::isa::Isa;
 use crate::math::Fx;
 use crate::ops;
 use crate::plan::{plan, Pass, Plan};
@@ -131,6 +132,8 @@ pub(crate) struct Gen<'p, 'f> {
     pub prefetch: Vec<(Value, u64)>,
     /// The level of the pass being generated.
     pub level: u32,
+    /// Which native row routines the calls go to.
+    pub isa: Isa,
 }
 
 impl<'f> Gen<'_, 'f> {
@@ -374,18 +377,20 @@ fn new_gen<'p, 'f>(p: &'p Prog, b: FunctionBuilder<'f>, fin: bool) -> Gen<'p, 'f
         assume_false: HashSet::new(),
         prefetch: Vec::new(),
         level: 0,
+        isa: Isa::Scalar,
     }
 }
 
-/// Builds the Cranelift functions of a program (named `<name>_chunk` and `<name>_final`).
-pub fn build(p: &Prog, cc: CallConv, tfc: TargetFrontendConfig, fctx: &mut FunctionBuilderContext) -> R<Built> {
+/// Builds the Cranelift functions of a program (named `<name>_chunk` and `<name>_final`); the
+/// program's native calls (see [`Prog::offloads`]) go to the routines of level `isa`.
+pub fn build(p: &Prog, isa: Isa, cc: CallConv, tfc: TargetFrontendConfig, fctx: &mut FunctionBuilderContext) -> R<Built> {
     let plan = plan(p);
-    let main = build_main(p, &plan, cc, tfc, fctx)?;
+    let main = build_main(p, &plan, isa, cc, tfc, fctx)?;
     let finalize = if plan.fin_stores.is_empty() { None } else { Some(build_final(p, &plan, cc, tfc, fctx)?) };
     Ok(Built { main, finalize })
 }
 
-fn build_main(p: &Prog, plan: &Plan, cc: CallConv, tfc: TargetFrontendConfig, fctx: &mut FunctionBuilderContext) -> R<Function> {
+fn build_main(p: &Prog, plan: &Plan, isa: Isa, cc: CallConv, tfc: TargetFrontendConfig, fctx: &mut FunctionBuilderContext) -> R<Function> {
     let mut func = Function::with_name_signature(UserFuncName::testcase(format!("{}_chunk", p.name)), signature(cc, 4));
     let mut g = new_gen(p, FunctionBuilder::new(&mut func, fctx), false);
     let entry = g.b.create_block();
@@ -402,6 +407,7 @@ fn build_main(p: &Prog, plan: &Plan, cc: CallConv, tfc: TargetFrontendConfig, fc
     }
     g.init_partials(&plan.colreds, chunk)?;
     g.cc = cc;
+    g.isa = isa;
     for o in &plan.offloads {
         let off = g.b.ins().imul_imm_s(chunk, (p.cols * 4) as i64);
         let base = g.b.ins().iadd(g.slots[o.slot as usize], off);

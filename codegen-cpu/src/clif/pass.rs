@@ -5,7 +5,7 @@
 use cranelift_codegen::ir::condcodes::{FloatCC, IntCC};
 use cranelift_codegen::ir::{types, AbiParam, InstBuilder, MemFlagsData, Signature, Value};
 use cranelift_frontend::Variable;
-use fusec_ir::rows::{Expr, NodeId, Store, Ty, View};
+use fusec_ir::rows::{Expr, Mem, NodeId, Store, Ty, View};
 use fusec_ir::ReduceOp;
 
 use super::{ColPos, Gen, PREFETCH_STREAMS, R, UNROLL_REDUCE, UNROLL_STORE};
@@ -238,7 +238,7 @@ impl Gen<'_, '_> {
 
     /// Computes row max `r` of the operand row `v` (its first `k` columns) natively.
     fn call_native_max(&mut self, r: NodeId, v: &View, k: u64) -> R<()> {
-        let f = crate::vmath::native_max().ok_or("internal: no native row max")?;
+        let f = crate::vmath::native_max(self.isa, v.mem).ok_or("internal: no native row max")?;
         let mut sig = Signature::new(self.cc);
         sig.params.extend([AbiParam::new(types::I64), AbiParam::new(types::I64), AbiParam::new(types::I64)]);
         sig.returns.push(AbiParam::new(types::F32));
@@ -268,7 +268,10 @@ impl Gen<'_, '_> {
     fn call_native(&mut self, o: &Offload) -> R<()> {
         let t = o.node;
         let Expr::Unary(u, _) = self.p.node(t).expr else { return Err(format!("internal: offloaded %{t} is not a unary op")) };
-        let f = crate::vmath::native(u).ok_or_else(|| format!("internal: no native routine for `{u:?}`"))?;
+        // The routine reads its argument from the operand row (f32 or bf16) or from the row
+        // buffer (f32).
+        let mem = o.src.as_ref().map_or(Mem::F32, |(v, _)| v.mem);
+        let f = crate::vmath::native(u, self.isa, mem).ok_or_else(|| format!("internal: no native routine for `{u:?}` on {mem:?}"))?;
         let mut sig = Signature::new(self.cc);
         sig.params.extend([AbiParam::new(types::I64), AbiParam::new(types::I64), AbiParam::new(types::I64), AbiParam::new(types::F32)]);
         for _ in 0..2 * PREFETCH_STREAMS {

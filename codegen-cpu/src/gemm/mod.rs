@@ -20,8 +20,8 @@
 //! f32 with FMA in the crate's order (which depends on the shape only), so results agree with
 //! an f64 reference to about `1e-5` relative.
 //!
-//! bf16 operands ([`gemm_bf16`]) are widened to f32 in reusable thread-local scratch and
-//! multiplied in f32; the crate has no bf16 kernels.
+//! bf16 operands ([`gemm_bf16`]) take the same tiles, multiplied by AVX512-BF16 dot products
+//! or on operands widened to f32 (module `bf16`).
 //!
 //! Steady-state calls allocate nothing in this module (scratch is thread-local and grows
 //! only); the `gemm` crate itself may allocate its packing buffers per call.
@@ -30,7 +30,7 @@ mod bf16;
 mod epilogue;
 mod strided;
 
-pub use bf16::{gemm_bf16, Bf16Out};
+pub use bf16::{bf16_bits, gemm_bf16, gemm_bf16_on, widen_bits, Bf16Out};
 pub use epilogue::{exp, gelu, tanh};
 pub use strided::{matmul_strided, Mat};
 
@@ -127,41 +127,47 @@ fn tile_sides(rows: usize, n: usize) -> (usize, usize) {
 
 /// A raw pointer that tiles share; each task touches only its own tile.
 #[derive(Clone, Copy)]
-struct Raw<T>(*mut T);
+pub(crate) struct Raw<T>(pub *mut T);
 // SAFETY: tasks write disjoint tiles through it and only read the operands.
 unsafe impl<T> Send for Raw<T> {}
 // SAFETY: as above.
 unsafe impl<T> Sync for Raw<T> {}
 
-/// One call's operands, strides and tiling.
-struct Plan {
-    spec: GemmSpec,
+/// How a product is cut into tiles, and its operands' strides: shared by the f32 and the bf16
+/// products (a pure function of the spec).
+#[derive(Clone, Copy)]
+pub(crate) struct Tiling {
     /// Independent products after folding a shared-`b` batch into the rows.
-    batches: usize,
+    pub batches: usize,
     /// Rows per product after folding.
-    rows: usize,
-    /// Tiles per product along rows and columns, and the columns of one tile.
-    row_tiles: usize,
-    col_tiles: usize,
-    tile_m: usize,
-    tile_n: usize,
-    a: Raw<f32>,
-    b: Raw<f32>,
-    bias: Option<Raw<f32>>,
-    y: Raw<f32>,
-    pre: Option<Raw<f32>>,
-    /// Element offsets between consecutive batches of `a`, `b` and `y`.
-    a_batch: usize,
-    b_batch: usize,
+    pub rows: usize,
+    /// Tiles per product along rows and columns, and the sides of one tile.
+    pub row_tiles: usize,
+    pub col_tiles: usize,
+    pub tile_m: usize,
+    pub tile_n: usize,
+    /// Element offsets between consecutive batches of `a` and `b`.
+    pub a_batch: usize,
+    pub b_batch: usize,
     /// Row and column strides of `op(a)` and `op(b)` (in elements).
-    a_rs: isize,
-    a_cs: isize,
-    b_rs: isize,
-    b_cs: isize,
+    pub a_rs: isize,
+    pub a_cs: isize,
+    pub b_rs: isize,
+    pub b_cs: isize,
 }
 
-impl Plan {
-    fn new(spec: &GemmSpec, a: &[f32], b: &[f32], bias: Option<&[f32]>, y: &mut [f32], pre: Option<&mut [f32]>) -> Self {
+/// One tile of a [`Tiling`]: batch `z`, rows `i0..i0 + mt`, columns `j0..j0 + nt`.
+#[derive(Clone, Copy)]
+pub(crate) struct Tile {
+    pub z: usize,
+    pub i0: usize,
+    pub j0: usize,
+    pub mt: usize,
+    pub nt: usize,
+}
+
+impl Tiling {
+    pub fn new(spec: &GemmSpec) -> Tiling {
         let (m, n, k) = (spec.m, spec.n, spec.k);
         // With one `b` and `a` stored `[batch*m, k]`, the batch is just more rows.
         let fold = spec.batch == 1 || (spec.b_shared && !spec.trans_a);
@@ -169,19 +175,13 @@ impl Plan {
         let (tile_m, tile_n) = tile_sides(rows, n);
         let (a_rs, a_cs) = if spec.trans_a { (1, m as isize) } else { (k as isize, 1) };
         let (b_rs, b_cs) = if spec.trans_b { (1, k as isize) } else { (n as isize, 1) };
-        Plan {
-            spec: *spec,
+        Tiling {
             batches,
             rows,
             row_tiles: rows.div_ceil(tile_m),
             col_tiles: n.div_ceil(tile_n),
             tile_m,
             tile_n,
-            a: Raw(a.as_ptr().cast_mut()),
-            b: Raw(b.as_ptr().cast_mut()),
-            bias: bias.map(|s| Raw(s.as_ptr().cast_mut())),
-            y: Raw(y.as_mut_ptr()),
-            pre: pre.map(|s| Raw(s.as_mut_ptr())),
             a_batch: m * k,
             b_batch: if spec.b_shared { 0 } else { k * n },
             a_rs,
@@ -191,8 +191,56 @@ impl Plan {
         }
     }
 
-    fn tasks(&self) -> usize {
+    pub fn tasks(&self) -> usize {
         self.batches * self.row_tiles * self.col_tiles
+    }
+
+    /// Tile `t` of a product with `n` columns.
+    pub fn tile(&self, t: usize, n: usize) -> Tile {
+        let per_batch = self.row_tiles * self.col_tiles;
+        let (z, rest) = (t / per_batch, t % per_batch);
+        let (it, jt) = (rest / self.col_tiles, rest % self.col_tiles);
+        let (i0, j0) = (it * self.tile_m, jt * self.tile_n);
+        Tile { z, i0, j0, mt: self.tile_m.min(self.rows - i0), nt: self.tile_n.min(n - j0) }
+    }
+
+    /// Element offset of the tile's first output in `y` (of a product with `n` columns).
+    pub fn y_offset(&self, t: &Tile, n: usize) -> usize {
+        t.z * self.rows * n + t.i0 * n + t.j0
+    }
+
+    /// Element offsets of the tile's first row of `op(a)` and first column of `op(b)`.
+    pub fn operand_offsets(&self, t: &Tile) -> (isize, isize) {
+        ((t.z * self.a_batch) as isize + t.i0 as isize * self.a_rs, (t.z * self.b_batch) as isize + t.j0 as isize * self.b_cs)
+    }
+}
+
+/// One call's operands and tiling.
+struct Plan {
+    spec: GemmSpec,
+    tiling: Tiling,
+    a: Raw<f32>,
+    b: Raw<f32>,
+    bias: Option<Raw<f32>>,
+    y: Raw<f32>,
+    pre: Option<Raw<f32>>,
+}
+
+impl Plan {
+    fn new(spec: &GemmSpec, a: &[f32], b: &[f32], bias: Option<&[f32]>, y: &mut [f32], pre: Option<&mut [f32]>) -> Self {
+        Plan {
+            spec: *spec,
+            tiling: Tiling::new(spec),
+            a: Raw(a.as_ptr().cast_mut()),
+            b: Raw(b.as_ptr().cast_mut()),
+            bias: bias.map(|s| Raw(s.as_ptr().cast_mut())),
+            y: Raw(y.as_mut_ptr()),
+            pre: pre.map(|s| Raw(s.as_mut_ptr())),
+        }
+    }
+
+    fn tasks(&self) -> usize {
+        self.tiling.tasks()
     }
 
     /// Computes tile `t`: its product, then its epilogue.
@@ -201,17 +249,14 @@ impl Plan {
     /// The pointers must cover the spec's extents and no other task may run tile `t`.
     unsafe fn run(&self, t: usize) {
         let s = &self.spec;
-        let per_batch = self.row_tiles * self.col_tiles;
-        let (z, rest) = (t / per_batch, t % per_batch);
-        let (it, jt) = (rest / self.col_tiles, rest % self.col_tiles);
-        let i0 = it * self.tile_m;
-        let j0 = jt * self.tile_n;
-        let mt = self.tile_m.min(self.rows - i0);
-        let nt = self.tile_n.min(s.n - j0);
+        let tl = &self.tiling;
+        let tile = tl.tile(t, s.n);
+        let (j0, mt, nt) = (tile.j0, tile.mt, tile.nt);
         let n = s.n;
-        let y_off = z * self.rows * n + i0 * n + j0;
-        let a = self.a.0.add(z * self.a_batch).offset(i0 as isize * self.a_rs);
-        let b = self.b.0.add(z * self.b_batch).offset(j0 as isize * self.b_cs);
+        let y_off = tl.y_offset(&tile, n);
+        let (a_off, b_off) = tl.operand_offsets(&tile);
+        let a = self.a.0.offset(a_off);
+        let b = self.b.0.offset(b_off);
         let y = self.y.0.add(y_off);
         let product = |dst: *mut f32, dst_rs: usize, read_dst: bool| {
             count_crate_call();
@@ -224,11 +269,11 @@ impl Plan {
                 dst_rs as isize,
                 read_dst,
                 a,
-                self.a_cs,
-                self.a_rs,
+                tl.a_cs,
+                tl.a_rs,
                 b,
-                self.b_cs,
-                self.b_rs,
+                tl.b_cs,
+                tl.b_rs,
                 1.0f32,
                 1.0f32,
                 false,
@@ -286,7 +331,7 @@ fn with_scratch<R>(len: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
 
 /// Runs `f(0..n)`: inline for one thread, else on the current rayon pool, dynamically when
 /// `threads` covers the pool, in `threads` contiguous parts otherwise.
-fn for_each_task(n: usize, threads: usize, f: &(dyn Fn(usize) + Sync)) {
+pub(crate) fn for_each_task(n: usize, threads: usize, f: &(dyn Fn(usize) + Sync)) {
     if threads <= 1 || n <= 1 {
         (0..n).for_each(f);
     } else if threads >= rayon::current_num_threads() {

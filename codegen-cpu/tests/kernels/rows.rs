@@ -3,24 +3,13 @@
 //! logits, in and out of range), and cross-entropy / softmax on rows long enough for all of
 //! them.
 
+use fusec_codegen_cpu::isa::Isa;
 use fusec_codegen_cpu::KernelCompiler;
 use fusec_ir::interp::Tensor;
 use fusec_ir::rng::Rng;
 use fusec_ir::{BinaryOp, CmpOp, DType, Op, ReduceOp, Shape, Type, UnaryOp};
 
 use super::harness::*;
-
-/// Whether this host runs element `exp` / `tanh` of long rows natively.
-fn native_host() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        std::arch::is_x86_feature_detected!("avx512f")
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
-}
 
 fn same_bits(a: &[Tensor], b: &[Tensor]) -> bool {
     a.iter().zip(b).all(|(x, y)| x.data.iter().zip(&y.data).all(|(p, q)| (*p as f32).to_bits() == (*q as f32).to_bits()))
@@ -119,20 +108,28 @@ fn math_inputs(n: usize, seed: u64) -> Vec<f64> {
     v
 }
 
-/// Compiles `kernel` with and without the native routines and checks that both give the
-/// same bits (NaN as NaN); the native path must be taken on AVX-512F hosts.
+/// Compiles `kernel` at every instruction-set level the host supports and checks that all give
+/// the bits of the generated code alone (`scalar`; NaN as NaN), and that the native routines
+/// are called exactly at the levels that have them.
 fn native_matches_inline(kernel: &fusec_ir::Kernel, b: &fusec_ir::Bindings, ins: &[Tensor], label: &str) {
-    let mut native = KernelCompiler::new().unwrap();
-    let mut inline = KernelCompiler::new().unwrap();
-    inline.set_native_math(false);
-    let (kn, ki) = (native.compile(kernel, b).unwrap(), inline.compile(kernel, b).unwrap());
+    let mut inline = KernelCompiler::for_isa(Isa::Scalar).unwrap();
+    let ki = inline.compile(kernel, b).unwrap();
     assert!(!ki.clif.contains("call_indirect"), "{}", ki.clif);
-    assert_eq!(kn.clif.contains("call_indirect"), native_host(), "{}", kn.clif);
-    let (a, z) = (execute(&kn, kernel, b, ins, 2), execute(&ki, kernel, b, ins, 1));
-    for (j, (p, q)) in a.iter().zip(&z).enumerate() {
-        for (i, (u, v)) in p.data.iter().zip(&q.data).enumerate() {
-            let (u, v) = (*u as f32, *v as f32);
-            assert!(u.to_bits() == v.to_bits() || (u.is_nan() && v.is_nan()), "{label}: result {j} element {i}: {u} vs {v}");
+    let z = execute(&ki, kernel, b, ins, 1);
+    let levels: Vec<Isa> = Isa::ALL.into_iter().filter(|i| *i != Isa::Scalar && i.supported()).collect();
+    if levels.is_empty() {
+        fusec_ir::testkit::skip("native row routines", "this host has neither AVX2 nor AVX-512F");
+    }
+    for isa in levels {
+        let mut native = KernelCompiler::for_isa(isa).unwrap();
+        let kn = native.compile(kernel, b).unwrap();
+        assert!(kn.clif.contains("call_indirect"), "{label}: {isa:?} made no native call:\n{}", kn.clif);
+        let a = execute(&kn, kernel, b, ins, 2);
+        for (j, (p, q)) in a.iter().zip(&z).enumerate() {
+            for (i, (u, v)) in p.data.iter().zip(&q.data).enumerate() {
+                let (u, v) = (*u as f32, *v as f32);
+                assert!(u.to_bits() == v.to_bits() || (u.is_nan() && v.is_nan()), "{label}, {isa:?}: result {j} element {i}: {u} vs {v}");
+            }
         }
     }
 }
@@ -181,6 +178,21 @@ fn native_math_matches_generated_code() {
             *v = [0.0, -0.0, -1.5, -0.0][i % 4];
         }
         native_matches_inline(&kernel, &b, &ins, &format!("cross-entropy C={cols}"));
+
+        // bf16 logits (the classifier of `--precision bf16`): the routines read the bf16 row.
+        let mut k = Body::new();
+        let x16 = k.input(DType::BF16, &d);
+        let tg = k.input(DType::I32, &r);
+        let dl = k.input(DType::F32, &r);
+        let x = k.op(Op::Cast { to: DType::F32 }, &[x16]);
+        let loss = k.op(Op::CrossEntropy { vocab }, &[x, tg]);
+        let gr = k.op(Op::CrossEntropyGrad { vocab }, &[x, tg, dl]);
+        let g16 = k.op(Op::Cast { to: DType::BF16 }, &[gr]);
+        let sm = k.op(Op::Softmax, &[x]);
+        let kernel = k.kernel("cast_ce_rows", &[loss, g16, sm]);
+        let mut ins = random_inputs(&kernel, &b, 70 + cols, vocab, &[]);
+        ins[0].data.iter_mut().for_each(|v| *v = fusec_ir::interp::round_to(DType::BF16, *v * 5.0));
+        native_matches_inline(&kernel, &b, &ins, &format!("bf16 cross-entropy C={cols}"));
     }
 }
 

@@ -1,5 +1,6 @@
 //! The launch plan translated for the CPU, built once per run: kernels compiled by Cranelift
-//! with their operand addresses resolved, attention split into its GEMM and softmax stages.
+//! with their operand addresses resolved, attention split into its GEMM and softmax stages,
+//! storage types checked.
 //! Executing a step walks the list and allocates nothing.
 
 use std::sync::Arc;
@@ -7,7 +8,7 @@ use std::sync::Arc;
 use fusec_codegen_cpu::{CompiledKernel, KernelCompiler};
 use fusec_ir::{Bindings, DType};
 
-use super::ops::AttnStage;
+use super::attention::AttnStage;
 use crate::launches::{self, Attention, Fill, Gather, Iota, LaunchOp, Product, ScatterAdd};
 
 /// What one CPU launch does; offsets are bytes into the one allocation.
@@ -45,11 +46,18 @@ pub struct Launch {
 pub fn translate(plan: &[launches::Launch], bind: &Bindings, kc: &mut KernelCompiler, base: *mut u8) -> Result<Vec<Launch>, String> {
     let mut out = vec![];
     for l in plan {
-        if let Some(dt) = l.dtypes.iter().find(|d| matches!(d, DType::BF16 | DType::F16)) {
-            return Err(l.err(format!("{dt} storage is not supported by the CPU target yet (use --precision fp32)")));
+        if l.dtypes.contains(&DType::F16) {
+            return Err(l.err("f16 storage is not supported by the CPU target (use --precision fp32 or bf16)"));
         }
+        let f32_only = |what: &str| match l.dtypes.iter().find(|d| **d == DType::BF16) {
+            Some(_) => Err(l.err(format!("{what} on bf16 storage is not supported by the CPU target"))),
+            None => Ok(()),
+        };
         let (kind, flops) = match &l.op {
-            LaunchOp::Product(p) => (Kind::Gemm(*p), l.flops),
+            LaunchOp::Product(p) => {
+                super::product::check(p).map_err(|e| l.err(e))?;
+                (Kind::Gemm(*p), l.flops)
+            }
             LaunchOp::Kernel { kernel, ins, outs } => {
                 let ck = kc.compile(kernel, bind).map_err(|e| l.err(format!("kernel `{}`: {e}", kernel.name)))?;
                 // SAFETY: every offset lies inside the allocation at `base` (the plan's size).
@@ -58,8 +66,14 @@ pub fn translate(plan: &[launches::Launch], bind: &Bindings, kc: &mut KernelComp
                 let f = ck.flops();
                 (Kind::Kernel { k: ck, ins, outs }, f)
             }
-            LaunchOp::Gather(g) => (Kind::Gather(*g), 0),
-            LaunchOp::ScatterAdd(s) => (Kind::ScatterAdd(*s), l.flops),
+            LaunchOp::Gather(g) => {
+                f32_only("gather")?;
+                (Kind::Gather(*g), 0)
+            }
+            LaunchOp::ScatterAdd(s) => {
+                f32_only("scatter_add")?;
+                (Kind::ScatterAdd(*s), l.flops)
+            }
             LaunchOp::Attention(attn) => {
                 let dm = attn.dims;
                 let gemm = (2 * dm.s * dm.h * dm.t * dm.t * dm.d) as u64;
@@ -78,6 +92,9 @@ pub fn translate(plan: &[launches::Launch], bind: &Bindings, kc: &mut KernelComp
                         (AttnStage::GradQkv, "gemm_attn_dqkv", 3 * gemm),
                     ]
                 };
+                if !matches!(attn.dtype, DType::F32 | DType::BF16) {
+                    return Err(l.err(format!("attention on {} storage is not supported by the CPU target", attn.dtype)));
+                }
                 for &(stage, name, flops) in stages {
                     out.push(Launch { kind: Kind::Attention { stage, attn: *attn }, name: name.into(), bytes: l.bytes, flops });
                 }

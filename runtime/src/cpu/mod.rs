@@ -1,14 +1,19 @@
 //! The CPU target: one arena from the memory plans, Cranelift-compiled fused kernels, GEMMs
-//! through the `gemm` crate, native attention and embedding ops, per-launch timing.
+//! through the `gemm` crate (f32) or bf16 dot products / widened operands (bf16), native
+//! attention and embedding ops, per-launch timing. Storage is f32, bf16 or i32; the
+//! instruction-set level ([`Isa`]) picks the native routines.
 
 mod arena;
+mod attention;
 pub(crate) mod launch;
 pub mod ops;
+mod product;
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use fusec_codegen_cpu::gemm::gemm_f32;
+use fusec_codegen_cpu::gemm::{bf16_bits, widen_bits};
+use fusec_codegen_cpu::isa::Isa;
 use fusec_codegen_cpu::KernelCompiler;
 use fusec_ir::interp::Tensor;
 use fusec_ir::DType;
@@ -20,6 +25,7 @@ use crate::layout::SharedLayout;
 use crate::profile::Profile;
 use crate::programs::{Program, RunPrograms};
 use arena::Arena;
+use attention::AttnScratch;
 use launch::{Kind, Launch};
 
 /// One compiled program: its launches and where its outputs land.
@@ -38,6 +44,8 @@ pub struct CpuBuild {
     pub arena_bytes: u64,
     /// The Step program's plan (for the summary).
     pub step_plan: MemPlan,
+    /// The instruction-set level of the kernels and bf16 products.
+    pub isa: Isa,
 }
 
 /// Runs the programs of a training run on the CPU.
@@ -47,47 +55,50 @@ pub struct CpuExecutor {
     programs: HashMap<Program, Compiled>,
     types: HashMap<String, (DType, Vec<usize>)>,
     threads: usize,
-    /// Per-head score matrices of attention (`p` and `ds`), outside the memory plan: sized once
-    /// for the largest attention.
-    attn_scratch: Vec<f32>,
+    isa: Isa,
+    /// Attention's per-head score matrices, outside the memory plan: sized once for the largest
+    /// attention.
+    attn: AttnScratch,
     /// Per-launch timings, when profiling.
     pub profile: Option<Profile>,
 }
 
 impl CpuExecutor {
     /// Plans memory for the programs (which must include `Step`), allocates the arena once
-    /// and compiles every kernel.
+    /// and compiles every kernel, at the selected instruction-set level
+    /// ([`fusec_codegen_cpu::isa::selected`]: an error names a bad `FUSEC_CPU_ISA`).
     pub fn new(run: &RunPrograms, threads: usize, profile: bool) -> Result<(CpuExecutor, CpuBuild), String> {
+        Self::with_isa(run, threads, profile, fusec_codegen_cpu::isa::selected()?)
+    }
+
+    /// [`CpuExecutor::new`] at level `isa` (tests run every level the host supports).
+    pub fn with_isa(run: &RunPrograms, threads: usize, profile: bool, isa: Isa) -> Result<(CpuExecutor, CpuBuild), String> {
         let t0 = Instant::now();
         let plan = LaunchPlan::new(run)?;
         if let Some(free) = arena::host_available_bytes().filter(|&free| plan.planned_bytes > free) {
             return Err(format!("{}; this host has {} available", plan.too_large(), crate::launches::mib(free)));
         }
         let arena = Arena::new(plan.planned_bytes)?;
-        let mut kc = KernelCompiler::new()?;
+        let mut kc = KernelCompiler::for_isa(isa)?;
         let mut programs = HashMap::new();
         for (p, launches, io) in &plan.programs {
             let launches = launch::translate(launches, &run.bind, &mut kc, arena.base()).map_err(|e| format!("{p:?} program: {e}"))?;
             programs.insert(*p, Compiled { launches, io: io.clone() });
         }
-        let attn = programs
-            .values()
-            .flat_map(|c: &Compiled| &c.launches)
-            .filter_map(|l| match &l.kind {
-                Kind::Attention { attn, .. } => Some(2 * attn.dims.s * attn.dims.h * attn.dims.t * attn.dims.t),
-                _ => None,
-            })
-            .max()
-            .unwrap_or(0);
+        let attn = AttnScratch::new(programs.values().flat_map(|c: &Compiled| &c.launches).filter_map(|l| match &l.kind {
+            Kind::Attention { attn, .. } => Some(attn),
+            _ => None,
+        }));
         let build =
-            CpuBuild { compile_time: t0.elapsed(), kernels: kc.stats(), arena_bytes: arena.size() as u64, step_plan: plan.step_plan };
+            CpuBuild { compile_time: t0.elapsed(), kernels: kc.stats(), arena_bytes: arena.size() as u64, step_plan: plan.step_plan, isa };
         let ex = CpuExecutor {
             arena,
             layout: plan.layout,
             programs,
             types: plan.tensors,
             threads: threads.max(1),
-            attn_scratch: vec![0f32; attn],
+            isa,
+            attn,
             profile: profile.then(Profile::default),
         };
         Ok((ex, build))
@@ -136,57 +147,49 @@ impl CpuExecutor {
 
     unsafe fn exec(&self, l: &Launch) -> Result<(), String> {
         let f = |off: u64, n: usize| self.slice::<f32>(off, n);
+        let base = self.arena.base();
         match &l.kind {
-            Kind::Gemm(p) => {
-                let spec = &p.spec;
-                let yn = spec.y_len();
-                let yv = f(p.y, yn);
-                if let Some(acc) = p.acc.filter(|acc| *acc != p.y) {
-                    yv.copy_from_slice(f(acc, yn));
-                }
-                let bias = p.bias.map(|o| &*f(o, spec.n));
-                let pre = p.pre.map(|o| f(o, yn));
-                gemm_f32(spec, f(p.a, spec.a_len()), f(p.b, spec.b_len()), bias, yv, pre, self.threads);
-            }
+            Kind::Gemm(p) => product::run(base, p, self.isa, self.threads),
             Kind::Kernel { k, ins, outs } => k.run(ins, outs, self.threads),
             Kind::Gather(g) => ops::gather(f(g.table, g.rows * g.cols), g.cols, self.slice::<i32>(g.idx, g.n), f(g.out, g.n * g.cols))?,
             Kind::ScatterAdd(s) => {
                 ops::scatter_add(f(s.src, s.n * s.cols), s.cols, self.slice::<i32>(s.idx, s.n), f(s.out, s.rows * s.cols))?
             }
-            Kind::Attention { stage, attn } => {
-                let (dm, t) = (attn.dims, attn.at);
-                let at = |o: u64| self.arena.base().add(o as usize) as *mut f32;
-                let heads = dm.s * dm.h * dm.t * dm.t;
-                let scratch = self.attn_scratch.as_ptr() as *mut f32;
-                let ptrs = ops::AttnPtrs {
-                    qkv: at(t.qkv),
-                    out: at(t.out),
-                    lse: at(t.lse),
-                    dout: t.dout.map_or(std::ptr::null(), |o| at(o) as *const f32),
-                    dqkv: t.dqkv.map_or(std::ptr::null_mut(), at),
-                    p: scratch,
-                    ds: scratch.add(heads),
-                };
-                ops::attention_stage(*stage, dm, attn.scale, ptrs)
-            }
+            Kind::Attention { stage, attn } => self.attn.stage(base, *stage, attn),
             Kind::Iota(it) => {
                 let n: usize = it.shape.iter().product();
                 let inner: usize = it.shape[it.axis + 1..].iter().product();
                 let len = it.shape[it.axis];
-                for i in 0..n {
-                    let x = (i / inner) % len;
-                    match it.dtype {
-                        DType::I32 => self.slice::<i32>(it.out, n)[i] = x as i32,
-                        _ => f(it.out, n)[i] = x as f32,
-                    }
-                }
+                self.fill_with(it.out, it.dtype, n, |i| ((i / inner) % len) as f64);
             }
-            Kind::Fill(fl) => match fl.dtype {
-                DType::I32 => self.slice::<i32>(fl.out, fl.n).fill(fl.value as i32),
-                _ => f(fl.out, fl.n).fill(fl.value as f32),
-            },
+            Kind::Fill(fl) => self.fill_with(fl.out, fl.dtype, fl.n, |_| fl.value),
         }
         Ok(())
+    }
+
+    /// Writes `value(i)` to element `i` of the `n` elements of type `dt` at `off` (rounded to
+    /// the type: i32 truncates as the launch plan's values are integers there).
+    ///
+    /// # Safety
+    /// The range must lie inside the arena.
+    unsafe fn fill_with(&self, off: u64, dt: DType, n: usize, value: impl Fn(usize) -> f64) {
+        match dt {
+            DType::I32 => self.slice::<i32>(off, n).iter_mut().enumerate().for_each(|(i, d)| *d = value(i) as i32),
+            DType::BF16 => self.slice::<u16>(off, n).iter_mut().enumerate().for_each(|(i, d)| *d = bf16_bits(value(i) as f32)),
+            _ => self.slice::<f32>(off, n).iter_mut().enumerate().for_each(|(i, d)| *d = value(i) as f32),
+        }
+    }
+
+    /// The `n` elements of type `dt` at `off`, as f64.
+    ///
+    /// # Safety
+    /// The range must lie inside the arena.
+    unsafe fn read(&self, off: u64, dt: DType, n: usize) -> Vec<f64> {
+        match dt {
+            DType::I32 => self.slice::<i32>(off, n).iter().map(|&x| x as f64).collect(),
+            DType::BF16 => self.slice::<u16>(off, n).iter().map(|&x| widen_bits(x) as f64).collect(),
+            _ => self.slice::<f32>(off, n).iter().map(|&x| x as f64).collect(),
+        }
     }
 }
 
@@ -197,12 +200,7 @@ impl Executor for CpuExecutor {
             return Err(format!("`{name}` holds {n} elements, got {}", t.data.len()));
         }
         // SAFETY: the named range is inside the arena and typed `dt`.
-        unsafe {
-            match dt {
-                DType::I32 => self.slice::<i32>(off, n).iter_mut().zip(&t.data).for_each(|(d, s)| *d = *s as i32),
-                _ => self.slice::<f32>(off, n).iter_mut().zip(&t.data).for_each(|(d, s)| *d = *s as f32),
-            }
-        }
+        unsafe { self.fill_with(off, dt, n, |i| t.data[i]) };
         Ok(())
     }
 
@@ -210,12 +208,7 @@ impl Executor for CpuExecutor {
         let (off, dt, n) = self.place(name)?;
         let shape = self.types[name].1.clone();
         // SAFETY: as in `set`.
-        let data = unsafe {
-            match dt {
-                DType::I32 => self.slice::<i32>(off, n).iter().map(|&x| x as f64).collect(),
-                _ => self.slice::<f32>(off, n).iter().map(|&x| x as f64).collect(),
-            }
-        };
+        let data = unsafe { self.read(off, dt, n) };
         Ok(Tensor { dtype: dt, shape, data })
     }
 
@@ -252,12 +245,7 @@ impl Executor for CpuExecutor {
         let (off, dt, shape) = prog.io.outputs.get(name).ok_or_else(|| format!("{program:?} has no output `{name}`"))?;
         let n = shape.iter().product();
         // SAFETY: outputs live in the arena until the next run.
-        let data = unsafe {
-            match dt {
-                DType::I32 => self.slice::<i32>(*off, n).iter().map(|&x| x as f64).collect(),
-                _ => self.slice::<f32>(*off, n).iter().map(|&x| x as f64).collect(),
-            }
-        };
+        let data = unsafe { self.read(*off, *dt, n) };
         Ok(Tensor { dtype: *dt, shape: shape.clone(), data })
     }
 

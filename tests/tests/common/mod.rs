@@ -53,3 +53,18 @@ pub fn cpu_executor(fwd: &Graph, b: usize, t: usize, threads: usize) -> (fusec_r
     let run = programs(fwd, &PipelineOptions::default(), b, t);
     (fusec_runtime::cpu::CpuExecutor::new(&run, threads, false).unwrap().0, run.step().unwrap().clone())
 }
+
+/// A CPU executor for B x T with the programs of `opts` at instruction-set level `isa`, and the
+/// Step program.
+pub fn cpu_executor_with(
+    fwd: &Graph,
+    opts: &PipelineOptions,
+    b: usize,
+    t: usize,
+    threads: usize,
+    isa: fusec_codegen_cpu::isa::Isa,
+) -> (fusec_runtime::cpu::CpuExecutor, Graph) {
+    let run = programs(fwd, opts, b, t);
+    let ex = fusec_runtime::cpu::CpuExecutor::with_isa(&run, threads, false, isa).unwrap_or_else(|e| panic!("{isa:?}: {e}")).0;
+    (ex, run.step().unwrap().clone())
+}

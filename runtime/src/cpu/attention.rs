@@ -1,0 +1,275 @@
+//! Causal attention on the CPU, as launches of its stages over packed `qkv [S, T, 3C]` on f32
+//! or bf16 storage. Per (sequence, head), in parallel: the forward is `p = q k^T` (Scores), the
+//! causal softmax of `scale * p` with its log-sum-exp (Softmax), `out = p v` (Values); the
+//! backward recomputes `p` from the saved log-sum-exp (Scores, Softmax with `lse` given), then
+//! `dp = dout v^T` (GradDp), `ds = scale p (dp - rowsum(dout out))` (GradDs), and `dq = ds k`,
+//! `dk = ds^T q`, `dv = p^T dout` (GradQkv). Each stage is its own launch, so the profile times
+//! the GEMMs as GEMMs.
+//!
+//! Everything computes in f32. On bf16 storage each head's rows of `q`, `k`, `v`, `out` and
+//! `dout` are widened (exactly) into per-thread buffers right before the stage reads them, and
+//! a result (`out`, `dq`, `dk`, `dv`) is computed into such a buffer and rounded to bf16 (nearest
+//! even) into its rows: one rounding of each result, as the interpreter's attention rounds
+//! its results once, and no pass over whole tensors.
+
+use std::cell::RefCell;
+
+use fusec_codegen_cpu::gemm::{bf16_bits, exp, matmul_strided, widen_bits, Mat};
+use fusec_ir::DType;
+use rayon::prelude::*;
+
+use crate::launches::{AttnDims, Attention};
+
+/// One stage of causal attention (see the module docs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AttnStage {
+    /// `p = q k^T`.
+    Scores,
+    /// Causal softmax of `scale * p` in place; computes `lse` (forward) or reads it (backward).
+    Softmax { recompute: bool },
+    /// `out = p v`.
+    Values,
+    /// `ds = dout v^T`.
+    GradDp,
+    /// `ds = scale p (ds - rowsum(dout out))`, masked.
+    GradDs,
+    /// `dq, dk, dv` into `dqkv`.
+    GradQkv,
+}
+
+/// The per-head score matrices `p` and `ds` shared by every attention launch (launches run one
+/// at a time), outside the memory plan, sized once for the largest attention. Written only
+/// through the pointer taken when it was allocated (launches hold `&self`).
+pub struct AttnScratch {
+    _scores: Vec<f32>,
+    scores: *mut f32,
+}
+
+impl AttnScratch {
+    /// Scratch for these attention launches.
+    pub fn new<'a>(attns: impl Iterator<Item = &'a Attention>) -> AttnScratch {
+        let len = attns.map(|a| 2 * a.dims.s * a.dims.h * a.dims.t * a.dims.t).max().unwrap_or(0);
+        let mut v = vec![0.0; len];
+        let scores = v.as_mut_ptr();
+        AttnScratch { _scores: v, scores }
+    }
+
+    /// Runs one stage of `a` over the allocation at `base`, every (sequence, head) in parallel.
+    ///
+    /// # Safety
+    /// The attention's offsets must lie inside the allocation and hold its storage type; the
+    /// backward's `p` must have been recomputed by its own Scores and Softmax stages first.
+    pub unsafe fn stage(&self, base: *mut u8, stage: AttnStage, a: &Attention) {
+        let at = |o: u64| base.add(o as usize);
+        let bf16 = a.dtype == DType::BF16;
+        let t = a.at;
+        let ptrs = Ptrs {
+            qkv: Storage { ptr: at(t.qkv), bf16 },
+            out: Storage { ptr: at(t.out), bf16 },
+            lse: at(t.lse) as *mut f32,
+            dout: Storage { ptr: t.dout.map_or(std::ptr::null_mut(), at), bf16 },
+            dqkv: Storage { ptr: t.dqkv.map_or(std::ptr::null_mut(), at), bf16 },
+            p: self.scores,
+            ds: self.scores.add(a.dims.s * a.dims.h * a.dims.t * a.dims.t),
+        };
+        (0..a.dims.s * a.dims.h).into_par_iter().for_each(|sh| {
+            BUFS.with(|b| head_stage(stage, a.dims, a.scale, &ptrs, sh, &mut b.borrow_mut()));
+        });
+    }
+}
+
+/// An attention tensor in the arena.
+#[derive(Clone, Copy)]
+struct Storage {
+    ptr: *mut u8,
+    bf16: bool,
+}
+
+impl Storage {
+    /// The `rows x d` matrix at element offset `off` with row stride `rs`, as an f32 view: the
+    /// storage itself (f32), or its rows widened into `buf` (bf16).
+    ///
+    /// # Safety
+    /// The matrix must lie inside the storage.
+    unsafe fn view(self, off: usize, rows: usize, d: usize, rs: usize, buf: &mut Vec<f32>) -> Mat {
+        if !self.bf16 {
+            return Mat { ptr: (self.ptr as *const f32).add(off), rs: rs as isize, cs: 1 };
+        }
+        let b = take(buf, rows * d);
+        for r in 0..rows {
+            let src = std::slice::from_raw_parts((self.ptr as *const u16).add(off + r * rs), d);
+            b[r * d..(r + 1) * d].iter_mut().zip(src).for_each(|(x, h)| *x = widen_bits(*h));
+        }
+        Mat { ptr: b.as_ptr(), rs: d as isize, cs: 1 }
+    }
+
+    /// Where a product writes the `rows x d` matrix at element offset `off` with row stride
+    /// `rs`: `(pointer, row stride)` into the storage (f32), or into `buf` (bf16, then
+    /// [`Storage::commit`]).
+    ///
+    /// # Safety
+    /// The matrix must lie inside the storage.
+    unsafe fn target(self, off: usize, rows: usize, d: usize, rs: usize, buf: &mut Vec<f32>) -> (*mut f32, isize) {
+        if self.bf16 {
+            (take(buf, rows * d).as_mut_ptr(), d as isize)
+        } else {
+            ((self.ptr as *mut f32).add(off), rs as isize)
+        }
+    }
+
+    /// Rounds a product that [`Storage::target`] put in `buf` into the storage (bf16 only).
+    ///
+    /// # Safety
+    /// As [`Storage::target`], with the same arguments.
+    unsafe fn commit(self, off: usize, rows: usize, d: usize, rs: usize, buf: &[f32]) {
+        if !self.bf16 {
+            return;
+        }
+        for r in 0..rows {
+            let dst = std::slice::from_raw_parts_mut((self.ptr as *mut u16).add(off + r * rs), d);
+            dst.iter_mut().zip(&buf[r * d..(r + 1) * d]).for_each(|(h, x)| *h = bf16_bits(*x));
+        }
+    }
+}
+
+/// The tensors of one attention launch and the score scratch (`S * H * T * T` floats each for
+/// `p` and `ds`).
+struct Ptrs {
+    qkv: Storage,
+    out: Storage,
+    lse: *mut f32,
+    dout: Storage,
+    dqkv: Storage,
+    p: *mut f32,
+    ds: *mut f32,
+}
+
+// SAFETY: heads touch disjoint parts of the results and of the scratch.
+unsafe impl Sync for Ptrs {}
+
+thread_local! {
+    /// Per-thread buffers for widened heads and results before rounding (grown, never shrunk).
+    static BUFS: RefCell<[Vec<f32>; 4]> = const { RefCell::new([Vec::new(), Vec::new(), Vec::new(), Vec::new()]) };
+}
+
+/// `v[..len]`, growing `v` first if needed.
+fn take(v: &mut Vec<f32>, len: usize) -> &mut [f32] {
+    if v.len() < len {
+        v.resize(len, 0.0);
+    }
+    &mut v[..len]
+}
+
+/// Runs `stage` for head `sh` (sequence `sh / H`, head `sh % H`).
+///
+/// # Safety
+/// As [`AttnScratch::stage`].
+unsafe fn head_stage(stage: AttnStage, dm: AttnDims, scale: f32, a: &Ptrs, sh: usize, b: &mut [Vec<f32>; 4]) {
+    let (t, d, c) = (dm.t, dm.d, dm.h * dm.d);
+    let (s, head) = (sh / dm.h, sh % dm.h);
+    // Element offsets of this head's part `k` (q, k, v) of `qkv` / `dqkv` (row stride 3C), and
+    // of its columns of `out` / `dout` (row stride C).
+    let part = |k: usize| s * t * 3 * c + k * c + head * d;
+    let row = s * t * c + head * d;
+    let p = std::slice::from_raw_parts_mut(a.p.add(sh * t * t), t * t);
+    let pm = Mat { ptr: p.as_ptr(), rs: t as isize, cs: 1 };
+    let [b0, b1, b2, b3] = b;
+    match stage {
+        AttnStage::Scores => {
+            let (q, k) = (a.qkv.view(part(0), t, d, 3 * c, b0), a.qkv.view(part(1), t, d, 3 * c, b1));
+            matmul_strided(t, t, d, p.as_mut_ptr(), t as isize, q, k.t(), false)
+        }
+        AttnStage::Softmax { recompute } => {
+            let lse = std::slice::from_raw_parts_mut(a.lse.add(sh * t), t);
+            if recompute {
+                causal_softmax(p, t, scale, None, lse)
+            } else {
+                causal_softmax(p, t, scale, Some(lse), &[])
+            }
+        }
+        AttnStage::Values => {
+            let v = a.qkv.view(part(2), t, d, 3 * c, b0);
+            let (dst, rs) = a.out.target(row, t, d, c, b1);
+            matmul_strided(t, d, t, dst, rs, pm, v, false);
+            a.out.commit(row, t, d, c, b1);
+        }
+        AttnStage::GradDp => {
+            let (dout, v) = (a.dout.view(row, t, d, c, b0), a.qkv.view(part(2), t, d, 3 * c, b1));
+            matmul_strided(t, t, d, a.ds.add(sh * t * t), t as isize, dout, v.t(), false)
+        }
+        AttnStage::GradDs => {
+            let (dout, out) = (a.dout.view(row, t, d, c, b0), a.out.view(row, t, d, c, b1));
+            let ds = std::slice::from_raw_parts_mut(a.ds.add(sh * t * t), t * t);
+            for i in 0..t {
+                let line = |m: Mat| std::slice::from_raw_parts(m.ptr.offset(i as isize * m.rs), d);
+                let dsum = dot(line(dout), line(out));
+                let (row, masked) = ds[i * t..(i + 1) * t].split_at_mut(i + 1);
+                row.iter_mut().zip(&p[i * t..=i * t + i]).for_each(|(x, pv)| *x = scale * pv * (*x - dsum));
+                masked.fill(0.0);
+            }
+        }
+        AttnStage::GradQkv => {
+            let dsm = Mat { ptr: a.ds.add(sh * t * t), rs: t as isize, cs: 1 };
+            let (q, k, dout) = (a.qkv.view(part(0), t, d, 3 * c, b0), a.qkv.view(part(1), t, d, 3 * c, b1), a.dout.view(row, t, d, c, b2));
+            for (which, lhs, rhs) in [(0, dsm, k), (1, dsm.t(), q), (2, pm.t(), dout)] {
+                let (dst, rs) = a.dqkv.target(part(which), t, d, 3 * c, b3);
+                matmul_strided(t, d, t, dst, rs, lhs, rhs, false);
+                a.dqkv.commit(part(which), t, d, 3 * c, b3);
+            }
+        }
+    }
+}
+
+/// `p[i, j] = exp(scale * scores[i, j] - lse_i)` for `j <= i`, 0 above the diagonal. With
+/// `lse_out`, the row's log-sum-exp is computed (and `p = e / sum`); otherwise it is read from
+/// `lse_in`. Written as maps and 8-lane reductions so that the loops vectorize.
+fn causal_softmax(p: &mut [f32], t: usize, scale: f32, lse_out: Option<&mut [f32]>, lse_in: &[f32]) {
+    let mut lse_out = lse_out;
+    for i in 0..t {
+        let (row, masked) = p[i * t..(i + 1) * t].split_at_mut(i + 1);
+        masked.fill(0.0);
+        match lse_out.as_deref_mut() {
+            Some(out) => {
+                let mx = scale * lanes(row, f32::NEG_INFINITY, f32::max);
+                row.iter_mut().for_each(|x| *x = exp(scale * *x - mx));
+                let sum = lanes(row, 0.0, |a, b| a + b);
+                out[i] = mx + sum.ln();
+                let inv = 1.0 / sum;
+                row.iter_mut().for_each(|x| *x *= inv);
+            }
+            None => {
+                let l = lse_in[i];
+                row.iter_mut().for_each(|x| *x = exp(scale * *x - l));
+            }
+        }
+    }
+}
+
+/// A reduction over 8 interleaved lanes, combined in a fixed order (deterministic, vectorizes).
+fn lanes(x: &[f32], init: f32, f: impl Fn(f32, f32) -> f32 + Copy) -> f32 {
+    let mut acc = [init; 8];
+    let chunks = x.chunks_exact(8);
+    let tail = chunks.remainder();
+    for c in chunks {
+        for k in 0..8 {
+            acc[k] = f(acc[k], c[k]);
+        }
+    }
+    let mut r = f(f(f(acc[0], acc[1]), f(acc[2], acc[3])), f(f(acc[4], acc[5]), f(acc[6], acc[7])));
+    for &v in tail {
+        r = f(r, v);
+    }
+    r
+}
+
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
+    let tail: f32 = ca.remainder().iter().zip(cb.remainder()).map(|(x, y)| x * y).sum();
+    for (x, y) in ca.zip(cb) {
+        for k in 0..8 {
+            acc[k] += x[k] * y[k];
+        }
+    }
+    ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7])) + tail
+}
