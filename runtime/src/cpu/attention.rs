@@ -18,7 +18,7 @@ use fusec_codegen_cpu::gemm::{bf16_bits, exp, matmul_strided, widen_bits, Mat};
 use fusec_ir::DType;
 use rayon::prelude::*;
 
-use crate::launches::{AttnDims, Attention};
+use crate::launches::{Attention, AttnDims};
 
 /// One stage of causal attention (see the module docs).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
