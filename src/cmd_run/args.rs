@@ -17,7 +17,7 @@ use fusec_passes::recompute::Recompute;
 pub enum Target {
     /// The reference interpreter on the unfused programs (slow, obviously correct: the oracle).
     Ref,
-    /// Cranelift-compiled fused kernels and AVX-512 GEMMs on this CPU.
+    /// Cranelift-compiled fused kernels and GEMMs on this CPU (AVX-512, AVX2 or scalar paths, chosen at start-up).
     Cpu,
     /// NVRTC-compiled fused kernels and cuBLAS on an NVIDIA GPU, replayed as a CUDA graph.
     Cuda,
