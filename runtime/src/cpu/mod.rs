@@ -214,25 +214,29 @@ impl Executor for CpuExecutor {
 
     fn set_f32(&mut self, name: &str, dtype: DType, _shape: &[usize], data: &[f32]) -> Result<(), String> {
         let (off, dt, n) = self.place(name)?;
-        if dt != DType::F32 || dtype != DType::F32 {
-            return Err(format!("`{name}` is {dt} here: the CPU target holds f32 tensors only (set as {dtype})"));
+        if dt != dtype || !matches!(dt, DType::F32 | DType::BF16) {
+            return Err(format!("`{name}` is {dt} here, set as {dtype}"));
         }
         if data.len() != n {
             return Err(format!("`{name}` holds {n} elements, got {}", data.len()));
         }
-        // SAFETY: the named range is inside the arena and typed f32.
-        unsafe { self.slice::<f32>(off, n) }.copy_from_slice(data);
+        // SAFETY: the named range is inside the arena and of type `dt`.
+        match dt {
+            DType::BF16 => unsafe { self.slice::<u16>(off, n) }.iter_mut().zip(data).for_each(|(d, &x)| *d = bf16_bits(x)),
+            _ => unsafe { self.slice::<f32>(off, n) }.copy_from_slice(data),
+        }
         Ok(())
     }
 
     fn get_f32(&self, name: &str, out: &mut Vec<f32>) -> Result<(), String> {
         let (off, dt, n) = self.place(name)?;
-        if dt != DType::F32 {
-            return Err(format!("`{name}` is {dt}, not a float tensor"));
-        }
         out.clear();
         // SAFETY: as in `set_f32`.
-        out.extend_from_slice(unsafe { self.slice::<f32>(off, n) });
+        match dt {
+            DType::F32 => out.extend_from_slice(unsafe { self.slice::<f32>(off, n) }),
+            DType::BF16 => out.extend(unsafe { self.slice::<u16>(off, n) }.iter().map(|&x| widen_bits(x))),
+            _ => return Err(format!("`{name}` is {dt}, not a float tensor")),
+        }
         Ok(())
     }
 
