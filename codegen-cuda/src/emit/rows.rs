@@ -64,7 +64,9 @@ impl Seg<'_> {
         let smem_bytes = col_parts * k_count * team as u64 * tpb as u64 * 4;
         let in_smem = reg && team == 32 && col_parts * k_count > MAX_REG_PARTIALS && smem_bytes <= STAGE_MAX_BYTES;
         let mut shared = 0u64;
-        let staged = self.stage_plan(team, tpb, reg);
+        // Each pass's per-column code, worked out once for staging and for emission.
+        let codes: Vec<(Vec<NodeId>, u32, bool)> = plan.passes.iter().map(|pass| self.pass_code(pass, team, reg)).collect();
+        let staged = self.stage_plan(tpb, &codes);
         if in_smem || !staged.is_empty() {
             let _ = writeln!(out, "  extern __shared__ __align__(16) unsigned char stage[];");
         }
@@ -114,17 +116,18 @@ impl Seg<'_> {
         for level in 0..=max_level {
             if next < plan.passes.len() && plan.passes[next].level == level {
                 let pass = &plan.passes[next];
+                let (body, w, unrolled) = &codes[next];
+                let (w, unrolled) = (*w, *unrolled);
                 next += 1;
                 for &rr in &pass.rowreds {
                     let _ = writeln!(out, "    float a{rr} = {};", red_init(op_of(&p.node(rr).expr)));
                 }
-                let (body, w, unrolled) = self.pass_code(pass, team, reg);
                 let stores = || pass.stores.iter().map(|&s| &p.stores[s]);
                 let wide = w > 1;
                 reg_width.extend(pass.colreds.iter().map(|&c| (c, w)));
                 let mut stage = vec![];
                 for (i, (v, first)) in staged.iter().enumerate() {
-                    if self.loads_view(&body, v) {
+                    if self.loads_view(body, v) {
                         stage.push((v.clone(), format!("s{i}"), *first == pass.level));
                         if *first != pass.level && stage.len() == 1 {
                             let _ = writeln!(out, "    __syncthreads();");
@@ -135,7 +138,7 @@ impl Seg<'_> {
                 if wide && unrolled {
                     let _ = writeln!(out, "#pragma unroll\n    for (int k4 = 0; k4 < {}; ++k4) {{", k_count / w as u64);
                     let _ = writeln!(out, "      const int c0 = (lane + k4 * {team}) * {w};");
-                    self.vector_io(out, COLS, &body, stores(), w, true)?;
+                    self.vector_io(out, COLS, body, stores(), w, true)?;
                     let _ = writeln!(
                         out,
                         "#pragma unroll\n      for (int j = 0; j < {w}; ++j) {{\n      const int c = c0 + j, k = k4 * {w} + j;"
@@ -143,7 +146,7 @@ impl Seg<'_> {
                 } else if wide {
                     // Vector loads and stores: `w` columns a thread, in order.
                     let _ = writeln!(out, "    for (int c0 = lane * {w}; c0 < {cols}; c0 += {}) {{", team * w);
-                    self.vector_io(out, COLS, &body, stores(), w, true)?;
+                    self.vector_io(out, COLS, body, stores(), w, true)?;
                     let _ = writeln!(out, "#pragma unroll\n      for (int j = 0; j < {w}; ++j) {{\n      const int c = c0 + j;");
                 } else if unrolled {
                     let _ = writeln!(out, "#pragma unroll\n    for (int k = 0; k < {k_count}; ++k) {{");
@@ -154,7 +157,7 @@ impl Seg<'_> {
                 } else {
                     let _ = writeln!(out, "    for (int c = lane; c < {cols}; c += {team}) {{");
                 }
-                self.lines(out, "      ", &body)?;
+                self.lines(out, "      ", body)?;
                 for &rr in &pass.rowreds {
                     let _ = writeln!(out, "      a{rr} = {}(a{rr}, v{});", red_fn(op_of(&p.node(rr).expr)), arg(p, rr));
                 }
@@ -168,7 +171,7 @@ impl Seg<'_> {
                 }
                 if wide {
                     let _ = writeln!(out, "      }}");
-                    self.vector_io(out, COLS, &body, stores(), w, false)?;
+                    self.vector_io(out, COLS, body, stores(), w, false)?;
                 }
                 let _ = writeln!(out, "    }}");
                 self.stage.borrow_mut().clear();
@@ -233,14 +236,15 @@ impl Seg<'_> {
     /// accesses is read from global memory once, by the first of them, and from the copy by
     /// the others (the classifier's three passes over a 50,304-column bf16 row). Copies take
     /// at most [`STAGE_MAX_BYTES`] a block.
-    fn stage_plan(&self, team: u32, tpb: u32, reg: bool) -> Vec<(View, u32)> {
+    /// `codes` are the passes' [`Seg::pass_code`]s.
+    fn stage_plan(&self, tpb: u32, codes: &[(Vec<NodeId>, u32, bool)]) -> Vec<(View, u32)> {
         if tpb != 1 {
             return vec![];
         }
         let mut seen: Vec<(View, u32, usize)> = vec![];
-        for pass in &self.plan.passes {
-            let (body, w, _) = self.pass_code(pass, team, reg);
-            for &id in &body {
+        for (pass, (body, w, _)) in self.plan.passes.iter().zip(codes) {
+            let w = *w;
+            for &id in body {
                 if let Expr::Load(v) = &self.p.node(id).expr {
                     if w == 1 || v.row.is_empty() || !vectorizable(v, w) {
                         continue;

@@ -222,7 +222,8 @@ impl Executor for CpuExecutor {
         }
         // SAFETY: the named range is inside the arena and of type `dt`.
         match dt {
-            DType::BF16 => unsafe { self.slice::<u16>(off, n) }.iter_mut().zip(data).for_each(|(d, &x)| *d = bf16_bits(x)),
+            // f32 to f64 and back is exact: `fill_with` rounds once, to bf16.
+            DType::BF16 => unsafe { self.fill_with(off, dt, n, |i| data[i] as f64) },
             _ => unsafe { self.slice::<f32>(off, n) }.copy_from_slice(data),
         }
         Ok(())
