@@ -147,6 +147,7 @@ pub fn kernel_source(k: &Kernel, bind: &Bindings) -> Result<KernelSource, String
             vec: Default::default(),
             stage: Default::default(),
             shared: Default::default(),
+            fast_math: emit::reads_bf16(p),
         });
     }
     let merge = segs.len() > 1 && segs.iter().all(|s| s.plan.mapping == Mapping::Flat && s.plan.fin_stores.is_empty());

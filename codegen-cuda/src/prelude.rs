@@ -8,6 +8,10 @@
 //! payload (a branch around the conversion, whose own NaN is canonical). `max_nan`/`min_nan` propagate NaN like the interpreter (compare + select, never
 //! `fmaxf`).
 //!
+//! `fast_exp` serves kernels that read bf16 storage (`emit::reads_bf16`): `ex2.approx` of the
+//! argument times log2(e), relative error about 2^-21 for arguments of magnitude up to 2^6;
+//! NaN stays NaN, results below 2^-126 flush to zero.
+//!
 //! `st_f32x4`/`st_b32x4`/`st_b32x2` store a vector register of a wide row loop (see
 //! `emit/rows.rs`) with one 16-byte (8-byte) `st.global`: NVRTC 11.2 splits a plain C store of a
 //! register filled one lane at a time into 4- or 2-byte stores.
@@ -48,6 +52,11 @@ __device__ __forceinline__ void st_b32x4(unsigned short* p, uint4 v) {
 }
 __device__ __forceinline__ void st_b32x2(unsigned short* p, uint2 v) {
   asm volatile("st.global.v2.b32 [%0], {%1, %2};" :: "l"(p), "r"(v.x), "r"(v.y) : "memory");
+}
+__device__ __forceinline__ float fast_exp(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * 1.44269504f));
+  return y;
 }
 __device__ __forceinline__ float max_nan(float a, float b) { return (b > a || b != b) ? b : a; }
 __device__ __forceinline__ float min_nan(float a, float b) { return (b < a || b != b) ? b : a; }

@@ -115,9 +115,14 @@ fn bf16_row_loops_move_eight_or_four_columns_a_thread() {
     assert!(s.contains("q0 = *(const uint4*)&in0[r * 768 + c];"), "{s}");
     assert!(s.contains("const float4* vp = (const float4*)&in2[c]; q2[0] = vp[0]; q2[1] = vp[1];"), "gamma: two float4\n{s}");
     assert!(s.contains("bf16_to_f32(((unsigned short*)&q0)[j])"), "{s}");
-    assert!(s.contains("for (int c0 = lane * 8; c0 < 768; c0 += 256) {"), "{s}");
+    // The output pass too: three unrolled vector steps a lane (all loads in flight at once).
+    assert_eq!(s.matches("for (int k4 = 0; k4 < 3; ++k4) {\n      const int c0 = (lane + k4 * 32) * 8;").count(), 2, "{s}");
     assert!(s.contains("((unsigned short*)&w") && s.contains("st_b32x4(&out0[r * 768 + c], w"), "{s}");
-    assert!(s.contains("const int c = (lane + (k / 8) * 32) * 8 + k % 8;"), "scratch from the same layout:\n{s}");
+    // 48 partials a lane: in the warps' slices of shared memory, summed per block (in warp
+    // order) and written from the same layout, one set a block.
+    assert!(s.contains("for (int t = 1; t < 8; ++t) a = red_sum(a, s[t * 768]);"), "{s}");
+    assert!(s.contains("const int c = (i % 32 + (i / 32 / 8) * 32) * 8 + (i / 32) % 8;"), "scratch from the same layout:\n{s}");
+    assert!(s.contains("scratch[0 + blockIdx.x * 768ll + c] = a;"), "{s}");
     assert!(!s.contains("bf16_to_f32(in") && !s.contains("out0[r * 768 + c] = f32_to_bf16"), "no scalar bf16 access:\n{s}");
 
     // 384 columns: register partials 4 wide (384 is not a multiple of 8 x 32), the output
@@ -225,9 +230,13 @@ fn the_124m_bf16_step_reads_and_writes_bf16_rows_16_bytes_a_thread() {
     // One scalar load a row: the target's logit, read directly for the loss.
     assert_eq!(ce.matches("bf16_to_f32(in0[").count(), 1, "{ce}");
     assert!(!ce.contains("out1[r * 50304 + c] = f32_to_bf16("), "{ce}");
+    // Its bf16 logits: `exp` through the hardware's `ex2` (an f32 classifier keeps `expf`).
+    assert_eq!(ce.matches(" = fast_exp(").count(), 2, "{ce}");
+    assert!(!ce.contains("expf("), "{ce}");
     // The LayerNorm forward's bf16 output (the f32 passes of the mean and variance stay 4 wide).
     let ln = get("add_layernorm_cast");
-    assert!(ln.contains("for (int c0 = lane * 4; c0 < 768; c0 += 128) {") && ln.contains("for (int c0 = lane * 8; c0 < 768; c0 += 256) {"));
+    assert!(ln.contains("for (int k4 = 0; k4 < 6; ++k4) {\n      const int c0 = (lane + k4 * 32) * 4;"), "{ln}");
+    assert!(ln.contains("for (int k4 = 0; k4 < 3; ++k4) {\n      const int c0 = (lane + k4 * 32) * 8;"), "{ln}");
     assert!(ln.contains("st_b32x4(&out3[r * 768 + c], w"), "{ln}");
     // AdamW's bf16 weight copies: 8 bytes a thread (the f32 segments keep one 4-wide body).
     assert!(get("adamw").contains("st_b32x2(&a"), "{}", get("adamw"));
@@ -242,6 +251,7 @@ fn the_124m_bf16_step_reads_and_writes_bf16_rows_16_bytes_a_thread() {
     // fp32 kernels print no bf16 vectors.
     for s in step_124m(Precision::F32) {
         assert!(!vectors(&s.source), "{}", s.name);
+        assert!(!body(&s.source).contains(" = fast_exp("), "{}", s.name);
     }
 }
 

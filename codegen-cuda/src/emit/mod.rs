@@ -5,8 +5,10 @@
 //! are (re)computed inside that pass's column loop. One IR operation is one C operation: NVRTC
 //! runs with `--fmad=false`, so `a * b + c` is rounded twice, as in the interpreter, and
 //! `exp`/`log`/`tanh`/`sqrt` are the CUDA math library's `expf`/`logf`/`tanhf`/`sqrtf` (no fast
-//! math). Kernel parameters are the kernel's operands (`in0..`), results (`out0..`) and one
-//! `float* scratch` for column partials, for every entry of the module.
+//! math), except in segments that read bf16 storage: there `exp` is the prelude's `fast_exp`
+//! on the hardware's `ex2` (see [`reads_bf16`]). Kernel parameters are
+//! the kernel's operands (`in0..`), results (`out0..`) and one `float* scratch` for column
+//! partials, for every entry of the module.
 
 use std::collections::BTreeSet;
 use std::fmt::Write;
@@ -52,6 +54,18 @@ pub(crate) struct Seg<'p> {
     pub stage: std::cell::RefCell<Vec<(View, String, bool)>>,
     /// Dynamic shared memory the main kernel needs, in bytes (staged row views).
     pub shared: std::cell::Cell<u32>,
+    /// `exp` through the hardware's `ex2` (the prelude's `fast_exp`): set when the segment
+    /// reads bf16 storage (see [`reads_bf16`]).
+    pub fast_math: bool,
+}
+
+/// Whether a row program loads a bf16 view: its inputs then carry bf16's 2^-9 relative
+/// rounding, and `ex2.approx` (2^-22 relative, a few f32 ulps with the argument's scaling)
+/// costs nothing measurable in its results, where `expf` takes about ten instructions (the
+/// fused classifier was bound by them: 1.80 -> 1.59 ms on the H100; a `tanh` the same way
+/// left the memory-bound GELU backward at 0.152 ms, so `tanhf` stays).
+pub(crate) fn reads_bf16(p: &Prog) -> bool {
+    p.nodes.iter().any(|n| matches!(&n.expr, Expr::Load(v) if v.mem == Mem::Bf16))
 }
 
 fn ty(t: Ty) -> &'static str {
@@ -182,6 +196,7 @@ impl Seg<'_> {
             }
             Expr::Unary(u, a) => match u {
                 UnaryOp::Neg => format!("-{}", v(a)),
+                UnaryOp::Exp if self.fast_math => format!("fast_exp({})", v(a)),
                 UnaryOp::Exp => format!("expf({})", v(a)),
                 UnaryOp::Log => format!("logf({})", v(a)),
                 UnaryOp::Sqrt => format!("sqrtf({})", v(a)),
