@@ -13,7 +13,8 @@
 //!   through [`atomic`] so that they are never torn; [`host`]: the process's host memory;
 //!   [`tokenizer`], [`sample`]: GPT-2 BPE and sampling; [`corpus`]: the embedded demo corpus;
 //!   [`hf_gpt2`]: Hugging Face GPT-2 weights to and from llm.c checkpoints, through
-//!   [`safetensors_io`].
+//!   [`safetensors_io`]; [`dist`]: data-parallel plans, launch environment and rendezvous
+//!   (no GPU needed; the NCCL side is not built yet).
 
 pub mod atomic;
 pub mod checkpoint;
@@ -21,6 +22,7 @@ pub mod corpus;
 pub mod cpu;
 pub mod cuda;
 pub mod data;
+pub mod dist;
 pub mod executor;
 pub mod file_error;
 pub mod hf_gpt2;
