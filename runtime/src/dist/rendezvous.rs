@@ -38,8 +38,8 @@ const MAX_MESSAGE: usize = 4096;
 
 #[path = "rendezvous_error.rs"]
 mod error;
-pub use error::RendezvousError;
 use error::ms;
+pub use error::RendezvousError;
 
 /// Rank 0's side: a bound listener, waiting to serve.
 pub struct RendezvousServer {

@@ -132,10 +132,17 @@ fn duplicate_rank_is_refused() {
 
 #[test]
 fn wrong_magic_version_and_rank_are_refused() {
-    let cases: [(Box<dyn Fn(&mut [u8; HELLO_BYTES])>, &str); 4] = [
+    type Spoil = Box<dyn Fn(&mut [u8; HELLO_BYTES])>;
+    let cases: [(Spoil, &str); 4] = [
         (Box::new(|h: &mut [u8; HELLO_BYTES]| h[..8].copy_from_slice(b"GET / HT")), "rank 1 (from"),
-        (Box::new(|h: &mut [u8; HELLO_BYTES]| h[8..12].copy_from_slice(&7u32.to_le_bytes())), "speaks rendezvous protocol version 7, rank 0 speaks 1"),
-        (Box::new(|h: &mut [u8; HELLO_BYTES]| h[12..16].copy_from_slice(&0u32.to_le_bytes())), "rank 0 is out of range for a peer (allowed: 1..=2)"),
+        (
+            Box::new(|h: &mut [u8; HELLO_BYTES]| h[8..12].copy_from_slice(&7u32.to_le_bytes())),
+            "speaks rendezvous protocol version 7, rank 0 speaks 1",
+        ),
+        (
+            Box::new(|h: &mut [u8; HELLO_BYTES]| h[12..16].copy_from_slice(&0u32.to_le_bytes())),
+            "rank 0 is out of range for a peer (allowed: 1..=2)",
+        ),
         (Box::new(|h: &mut [u8; HELLO_BYTES]| h[12..16].copy_from_slice(&9u32.to_le_bytes())), "rank 9 is out of range"),
     ];
     for (spoil, want) in cases {

@@ -140,7 +140,11 @@ impl ShardPlan {
             grouped(self.shard_elements),
             grouped(self.world as u64 * self.shard_elements - self.total_elements),
         );
-        let _ = writeln!(s, "{:>5}  {:>14}  {:>14}  {:>6}  {:>14}  {:>14}  {:>14}", "rank", "first", "end", "pieces", "AdamW m+v", "master fp32", "bytes");
+        let _ = writeln!(
+            s,
+            "{:>5}  {:>14}  {:>14}  {:>6}  {:>14}  {:>14}  {:>14}",
+            "rank", "first", "end", "pieces", "AdamW m+v", "master fp32", "bytes"
+        );
         for sh in &self.shards {
             let _ = writeln!(
                 s,
@@ -216,7 +220,24 @@ mod tests {
     fn gpt2_124m_on_4_ranks() {
         // 124,475,904 parameters (Vp = 50,304): the 16 tensors of llm.c's layout, sizes only.
         let (c, l, v, t) = (768u64, 12u64, 50304u64, 1024u64);
-        let sizes = [v * c, t * c, l * c, l * c, l * 3 * c * c, l * 3 * c, l * c * c, l * c, l * c, l * c, l * 4 * c * c, l * 4 * c, l * 4 * c * c, l * c, c, c];
+        let sizes = [
+            v * c,
+            t * c,
+            l * c,
+            l * c,
+            l * 3 * c * c,
+            l * 3 * c,
+            l * c * c,
+            l * c,
+            l * c,
+            l * c,
+            l * 4 * c * c,
+            l * 4 * c,
+            l * 4 * c * c,
+            l * c,
+            c,
+            c,
+        ];
         let params: Vec<ParamSpec> = sizes.iter().enumerate().map(|(i, &e)| ParamSpec::new(format!("t{i}"), e, 2)).collect();
         let plan = plan_shards(&params, 4, true).unwrap();
         check_plan(&params, 4, &plan);
