@@ -30,7 +30,7 @@ enum Command {
     /// Write a model's graph (forward + loss) as a `.graph` file.
     Export(cmd_export::ExportArgs),
     /// Evaluate or train a graph on a target.
-    Run(cmd_run::RunArgs),
+    Run(Box<cmd_run::RunArgs>),
     /// Tokenize text with GPT-2 BPE into llm.c token files (train and val).
     Prepare(cmd_prepare::PrepareArgs),
     /// Draw the loss curves of `run --log-json` logs as SVG or PNG.
@@ -55,7 +55,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Dump(a) => cmd_dump::dump(a),
         Command::Export(a) => cmd_export::export(a),
-        Command::Run(a) => cmd_run::run(a),
+        Command::Run(a) => cmd_run::run(*a),
         Command::Prepare(a) => cmd_prepare::prepare(a),
         Command::Plot(a) => cmd_plot::plot(a),
         Command::Import(a) => cmd_import::import(a),

@@ -3,7 +3,8 @@
 use std::io::IsTerminal;
 use std::time::Instant;
 
-use fusec_runtime::profile::Profile;
+use fusec_runtime::profile::{Profile, Stat};
+use fusec_runtime::roofline::{percent_of_roof, Limits};
 use fusec_runtime::train::StepLog;
 
 /// A one-line progress bar on a terminal; a line every few steps otherwise (logs stay short).
@@ -75,20 +76,26 @@ pub fn mib(bytes: u64) -> String {
     format!("{:.1} MiB", bytes as f64 / 1048576.0)
 }
 
-/// The per-kernel table: name, calls, total, avg, min, max, % of all launches, GB/s, GFLOP/s.
-pub fn profile_table(p: &Profile, steps: usize) -> String {
+/// The per-kernel table: name, calls, total, avg, min, max, % of all launches, GB/s, GFLOP/s,
+/// and with device limits `% roof` (the percentage of the roof at the kernel's intensity:
+/// [`percent_of_roof`]; `-` without limits or counts).
+pub fn profile_table(p: &Profile, steps: usize, limits: Option<&Limits>) -> String {
     let total = p.total().as_secs_f64().max(1e-12);
     let mut rows: Vec<_> = p.rows();
     rows.sort_by_key(|r| std::cmp::Reverse(r.1.total));
     let mut s = format!(
-        "{:<32} {:>7} {:>10} {:>9} {:>9} {:>9} {:>6} {:>9} {:>8} {:>9}\n",
-        "kernel", "calls", "total ms", "avg ms", "min ms", "max ms", "%", "MB/call", "GB/s", "GFLOP/s"
+        "{:<32} {:>7} {:>10} {:>9} {:>9} {:>9} {:>6} {:>9} {:>8} {:>9} {:>7}\n",
+        "kernel", "calls", "total ms", "avg ms", "min ms", "max ms", "%", "MB/call", "GB/s", "GFLOP/s", "% roof"
     );
     for (name, st) in rows {
         let t = st.total.as_secs_f64();
         let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
+        let roof = match roof_pct(st, limits) {
+            Some(r) => format!("{r:>7.1}"),
+            None => format!("{:>7}", "-"),
+        };
         s += &format!(
-            "{:<32} {:>7} {:>10.2} {:>9.3} {:>9.3} {:>9.3} {:>6.1} {:>9.2} {:>8.1} {:>9.1}\n",
+            "{:<32} {:>7} {:>10.2} {:>9.3} {:>9.3} {:>9.3} {:>6.1} {:>9.2} {:>8.1} {:>9.1} {roof}\n",
             truncate(name, 32),
             st.calls,
             t * 1e3,
@@ -109,14 +116,20 @@ pub fn profile_table(p: &Profile, steps: usize) -> String {
     s
 }
 
-/// The profile as JSON: one object per kernel name.
-pub fn profile_json(p: &Profile) -> String {
+/// A kernel's `% roof` over its timed launches.
+fn roof_pct(st: &Stat, limits: Option<&Limits>) -> Option<f64> {
+    percent_of_roof(st.flops, st.bytes, st.total.as_secs_f64(), limits?).filter(|r| r.is_finite())
+}
+
+/// The profile as JSON: one object per kernel name (`roof_pct` as in the table, or null).
+pub fn profile_json(p: &Profile, limits: Option<&Limits>) -> String {
     let rows: Vec<String> = p
         .rows()
         .iter()
         .map(|(name, st)| {
+            let roof = roof_pct(st, limits).map_or("null".to_string(), |r| r.to_string());
             format!(
-                "{{\"kernel\":\"{}\",\"calls\":{},\"total_ms\":{},\"min_ms\":{},\"max_ms\":{},\"bytes\":{},\"flops\":{}}}",
+                "{{\"kernel\":\"{}\",\"calls\":{},\"total_ms\":{},\"min_ms\":{},\"max_ms\":{},\"bytes\":{},\"flops\":{},\"roof_pct\":{roof}}}",
                 name.replace('"', "\\\""),
                 st.calls,
                 st.total.as_secs_f64() * 1e3,

@@ -70,6 +70,8 @@ pub struct PipelineOptions {
 pub struct PassRun {
     /// The pass name.
     pub name: &'static str,
+    /// When it started (timelines place it: `fusec run --trace`).
+    pub start: Instant,
     /// Wall time.
     pub time: Duration,
 }
@@ -115,7 +117,7 @@ pub fn compile(g: &Graph, last: &str, mode: Mode, opts: &PipelineOptions, bind: 
         if plan.is_some() {
             out.plan = plan;
         }
-        out.runs.push(PassRun { name, time: t0.elapsed() });
+        out.runs.push(PassRun { name, start: t0, time: t0.elapsed() });
         if cfg!(debug_assertions) {
             fusec_ir::verify::verify(&out.graph).map_err(|e| format!("after pass `{name}`: {e}"))?;
         }

@@ -7,6 +7,7 @@ use fusec_ir::{Bindings, DType, Graph};
 
 use crate::profile::Profile;
 use crate::programs::{Program, RunPrograms};
+use crate::roofline::Limits;
 
 /// A target that holds named tensors (parameters, optimizer state, gradient accumulators,
 /// per-step inputs) and runs programs over them.
@@ -61,6 +62,19 @@ pub trait Executor {
     /// Per-kernel timings, for executors that profile.
     fn profile(&self) -> Option<Profile> {
         None
+    }
+    /// What the roofline limits of products of `operands` depend on (the device, and on the
+    /// CPU the thread count and instruction-set level; the product type): their cache key, for
+    /// executors that profile.
+    fn roof_key(&self, operands: DType) -> Option<String> {
+        let _ = operands;
+        None
+    }
+    /// Measures the memory bandwidth and the rate of products of `operands` (bf16, or f32 in
+    /// the run's math: TF32 where it uses it) for the profile's roofline column.
+    fn measure_limits(&mut self, operands: DType) -> Result<Limits, String> {
+        let _ = operands;
+        Err("this target has no roofline".into())
     }
 }
 

@@ -172,6 +172,9 @@ pub struct Launch<'g> {
     pub bytes: u64,
     /// Useful floating-point operations (static; 0 for kernels, which targets count).
     pub flops: u64,
+    /// The IR ops it runs, in order: a fused kernel's body, a product's epilogues
+    /// ([`fused_ops`]); what timelines show.
+    pub ops: Vec<&'static str>,
 }
 
 impl Launch<'_> {
@@ -324,9 +327,24 @@ fn launches<'g>(g: &'g Graph, plan: &MemPlan, layout: &SharedLayout, bind: &Bind
             }
             other => return Err(err(format!("`{}` outside a fused kernel has no launch on a compiled target", other.mnemonic()))),
         };
-        out.push(Launch { node: i, name, op, dtypes, bytes, flops });
+        out.push(Launch { node: i, name, op, dtypes, bytes, flops, ops: fused_ops(g, n) });
     }
     Ok(out)
+}
+
+/// The IR ops node `n` of `g` runs, in order: a `kernel`'s body ops (its `input` nodes left out), a
+/// `gemm`'s product and epilogues (`matmul`, `add bias`, `gelu`, `cast`, `add accumulator`),
+/// or the node's own op.
+pub fn fused_ops(g: &Graph, n: &Node) -> Vec<&'static str> {
+    match &n.op {
+        Op::Kernel(k) => k.body.nodes.iter().filter(|b| !matches!(b.op, Op::Input { .. })).map(|b| b.op.mnemonic()).collect(),
+        Op::Gemm(gm) => {
+            let cast = gm.out != g.ty(n.inputs[0]).dtype;
+            let parts = [(true, "matmul"), (gm.bias, "add bias"), (gm.gelu, "gelu"), (cast, "cast"), (gm.accumulate, "add accumulator")];
+            parts.iter().filter(|(on, _)| *on).map(|(_, op)| *op).collect()
+        }
+        op => vec![op.mnemonic()],
+    }
 }
 
 /// The product of a `matmul` or `gemm` node.

@@ -6,7 +6,9 @@
 //!   one [`layout::SharedLayout`] (the memory plans of all programs, persistent tensors shared);
 //! - [`executor`]: the interface the training loop drives, and the interpreter's executor;
 //!   [`cpu`] and [`cuda`] translate the launch plan into their own launch records;
-//! - [`profile`]: per-launch timings by kernel name (any executor);
+//! - [`profile`]: per-launch timings by kernel name (any executor) and one step's launches in
+//!   order; [`roofline`]: the device limits they are compared with; [`trace`]: timelines in the
+//!   Chrome trace-event format;
 //! - [`train`]: the training loop and [`schedule`] its learning rate; [`data`], [`tokens`],
 //!   [`checkpoint`], [`params`]: llm.c's token files and checkpoints and the data loader;
 //!   [`savedir`]: checkpoint folders (`model.bin` + [`state`]) for exact resume, written
@@ -32,6 +34,7 @@ pub mod layout;
 pub mod params;
 pub mod profile;
 pub mod programs;
+pub mod roofline;
 pub mod safetensors_io;
 pub mod sample;
 pub mod savedir;
@@ -39,4 +42,5 @@ pub mod schedule;
 pub mod state;
 pub mod tokenizer;
 pub mod tokens;
+pub mod trace;
 pub mod train;

@@ -40,8 +40,8 @@ pub struct RunPrograms {
     pub bind: Bindings,
     /// The pipeline options (precision, AdamW constants, fused or not).
     pub opts: PipelineOptions,
-    /// The Step program's per-pass compile times.
-    pub pass_runs: Vec<PassRun>,
+    /// Every program's passes with their start and compile times, in the order they ran.
+    pub pass_runs: Vec<(Program, PassRun)>,
 }
 
 impl RunPrograms {
@@ -55,13 +55,13 @@ impl RunPrograms {
         let grad = (!opts.adamw.fresh_grads).then_some(Program::Grad);
         for p in [Some(Program::Eval), grad, Some(Program::Step)].into_iter().flatten() {
             let c = compile(fwd, "schedule", p.mode(), opts, bind)?;
-            if p == Program::Step {
-                pass_runs = c.runs;
-            }
+            pass_runs.extend(c.runs.into_iter().map(|r| (p, r)));
             graphs.insert(p, c.graph);
         }
         if logits {
-            graphs.insert(Program::Logits, compile(&logits_graph(fwd)?, "schedule", Mode::Forward, opts, bind)?.graph);
+            let c = compile(&logits_graph(fwd)?, "schedule", Mode::Forward, opts, bind)?;
+            pass_runs.extend(c.runs.into_iter().map(|r| (Program::Logits, r)));
+            graphs.insert(Program::Logits, c.graph);
         }
         Ok(RunPrograms { graphs, bind: bind.clone(), opts: opts.clone(), pass_runs })
     }

@@ -115,12 +115,34 @@ pub struct RunArgs {
     /// CPU threads (default: all cores).
     #[arg(long, value_parser = in_range(1, 1024))]
     pub threads: Option<usize>,
-    /// Time every launch and print a per-kernel table at the end (`cpu` and `cuda` targets).
+    /// Time every launch and print a per-kernel table at the end (`cpu` and `cuda` targets):
+    /// times, GB/s, GFLOP/s and `% roof`, the share of the device's limit at the kernel's
+    /// FLOPs per byte (see --peak-gbps, --peak-tflops).
     #[arg(long)]
     pub profile: bool,
-    /// Write the per-kernel profile as JSON.
+    /// Write the per-kernel profile as JSON (with `roof_pct`, the table's `% roof`).
     #[arg(long)]
     pub profile_json: Option<PathBuf>,
+    /// The memory bandwidth, in GB/s, that the profile's `% roof` column compares kernels with
+    /// (finite, above 0, at most 1e6; with --profile or --profile-json). Default: measured
+    /// once per device (a large copy) and cached in the kernel cache's folder.
+    #[arg(long, value_name = "GB/S", allow_negative_numbers = true)]
+    pub peak_gbps: Option<f64>,
+    /// The product rate, in TFLOP/s, that the `% roof` column compares kernels with: the rate
+    /// of the run's products (bf16, TF32 or fp32 GEMMs) (finite, above 0, at most 1e6; with
+    /// --profile or --profile-json). Default: measured once per device and product type (a
+    /// large product through the target's GEMM path) and cached.
+    #[arg(long, value_name = "TFLOP/S", allow_negative_numbers = true)]
+    pub peak_tflops: Option<f64>,
+    /// Write a timeline of one training step as a Chrome trace (JSON; open it in
+    /// https://ui.perfetto.dev or chrome://tracing): the first step after the warm-up, i.e.
+    /// the second step this run takes (needs --steps 2 or more), each launch with its start and
+    /// duration (host clocks on the CPU, CUDA events on the GPU), bytes, FLOPs and fused IR
+    /// ops, on one track (the CUDA stream, or the CPU executor thread), and a track of the
+    /// compile passes before it. Only that step is timed unless --profile: the other steps run
+    /// as usual.
+    #[arg(long, value_name = "FILE.json")]
+    pub trace: Option<PathBuf>,
     /// Print each CUDA module's compile or disk-cache time (hits and misses) after the build.
     #[arg(long)]
     pub timings: bool,
@@ -189,8 +211,23 @@ impl RunArgs {
         if let Some((flag, _)) = cuda_only.iter().find(|(_, on)| *on).filter(|_| self.target != Target::Cuda) {
             return Err(format!("{flag} applies to --target cuda only (this run is --target {})", self.target_name()));
         }
-        if self.target == Target::Ref && (self.profile || self.profile_json.is_some()) {
-            return Err("--profile and --profile-json time compiled kernels: use --target cpu or --target cuda".into());
+        let profiles = [("--profile", self.profile), ("--profile-json", self.profile_json.is_some()), ("--trace", self.trace.is_some())];
+        if let Some((flag, _)) = profiles.iter().find(|(_, on)| *on).filter(|_| self.target == Target::Ref) {
+            return Err(format!("{flag} times compiled kernels: use --target cpu or --target cuda"));
+        }
+        for (flag, v) in [("--peak-gbps", self.peak_gbps), ("--peak-tflops", self.peak_tflops)] {
+            if let Some(v) = v {
+                finite(flag, v, 0.0, 1e6, true)?;
+                if !profiles[..2].iter().any(|(_, on)| *on) {
+                    return Err(format!("{flag} sets a limit of the profile's roofline: it needs --profile or --profile-json"));
+                }
+            }
+        }
+        if self.trace.is_some() && self.steps < 2 {
+            return Err(format!(
+                "--trace records the first step after the warm-up (the second step): it needs --steps 2 or more (this run has {})",
+                self.steps
+            ));
         }
         if self.save_every.is_some() && self.save.is_none() {
             return Err("--save-every needs --save DIR (where to save)".into());
@@ -202,7 +239,9 @@ impl RunArgs {
             save_dir_writable(dir)?;
         }
         let save_file = self.save.as_ref().filter(|p| saves_model_only(p)).cloned();
-        for (flag, path) in [("--save", &save_file), ("--profile-json", &self.profile_json), ("--log-json", &self.log_json)] {
+        let outputs =
+            [("--save", &save_file), ("--profile-json", &self.profile_json), ("--log-json", &self.log_json), ("--trace", &self.trace)];
+        for (flag, path) in outputs {
             if let Some(p) = path {
                 writable(flag, p)?;
             }

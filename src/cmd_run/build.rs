@@ -1,9 +1,12 @@
 //! Building the executor of `fusec run` for its target, and the summary rows that describe the
 //! build (kernels, device, memory).
 
+use std::time::Duration;
+
 use fusec_runtime::cpu::CpuExecutor;
 use fusec_runtime::cuda::{CudaExecutor, CudaOptions};
 use fusec_runtime::executor::{Executor, RefExecutor};
+use fusec_runtime::profile::Profile;
 use fusec_runtime::programs::RunPrograms;
 
 use super::args::{RunArgs, Target};
@@ -15,17 +18,32 @@ pub struct Built {
     pub ex: Box<dyn Executor>,
     /// Summary rows: (label, value).
     pub summary: Vec<(String, String)>,
+    /// The build's phases, one after the other from its start (the `--trace` compile track).
+    pub phases: Vec<(String, Duration)>,
+}
+
+/// The profile the executor keeps: every step after the warm-up (`--profile`, `--profile-json`),
+/// and with `--trace` the first of them recorded in order (or that step alone), else none.
+fn profile(a: &RunArgs) -> Option<Profile> {
+    let every = a.profile || a.profile_json.is_some();
+    match &a.trace {
+        Some(_) => Some(Profile::tracing(every)),
+        None => every.then(Profile::default),
+    }
 }
 
 /// Builds the executor for `a.target` (memory planning, code generation, the one allocation,
 /// refused with both numbers when it does not fit the free memory).
 pub fn executor(a: &RunArgs, run: &RunPrograms, threads: usize) -> Result<Built, String> {
-    let profile = a.profile || a.profile_json.is_some();
+    let profile = profile(a);
     let mut summary: Vec<(String, String)> = vec![];
+    let mut phases = vec![];
     let ex: Box<dyn Executor> = match a.target {
         Target::Ref => Box::new(RefExecutor::new(run, fusec_ir::interp::Rounding::F32)),
         Target::Cpu => {
-            let (ex, build) = CpuExecutor::new(run, threads, profile)?;
+            let (mut ex, build) = CpuExecutor::new(run, threads, profile.is_some())?;
+            ex.profile = profile;
+            phases.push(("memory plans, launch lists, Cranelift".to_string(), build.compile_time));
             summary.push(("cpu isa".into(), build.isa.describe()));
             let plan = &build.step_plan;
             let (compiled, hits) = build.kernels;
@@ -45,13 +63,15 @@ pub fn executor(a: &RunArgs, run: &RunPrograms, threads: usize) -> Result<Built,
         }
         Target::Cuda => {
             let opts = CudaOptions {
-                profile,
+                profile: profile.is_some(),
                 tf32: !a.no_tf32,
                 flash: !a.no_flash_attention,
                 lt_epilogues: !a.no_cublaslt,
                 graphs: !a.no_cuda_graph,
             };
-            let (ex, build) = CudaExecutor::new(run, &opts)?;
+            let (mut ex, build) = CudaExecutor::new(run, &opts)?;
+            ex.profile = profile;
+            phases = build.phases.iter().map(|(n, d)| (n.to_string(), *d)).collect();
             let k = &build.kernels;
             let math = if a.no_tf32 { ", exact fp32" } else { ", TF32" };
             summary.push(("device".into(), format!("{} (NVRTC {}.{}){math}", build.device, build.nvrtc.0, build.nvrtc.1)));
@@ -68,8 +88,9 @@ pub fn executor(a: &RunArgs, run: &RunPrograms, threads: usize) -> Result<Built,
                     outln!("  {name:<40} {:<10} {:>8.1} ms", if *cached { "disk cache" } else { "NVRTC" }, t.as_secs_f64() * 1e3)?;
                 }
             }
-            let phases: Vec<String> = build.phases.iter().map(|(n, d)| format!("{n} {:.0} ms", d.as_secs_f64() * 1e3)).collect();
-            summary.push(("gpu build".into(), format!("{:.0} ms: {}", build.compile_time.as_secs_f64() * 1e3, phases.join(" · "))));
+            let all = build.opened.iter().chain(&build.phases);
+            let times: Vec<String> = all.map(|(n, d)| format!("{n} {:.0} ms", d.as_secs_f64() * 1e3)).collect();
+            summary.push(("gpu build".into(), format!("{:.0} ms: {}", build.compile_time.as_secs_f64() * 1e3, times.join(" · "))));
             summary.push(("attention".into(), build.attention.clone()));
             summary.push(("products".into(), format!("{} with bias/GELU inside cuBLASLt", build.lt_epilogues)));
             summary.push((
@@ -85,5 +106,5 @@ pub fn executor(a: &RunArgs, run: &RunPrograms, threads: usize) -> Result<Built,
             Box::new(ex)
         }
     };
-    Ok(Built { ex, summary })
+    Ok(Built { ex, summary, phases })
 }

@@ -11,7 +11,9 @@
 mod args;
 mod build;
 mod resume;
+mod roof;
 mod summary;
+mod timeline;
 
 pub use args::RunArgs;
 use args::Target;
@@ -83,6 +85,7 @@ pub fn run(a: RunArgs) -> CliResult {
     let mut phases = Phases { init: t_start.elapsed().as_secs_f64(), ..Phases::default() };
     let t_compile = Instant::now();
     let run = RunPrograms::compile(&g, &opts, &RunPrograms::bindings(a.batch, a.seq), a.sample > 0)?;
+    let t_build = Instant::now();
     let mut built = build::executor(&a, &run, threads)?;
     let ex = built.ex.as_mut();
     phases.compile = t_compile.elapsed().as_secs_f64();
@@ -94,6 +97,12 @@ pub fn run(a: RunArgs) -> CliResult {
         Some(dir) => {
             let meta = savedir::resume(dir, ex, run.step()?, &run.bind, &model)?;
             let (step, first) = resume::start(&meta, &a, train_data.num_tokens())?;
+            if a.trace.is_some() && a.steps < step + 2 {
+                return Err(format!(
+                    "--trace records the second step this run takes (the first is warm-up): resuming at step {step}, it needs --steps {} or more",
+                    step + 2
+                ));
+            }
             errln!("resuming {} at step {step}", dir.display());
             (step, Some(first))
         }
@@ -157,6 +166,11 @@ pub fn run(a: RunArgs) -> CliResult {
     if let Some(path) = &a.save {
         errln!("saved {}", path.display());
     }
+    if let Some(path) = &a.trace {
+        let compile = timeline::CompileTimes { zero: t_compile, passes: &run.pass_runs, build_start: t_build, build: &built.phases };
+        let n = timeline::write(path, &a, threads, start + 2, &compile, ex.profile().as_ref())?;
+        errln!("trace: {} ({n} launches; open in https://ui.perfetto.dev)", path.display());
+    }
     if let Some(log) = &a.log_json {
         errln!("{}", crate::cmd_plot::plot_hint(log));
     }
@@ -176,14 +190,21 @@ pub fn run(a: RunArgs) -> CliResult {
         phases: &phases,
         param_bytes: 4 * model.num_params() as u64,
     };
-    let rows = summary.rows(ex, &built.summary, t_start.elapsed().as_secs_f64());
+    let mut rows = summary.rows(ex, &built.summary, t_start.elapsed().as_secs_f64());
+    // After the summary's rows: a measurement's buffers stay out of its host memory peak.
+    let timed = ex.profile().is_some_and(|p| p.steps > 0);
+    let roof = ((a.profile || a.profile_json.is_some()) && timed).then(|| roof::roof(&a, ex));
+    if let Some(r) = &roof {
+        rows.push(("roofline".into(), r.as_ref().map_or_else(|e| format!("none: {e}"), |r| r.describe())));
+    }
     out!("{}", table("summary", &rows))?;
+    let limits = roof.as_ref().and_then(|r| r.as_ref().ok()).map(|r| r.limits);
     if let Some(p) = ex.profile() {
         if a.profile {
-            out!("{}", profile_table(&p, p.steps as usize))?;
+            out!("{}", profile_table(&p, p.steps as usize, limits.as_ref()))?;
         }
         if let Some(path) = &a.profile_json {
-            std::fs::write(path, profile_json(&p)).map_err(|e| format!("{}: {e}", path.display()))?;
+            std::fs::write(path, profile_json(&p, limits.as_ref())).map_err(|e| format!("{}: {e}", path.display()))?;
         }
     }
     Ok(())

@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use fusec_passes::pipeline::PassRun;
 use fusec_runtime::executor::Executor;
+use fusec_runtime::programs::Program;
 use fusec_runtime::train::TrainOutcome;
 
 use super::args::RunArgs;
@@ -57,8 +58,8 @@ pub struct Summary<'a> {
     pub start: usize,
     /// Tokens per optimizer step.
     pub tokens_per_step: usize,
-    /// The Step program's per-pass times.
-    pub pass_runs: &'a [PassRun],
+    /// Every program's per-pass times (the row shows the Step program's).
+    pub pass_runs: &'a [(Program, PassRun)],
     /// From the process start to the end of the first step.
     pub first_done: Duration,
     /// Where the time went.
@@ -120,8 +121,10 @@ impl Summary<'_> {
     }
 }
 
-fn pass_times(runs: &[PassRun]) -> String {
-    runs.iter().map(|r| format!("{} {:.1}", r.name, r.time.as_secs_f64() * 1e3)).collect::<Vec<_>>().join(" · ")
+/// The Step program's passes and their times in ms.
+fn pass_times(runs: &[(Program, PassRun)]) -> String {
+    let step = runs.iter().filter(|(p, _)| *p == Program::Step);
+    step.map(|(_, r)| format!("{} {:.1}", r.name, r.time.as_secs_f64() * 1e3)).collect::<Vec<_>>().join(" · ")
 }
 
 #[cfg(test)]

@@ -133,13 +133,18 @@ unsafe fn image(prog: sys::nvrtcProgram) -> Result<Image, String> {
     Ok(Image { bytes, ptx: true })
 }
 
-/// The cache folder (not created here).
+/// The cache folder (not created here): `cuda/` in [`cache_root`].
 pub fn cache_dir() -> Option<PathBuf> {
+    cache_root().map(|d| d.join("cuda"))
+}
+
+/// fusec's cache folder: `$FUSEC_CACHE_DIR`, else `$XDG_CACHE_HOME/fusec`, else
+/// `~/.cache/fusec` (not created here).
+pub fn cache_root() -> Option<PathBuf> {
     let env = |k: &str| std::env::var_os(k).filter(|v| !v.is_empty()).map(PathBuf::from);
     env("FUSEC_CACHE_DIR")
         .or_else(|| env("XDG_CACHE_HOME").map(|d| d.join("fusec")))
         .or_else(|| env("HOME").map(|d| d.join(".cache").join("fusec")))
-        .map(|d| d.join("cuda"))
 }
 
 /// Compiled images by cache key, the on-disk cache, and counts.

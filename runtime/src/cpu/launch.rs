@@ -39,6 +39,8 @@ pub struct Launch {
     pub bytes: u64,
     /// Floating-point operations (static).
     pub flops: u64,
+    /// The IR ops it runs ([`launches::fused_ops`]; an attention stage: its attention's).
+    pub ops: Vec<&'static str>,
 }
 
 /// The CPU launches of a program's plan, compiling kernels through `kc`; `base` is the
@@ -96,14 +98,15 @@ pub fn translate(plan: &[launches::Launch], bind: &Bindings, kc: &mut KernelComp
                     return Err(l.err(format!("attention on {} storage is not supported by the CPU target", attn.dtype)));
                 }
                 for &(stage, name, flops) in stages {
-                    out.push(Launch { kind: Kind::Attention { stage, attn: *attn }, name: name.into(), bytes: l.bytes, flops });
+                    let kind = Kind::Attention { stage, attn: *attn };
+                    out.push(Launch { kind, name: name.into(), bytes: l.bytes, flops, ops: l.ops.clone() });
                 }
                 continue;
             }
             LaunchOp::Iota(i) => (Kind::Iota(i.clone()), 0),
             LaunchOp::Fill(f) => (Kind::Fill(*f), 0),
         };
-        out.push(Launch { kind, name: l.name.clone(), bytes: l.bytes, flops });
+        out.push(Launch { kind, name: l.name.clone(), bytes: l.bytes, flops, ops: l.ops.clone() });
     }
     Ok(out)
 }

@@ -7,6 +7,7 @@ mod arena;
 mod attention;
 pub(crate) mod launch;
 pub mod ops;
+mod peak;
 mod product;
 
 use std::collections::HashMap;
@@ -22,8 +23,9 @@ use fusec_passes::memplan::MemPlan;
 use crate::executor::{Executor, StepOutputs};
 use crate::launches::{LaunchPlan, ProgramIo};
 use crate::layout::SharedLayout;
-use crate::profile::Profile;
+use crate::profile::{Profile, Timed};
 use crate::programs::{Program, RunPrograms};
+use crate::roofline::Limits;
 use arena::Arena;
 use attention::AttnScratch;
 use launch::{Kind, Launch};
@@ -245,6 +247,14 @@ impl Executor for CpuExecutor {
         self.profile.clone()
     }
 
+    fn roof_key(&self, operands: DType) -> Option<String> {
+        Some(format!("cpu {} · {} threads · {} · {operands} products", peak::cpu_model(), self.threads, self.isa.name()))
+    }
+
+    fn measure_limits(&mut self, operands: DType) -> Result<Limits, String> {
+        peak::measure(operands, self.isa, self.threads)
+    }
+
     fn output(&self, program: Program, name: &str) -> Result<Tensor, String> {
         let prog = self.programs.get(&program).ok_or_else(|| format!("program {program:?} was not compiled"))?;
         let (off, dt, shape) = prog.io.outputs.get(name).ok_or_else(|| format!("{program:?} has no output `{name}`"))?;
@@ -272,12 +282,15 @@ impl Executor for CpuExecutor {
         let prog = self.programs.get(&program).ok_or_else(|| format!("program {program:?} was not compiled"))?;
         let mut profile = self.profile.take();
         let timed = profile.as_mut().is_some_and(|p| p.begin(program));
+        let mut first = None;
         for (i, l) in prog.launches.iter().enumerate() {
             let t0 = timed.then(Instant::now);
             // SAFETY: launches were built against this arena's plan.
             let r = unsafe { self.exec(l) }.map_err(|e| format!("{} ({program:?} launch {i}): {e}", l.name));
             if let (Some(p), Some(t0)) = (profile.as_mut(), t0) {
-                p.record(&l.name, l.bytes, l.flops, t0.elapsed());
+                let dur = t0.elapsed();
+                let start = t0 - *first.get_or_insert(t0);
+                p.record(Timed { name: &l.name, bytes: l.bytes, flops: l.flops, ops: &l.ops, start, dur });
             }
             if r.is_err() {
                 self.profile = profile;

@@ -78,6 +78,8 @@ pub(crate) struct Launch {
     pub name: String,
     pub bytes: u64,
     pub flops: u64,
+    /// The IR ops it runs ([`launches::fused_ops`]).
+    pub ops: Vec<&'static str>,
 }
 
 /// The hand-written kernels' entries.
@@ -227,7 +229,7 @@ impl Builder<'_> {
                 }
             }
             let mut push = |steps: Vec<Step>, name: &str, flops: u64| {
-                out.push(Launch { steps, name: name.to_string(), bytes: l.bytes, flops });
+                out.push(Launch { steps, name: name.to_string(), bytes: l.bytes, flops, ops: l.ops.clone() });
             };
             let p = |o: u64| Arg::Ptr(Addr::Plan(o));
             match &l.op {

@@ -15,7 +15,8 @@
 //!
 //! Without profiling, each program is captured into a CUDA graph on its first run and replayed
 //! afterwards (one launch per step instead of hundreds; [`CudaOptions::graphs`] off launches
-//! one by one).
+//! one by one). Profiling every step launches one by one; a profile that times only a traced
+//! step ([`Profile::tracing`]) launches that step one by one and replays graphs otherwise.
 //! Every address, kernel argument and table is fixed when the executor is built, so a replay
 //! is exactly the launches it recorded.
 //!
@@ -28,6 +29,7 @@ mod attention;
 mod device;
 mod launch;
 mod lt;
+mod peak;
 mod summary;
 
 use summary::attention_summary;
@@ -49,8 +51,9 @@ use fusec_passes::memplan::ALIGN;
 use crate::executor::{Executor, StepOutputs};
 use crate::launches::{LaunchOp, LaunchPlan, ProgramIo};
 use crate::layout::SharedLayout;
-use crate::profile::Profile;
+use crate::profile::{Profile, Timed};
 use crate::programs::{Program, RunPrograms};
+use crate::roofline::Limits;
 pub use device::{check_libraries, start_driver};
 use device::{ck, ckb, Device};
 use launch::{attention_kinds, Addr, Arg, Builder, Launch, Loaded, Native, Step, ERR_WORDS, NATIVE_ENTRIES};
@@ -82,6 +85,8 @@ pub struct CudaExecutor {
     lt_plans: Vec<lt::LtGemm>,
     /// `fusec_round_bf16`: the bf16 weight copies, rounded on the device.
     round_bf16: sys::CUfunction,
+    /// Whether f32 products run on TF32 tensor cores (the handle's math mode).
+    tf32: bool,
     dev: Device,
 }
 
@@ -92,7 +97,8 @@ impl CudaExecutor {
     pub fn new(run: &RunPrograms, opts: &CudaOptions) -> Result<(CudaExecutor, CudaBuild), String> {
         let t0 = Instant::now();
         let mut dev = Device::open(opts.tf32)?;
-        let mut phases = dev.open_times.to_vec();
+        let [driver, blas, waited] = dev.open_times;
+        let mut phases = vec![waited];
         let mut lap = Instant::now();
         let mut phase = |name: &'static str| {
             phases.push((name, lap.elapsed()));
@@ -207,6 +213,7 @@ impl CudaExecutor {
         }
         let build = CudaBuild {
             compile_time: t0.elapsed(),
+            opened: [driver, blas],
             phases,
             modules: std::mem::take(&mut compiler.times),
             kernels: KernelStats {
@@ -239,6 +246,7 @@ impl CudaExecutor {
             profile: opts.profile.then(Profile::default),
             lt_plans,
             round_bf16: nf[13],
+            tf32: opts.tf32,
             dev,
         };
         Ok((ex, build))
@@ -536,8 +544,12 @@ impl Executor for CudaExecutor {
 
     fn run(&mut self, program: Program) -> Result<StepOutputs, String> {
         self.dev.bind()?;
-        let timing = self.profile.is_some();
-        if self.use_graphs && !timing && !self.sync_each {
+        // A timed run launches one by one between CUDA events. `--profile` launches every run
+        // so (its warm-up as its timed runs); a trace alone only its step, the rest as usual.
+        let timed = self.profile.as_mut().is_some_and(|p| p.begin(program));
+        let every = self.profile.as_ref().is_some_and(|p| p.times_every_step());
+        let direct = timed || every || self.sync_each || !self.use_graphs;
+        if !direct {
             let exec = match self.graphs.get(&program) {
                 Some(e) => *e,
                 None => {
@@ -550,19 +562,18 @@ impl Executor for CudaExecutor {
             unsafe { ck(sys::cuGraphLaunch(exec, self.dev.stream), "CUDA graph launch")? };
         }
         let prog = self.programs.get(&program).ok_or_else(|| format!("program {program:?} was not compiled"))?;
-        let direct = !(self.use_graphs && !timing && !self.sync_each);
         for (i, l) in prog.launches.iter().enumerate().filter(|_| direct) {
             let named = |e: String| format!("{} ({program:?} launch {i}): {e}", l.name);
             // SAFETY: events were created for at least this many launches; steps were built
             // against this allocation.
             unsafe {
-                if timing {
+                if timed {
                     ck(sys::cuEventRecord(self.events[i].0, self.dev.stream), "event").map_err(named)?;
                 }
                 for st in &l.steps {
                     self.exec(st).map_err(named)?;
                 }
-                if timing {
+                if timed {
                     ck(sys::cuEventRecord(self.events[i].1, self.dev.stream), "event").map_err(named)?;
                 }
             }
@@ -572,11 +583,15 @@ impl Executor for CudaExecutor {
         }
         self.dev.sync(&format!("{program:?} program (set FUSEC_CUDA_SYNC=1 to find the failing launch)"))?;
         if let Some(mut p) = self.profile.take() {
-            let timed = p.begin(program);
-            for (i, l) in prog.launches.iter().enumerate().filter(|_| timed) {
+            // Starts from the run's first event, which is the run's zero.
+            let ms = |a: sys::CUevent, b: sys::CUevent| {
                 // SAFETY: both events were recorded and the stream is idle.
-                let ms = unsafe { cudarc::driver::result::event::elapsed(self.events[i].0, self.events[i].1) }.unwrap_or(0.0);
-                p.record(&l.name, l.bytes, l.flops, Duration::from_secs_f64(ms.max(0.0) as f64 / 1e3));
+                let ms = unsafe { cudarc::driver::result::event::elapsed(a, b) }.unwrap_or(0.0);
+                Duration::from_secs_f64(ms.max(0.0) as f64 / 1e3)
+            };
+            for (i, l) in prog.launches.iter().enumerate().filter(|_| timed) {
+                let (start, dur) = (ms(self.events[0].0, self.events[i].0), ms(self.events[i].0, self.events[i].1));
+                p.record(Timed { name: &l.name, bytes: l.bytes, flops: l.flops, ops: &l.ops, start, dur });
             }
             self.profile = Some(p);
             self.peak = self.peak.max(self.dev.used_bytes());
@@ -599,6 +614,19 @@ impl Executor for CudaExecutor {
 
     fn profile(&self) -> Option<Profile> {
         self.profile.clone()
+    }
+
+    fn roof_key(&self, operands: DType) -> Option<String> {
+        let math = match operands {
+            DType::F32 if self.tf32 => "tf32".to_string(),
+            DType::F32 => "fp32".to_string(),
+            d => d.to_string(),
+        };
+        Some(format!("cuda {} ({}) · {math} products", self.dev.name, self.dev.sm()))
+    }
+
+    fn measure_limits(&mut self, operands: DType) -> Result<Limits, String> {
+        self.measure(operands)
     }
 }
 

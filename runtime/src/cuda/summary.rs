@@ -25,7 +25,8 @@ pub struct KernelStats {
 /// How to build the programs for the GPU.
 #[derive(Clone, Copy, Debug)]
 pub struct CudaOptions {
-    /// Time every launch with CUDA events (`--profile`).
+    /// Time every launch with CUDA events (`--profile`); [`super::CudaExecutor::profile`] may
+    /// then be replaced by a profile that times one traced step only.
     pub profile: bool,
     /// Products on TF32 tensor cores (about 1e-3 relative); otherwise plain fp32 (`--no-tf32`).
     pub tf32: bool,
@@ -53,7 +54,11 @@ impl Default for CudaOptions {
 pub struct CudaBuild {
     /// Memory planning, code generation, NVRTC (or the cache) and module loading.
     pub compile_time: Duration,
-    /// Where `compile_time` went, in order.
+    /// Opening the driver and context, and cuBLAS: on a background thread from the process
+    /// start ([`super::start_driver`]), else inside the build's first phase.
+    pub opened: [(&'static str, Duration); 2],
+    /// Where `compile_time` went, one phase after the other, in order: the wait for the driver
+    /// and cuBLAS, memory planning, code generation, NVRTC, ...
     pub phases: Vec<(&'static str, Duration)>,
     /// Each module from NVRTC or the disk cache: name, cache hit, time; slowest first.
     pub modules: Vec<(String, bool, Duration)>,
