@@ -204,15 +204,15 @@ impl Seg<'_> {
             let _ = writeln!(out, "    p{c} = {}(p{c}, v{});", red_fn(op_of(&p.node(c).expr)), arg(p, c));
         }
         let _ = writeln!(out, "  }}");
+        let width_of = |c: NodeId| reg_width.iter().find(|&&(n, _)| n == c).map_or(1, |&(_, w)| w);
         if in_smem {
             // The block sums its warps' partials (in warp order) and writes one set.
             let per_warp = k_count * team as u64;
             let _ = writeln!(out, "  __syncthreads();");
             let _ = writeln!(out, "  for (int i = threadIdx.x; i < {per_warp}; i += {}) {{", tpb * team);
-            let w = |c: NodeId| reg_width.iter().find(|&&(n, _)| n == c).map_or(1, |&(_, w)| w);
             for &(c, base) in &smem_base {
                 let f = red_fn(op_of(&p.node(c).expr));
-                let col = match w(c) {
+                let col = match width_of(c) {
                     1 => format!("i % {team} + (i / {team}) * {team}"),
                     w => format!("(i % {team} + (i / {team} / {w}) * {team}) * {w} + (i / {team}) % {w}"),
                 };
@@ -229,7 +229,7 @@ impl Seg<'_> {
                 let _ = writeln!(out, "  if (lane == 0) scratch[{off} + team] = p{c};");
             } else if reg {
                 let _ = writeln!(out, "#pragma unroll\n  for (int k = 0; k < {k_count}; ++k) {{");
-                let w = reg_width.iter().find(|&&(n, _)| n == c).map_or(1, |&(_, w)| w);
+                let w = width_of(c);
                 if w > 1 {
                     let _ = writeln!(out, "    const int c = (lane + (k / {w}) * {team}) * {w} + k % {w};");
                 } else {
