@@ -8,7 +8,8 @@
 //!   [`cpu`] and [`cuda`] translate the launch plan into their own launch records;
 //! - [`profile`]: per-launch timings by kernel name (any executor);
 //! - [`train`]: the training loop and [`schedule`] its learning rate; [`data`], [`tokens`],
-//!   [`checkpoint`], [`params`]: llm.c's token files and checkpoints and the data loader;
+//!   [`checkpoint`], [`params`]: llm.c's token files and checkpoints and the data loader
+//!   ([`normals`]: the random initialization's normals, fast and exact);
 //!   [`savedir`]: checkpoint folders (`model.bin` + [`state`]) for exact resume, written
 //!   through [`atomic`] so that they are never torn; [`host`]: the process's host memory;
 //!   [`tokenizer`], [`sample`]: GPT-2 BPE and sampling; [`corpus`]: the embedded demo corpus;
@@ -27,6 +28,7 @@ pub mod hf_gpt2;
 pub mod host;
 pub mod launches;
 pub mod layout;
+pub mod normals;
 pub mod params;
 pub mod profile;
 pub mod programs;
