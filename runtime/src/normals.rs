@@ -24,6 +24,7 @@
 //! exactly: about one value in 2^16. The tests compare the paths over millions of values and
 //! the edge cases, `init_bench check` over 10^9.
 
+#[cfg(target_arch = "x86_64")]
 use fusec_codegen_cpu::isa::{self, Isa};
 use fusec_ir::rng::{box_muller, unit_f64, Rng};
 
@@ -267,7 +268,7 @@ const TINY_R: f64 = f64::from_bits((1023 - 30) << 52);
 #[inline(always)]
 fn cos(x: f64) -> (f64, bool) {
     // q = round(x / (π/2)) through the 1.5·2^52 trick: the low bits of `kq` are q.
-    const ROUND: f64 = 6755399441055744.0;
+    const ROUND: f64 = 1.5 * TWO52;
     let kq = x * std::f64::consts::FRAC_2_PI + ROUND;
     let q = kq.to_bits();
     let k = kq - ROUND;
