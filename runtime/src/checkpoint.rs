@@ -11,11 +11,11 @@ use std::path::Path;
 
 use fusec_ir::rng::Rng;
 pub use fusec_models::Gpt2Config;
-use rayon::prelude::*;
 
 use crate::atomic::PendingFile;
 pub use crate::file_error::CHECKPOINT_MAGIC;
 use crate::file_error::{self, FileError, HEADER_BYTES, TOKENS_MAGIC};
+use crate::normals;
 
 /// The only supported checkpoint version (fp32 weights).
 pub const CHECKPOINT_VERSION: i32 = 3;
@@ -305,8 +305,9 @@ enum Init {
 /// (checkpoint order, one buffer as large as the largest parameter): `wte`, `wpe`, `qkvw`, `fcw`
 /// normal with std 0.02; `attprojw`, `fcprojw` std 0.02/√(2L); biases 0; LayerNorm scales 1;
 /// `wte` padding rows (V..Vp) exactly 0. The normals are one SplitMix64 stream (Box-Muller, two
-/// outputs per normal) in checkpoint order, drawn in parallel slices with exactly the values of
-/// drawing them in order. An invalid config is an error (nothing is allocated).
+/// outputs per normal) in checkpoint order, drawn in parallel slices by [`normals::fill`] with
+/// exactly the values of drawing them in order with `Rng::normal`. An invalid config is an
+/// error (nothing is allocated).
 pub fn random_params(cfg: &Gpt2Config, seed: u64, sink: &mut ParamSink) -> Result<(), String> {
     cfg.validate()?;
     let stream = Rng::new(seed);
@@ -328,7 +329,7 @@ pub fn random_params(cfg: &Gpt2Config, seed: u64, sink: &mut ParamSink) -> Resul
                 // Only the real vocabulary rows of `wte` are drawn; the padding stays 0.
                 let real = if *llmc == "wte" { cfg.vocab * cfg.channels } else { data.len() };
                 data[real..].fill(0.0);
-                normals(&stream, drawn, &mut data[..real], std);
+                normals::par_fill(&stream, drawn, &mut data[..real], std, normals::fill);
                 drawn += real as u64;
             }
             Init::Ones => data.fill(1.0),
@@ -337,17 +338,6 @@ pub fn random_params(cfg: &Gpt2Config, seed: u64, sink: &mut ParamSink) -> Resul
         sink(name, shape, data)?;
     }
     Ok(())
-}
-
-/// Fills `out` with `std` times the normals number `first`, `first + 1`, … of `stream`, in
-/// parallel slices (SplitMix64 is a counter: each slice skips to its start).
-fn normals(stream: &Rng, first: u64, out: &mut [f32], std: f64) {
-    const CHUNK: usize = 1 << 16;
-    out.par_chunks_mut(CHUNK).enumerate().for_each(|(c, out)| {
-        let mut rng = stream.clone();
-        rng.skip(2 * (first + (c * CHUNK) as u64));
-        out.iter_mut().for_each(|x| *x = (std * rng.normal()) as f32);
-    });
 }
 
 /// [`random_params`] as one checkpoint (all parameters in memory).

@@ -10,7 +10,8 @@
 //!   order; [`roofline`]: the device limits they are compared with; [`trace`]: timelines in the
 //!   Chrome trace-event format;
 //! - [`train`]: the training loop and [`schedule`] its learning rate; [`data`], [`tokens`],
-//!   [`checkpoint`], [`params`]: llm.c's token files and checkpoints and the data loader;
+//!   [`checkpoint`], [`params`]: llm.c's token files and checkpoints and the data loader
+//!   ([`normals`]: the random initialization's normals, fast and exact);
 //!   [`savedir`]: checkpoint folders (`model.bin` + [`state`]) for exact resume, written
 //!   through [`atomic`] so that they are never torn; [`host`]: the process's host memory;
 //!   [`tokenizer`], [`sample`]: GPT-2 BPE and sampling; [`corpus`]: the embedded demo corpus;
@@ -31,6 +32,7 @@ pub mod hf_gpt2;
 pub mod host;
 pub mod launches;
 pub mod layout;
+pub mod normals;
 pub mod params;
 pub mod profile;
 pub mod programs;
