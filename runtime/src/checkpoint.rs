@@ -110,8 +110,19 @@ fn pieces(cfg: &Gpt2Config) -> Vec<(String, Vec<usize>, &'static str)> {
     out
 }
 
-/// Receives one graph parameter at a time: its name, shape and values (checkpoint order).
-pub type ParamSink<'a> = dyn FnMut(&str, &[usize], &[f32]) -> Result<(), String> + 'a;
+/// Receives one graph parameter at a time: its name, shape and values (checkpoint order). The
+/// values are a buffer holding exactly the tensor; a sink may take it (e.g. to send it to another
+/// thread) and leave another buffer, which the producer then resizes for the next tensor.
+pub type ParamSink<'a> = dyn FnMut(&str, &[usize], &mut Vec<f32>) -> Result<(), String> + 'a;
+
+/// Makes `buf` hold `n` values: a longer buffer is cut (no fill), a shorter one grown with zeros.
+fn fit(buf: &mut Vec<f32>, n: usize) {
+    if buf.len() >= n {
+        buf.truncate(n)
+    } else {
+        buf.resize(n, 0.0)
+    }
+}
 
 /// Puts the values of one graph parameter, by name and shape, into the buffer it is given
 /// (checkpoint order; one buffer serves every parameter).
@@ -257,19 +268,18 @@ impl Checkpoint {
     }
 }
 
-/// Reads a checkpoint in one sequential pass, one graph parameter at a time (one buffer, as large
-/// as the largest parameter), handing each to `sink` in checkpoint order. Returns the config and
+/// Reads a checkpoint in one sequential pass, one graph parameter at a time (in one buffer
+/// that `sink` may swap), handing each to `sink` in checkpoint order. Returns the config and
 /// the CRC-32 of the whole file.
 pub fn read_params(path: &Path, sink: &mut ParamSink) -> Result<(Gpt2Config, u32), String> {
     let (mut file, h, config, _) = open_checkpoint(path)?;
     let mut crc = crc32fast::Hasher::new();
     crc.update(&h.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>());
-    let parts = pieces(&config);
-    let mut buf = vec![0f32; parts.iter().map(|(_, s, _)| s.iter().product::<usize>()).max().unwrap_or(0)];
-    for (name, shape, _) in &parts {
-        let data = &mut buf[..shape.iter().product::<usize>()];
-        file_error::read_f32s(&mut file, data, &mut crc).map_err(|e| FileError::io(path, &format!("cannot read tensor `{name}`"), &e))?;
-        sink(name, shape, data)?;
+    let mut buf = vec![];
+    for (name, shape, _) in &pieces(&config) {
+        fit(&mut buf, shape.iter().product::<usize>());
+        file_error::read_f32s(&mut file, &mut buf, &mut crc).map_err(|e| FileError::io(path, &format!("cannot read tensor `{name}`"), &e))?;
+        sink(name, shape, &mut buf)?;
     }
     Ok((config, crc.finalize()))
 }
@@ -302,7 +312,7 @@ enum Init {
 }
 
 /// GPT-2-style random initialisation, deterministic per seed, one graph parameter at a time
-/// (checkpoint order, one buffer as large as the largest parameter): `wte`, `wpe`, `qkvw`, `fcw`
+/// (checkpoint order, in one buffer that `sink` may swap): `wte`, `wpe`, `qkvw`, `fcw`
 /// normal with std 0.02; `attprojw`, `fcprojw` std 0.02/√(2L); biases 0; LayerNorm scales 1;
 /// `wte` padding rows (V..Vp) exactly 0. The normals are one SplitMix64 stream (Box-Muller, two
 /// outputs per normal) in checkpoint order, drawn in parallel slices by [`normals::fill`] with
@@ -312,12 +322,12 @@ pub fn random_params(cfg: &Gpt2Config, seed: u64, sink: &mut ParamSink) -> Resul
     cfg.validate()?;
     let stream = Rng::new(seed);
     let proj_std = 0.02 / (2.0 * cfg.layers as f64).sqrt();
-    let parts = pieces(cfg);
-    let mut buf = vec![0f32; parts.iter().map(|(_, s, _)| s.iter().product::<usize>()).max().unwrap_or(0)];
+    let mut buf = vec![];
     // Normals drawn so far: where the next tensor's slice of the stream starts.
     let mut drawn = 0u64;
-    for (name, shape, llmc) in &parts {
-        let data = &mut buf[..shape.iter().product::<usize>()];
+    for (name, shape, llmc) in &pieces(cfg) {
+        fit(&mut buf, shape.iter().product::<usize>());
+        let data = &mut buf[..];
         let init = match *llmc {
             "wte" | "wpe" | "qkvw" | "fcw" => Init::Normal(0.02),
             "attprojw" | "fcprojw" => Init::Normal(proj_std),
@@ -335,7 +345,7 @@ pub fn random_params(cfg: &Gpt2Config, seed: u64, sink: &mut ParamSink) -> Resul
             Init::Ones => data.fill(1.0),
             Init::Zeros => data.fill(0.0),
         }
-        sink(name, shape, data)?;
+        sink(name, shape, &mut buf)?;
     }
     Ok(())
 }
@@ -401,6 +411,16 @@ mod tests {
         assert_eq!(seen, graph_param_names(&cfg));
         assert!(values.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()));
         assert_ne!(random_init(&cfg, 8).unwrap().params, got.params);
+        // A sink that keeps each buffer and leaves one of another length, full of NaN, sees the
+        // same values (the producer resizes what it is left and overwrites every value).
+        let mut kept = vec![];
+        random_params(&cfg, 7, &mut |_, _, d| {
+            let spare = vec![f32::NAN; [0, 7, 100_000][kept.len() % 3]];
+            kept.extend_from_slice(&std::mem::replace(d, spare));
+            Ok(())
+        })
+        .unwrap();
+        assert!(kept.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()) && kept.len() == want.len());
     }
 
     #[test]

@@ -44,6 +44,7 @@ pub fn run(a: RunArgs) -> CliResult {
     if a.target == Target::Cuda {
         // The driver's start-up (and the NVRTC workers') overlaps parsing, initialization and
         // compiling.
+        fusec_codegen_cuda::readahead::start(&["libnvrtc.so", "libnvrtc-builtins.so", "libcuda.so"]);
         fusec_runtime::cuda::start_driver();
         fusec_codegen_cuda::nvrtc::workers::prestart();
     }
@@ -107,7 +108,8 @@ pub fn run(a: RunArgs) -> CliResult {
             (step, Some(first))
         }
         None => {
-            params.ok_or("internal: no parameters prepared")?.load(ex, run.step()?)?;
+            let (_, times) = params.ok_or("internal: no parameters prepared")?.load(ex, run.step()?)?;
+            built.summary.push(("parameters".into(), times.row()));
             (0, None)
         }
     };

@@ -111,10 +111,11 @@ impl Summary<'_> {
         }
         if let Some(peak) = fusec_runtime::host::peak_rss_bytes() {
             let ratio = peak as f64 / self.param_bytes.max(1) as f64;
-            rows.push((
-                "host memory".into(),
-                format!("peak {} resident = {ratio:.2}x the {} of f32 parameters", mib(peak), mib(self.param_bytes)),
-            ));
+            let mut what = format!("peak {} resident = {ratio:.2}x the {} of f32 parameters", mib(peak), mib(self.param_bytes));
+            if let Some((anon, file)) = fusec_runtime::host::rss_split_bytes() {
+                what += &format!("; now {} of the process's own + {} of mapped files (libraries)", mib(anon), mib(file));
+            }
+            rows.push(("host memory".into(), what));
         }
         rows.push(("phases".into(), self.phases.row(wall)));
         rows
