@@ -278,7 +278,8 @@ pub fn read_params(path: &Path, sink: &mut ParamSink) -> Result<(Gpt2Config, u32
     let mut buf = vec![];
     for (name, shape, _) in &pieces(&config) {
         fit(&mut buf, shape.iter().product::<usize>());
-        file_error::read_f32s(&mut file, &mut buf, &mut crc).map_err(|e| FileError::io(path, &format!("cannot read tensor `{name}`"), &e))?;
+        file_error::read_f32s(&mut file, &mut buf, &mut crc)
+            .map_err(|e| FileError::io(path, &format!("cannot read tensor `{name}`"), &e))?;
         sink(name, shape, &mut buf)?;
     }
     Ok((config, crc.finalize()))
