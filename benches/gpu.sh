@@ -84,7 +84,7 @@ for v in "bf16 none" "bf16 gelu" "bf16 gelu+layernorm" "bf16+residual gelu" "bf1
   grep -E "peak memory" "$OUTDIR/fusec_$tag.txt" | sed "s/^/$tag: /"
   "$BIN" dump models/gpt2-124m.graph --pass memplan --precision "$1" --recompute "$2" --batch 16 --seq 1024 | grep "#   total" | sed "s/^/$tag plan: /"
 done
-"$BIN" run models/gpt2-124m.graph --target cuda --precision bf16 --recompute ${BF16_RECOMPUTE:-gelu+layernorm} --batch 16 --seq 1024 \
+"$BIN" run models/gpt2-124m.graph --target cuda --precision bf16 --recompute ${BF16_RECOMPUTE:-gelu} --batch 16 --seq 1024 \
   --steps 10 --val-every 1000000 --profile --profile-json "$OUTDIR/profile_bf16.json" > "$OUTDIR/fusec_bf16_profile.txt"
 sed -n '/profile/,$p' "$OUTDIR/fusec_bf16_profile.txt" | head -60
 
@@ -119,7 +119,7 @@ EOF2
 if [ -n "${BIG:-}" ]; then
   echo "== 4. GPT-2 1.5B (d48) B=8 T=1024: fusec bf16 vs torch.compile bf16, 10 steps"
   "$BIN" export gpt2 --preset d48 -o "$OUTDIR/d48.graph"
-  "$BIN" run "$OUTDIR/d48.graph" --target cuda --precision bf16 --recompute ${BF16_RECOMPUTE:-gelu+layernorm} --batch 8 --seq 1024 \
+  "$BIN" run "$OUTDIR/d48.graph" --target cuda --precision bf16 --recompute ${BF16_RECOMPUTE:-gelu} --batch 8 --seq 1024 \
     --steps 10 --val-every 1000000 --log-json "$OUTDIR/fusec_d48.jsonl" | grep -E "step time|throughput|peak memory|compile"
   python3 "$TORCH" --layers 48 --heads 25 --channels 1600 --batch 8 --seq 1024 --steps 10 --modes compile-bf16 | tee "$OUTDIR/torch_d48.jsonl"
 fi

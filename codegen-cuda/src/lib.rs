@@ -35,7 +35,6 @@
 //!   on-disk cache keyed by SHA-256 of (source, options, architecture, NVRTC version, fusec
 //!   version).
 //! - [`gemm`]: `y = op(a) op(b)` on row-major buffers as a column-major cuBLAS call.
-//! - [`readahead`]: the CUDA libraries read into the page cache at start-up.
 
 mod emit;
 pub mod flash;
@@ -44,7 +43,6 @@ pub mod native;
 pub mod nvrtc;
 mod plan;
 pub mod prelude;
-pub mod readahead;
 
 use std::fmt::Write;
 

@@ -95,7 +95,7 @@ pub struct RunArgs {
     pub precision: Precision,
     /// What the backward recomputes instead of storing: `none`, `gelu` (GELU outputs: less
     /// memory, one more elementwise kernel per layer) or `gelu+layernorm` (also LayerNorm outputs).
-    /// Default: `none` in fp32, `gelu+layernorm` in bf16 (chosen by measurement, see the README).
+    /// Default: `none` in fp32, `gelu` in bf16 (chosen by measurement, see the README).
     #[arg(long, value_parser = recompute_parser())]
     pub recompute: Option<Recompute>,
     /// Exact fp32 matmuls on CUDA (default: TF32 tensor cores, as PyTorch allows).

@@ -44,7 +44,6 @@ pub fn run(a: RunArgs) -> CliResult {
     if a.target == Target::Cuda {
         // The driver's start-up (and the NVRTC workers') overlaps parsing, initialization and
         // compiling.
-        fusec_codegen_cuda::readahead::start(&["libnvrtc.so", "libnvrtc-builtins.so", "libcuda.so"]);
         fusec_runtime::cuda::start_driver();
         fusec_codegen_cuda::nvrtc::workers::prestart();
     }
