@@ -12,7 +12,8 @@
 //!   order before writing one partial per column and chunk.
 //! - [`Mapping::Rows`] (row reductions, with or without column reductions: LayerNorm, softmax,
 //!   cross-entropy, their gradients): a *team* of threads per row — one warp for rows up to
-//!   4096 columns, else a block of 256 (1024 when there are few rows) — making one pass over
+//!   4096 columns (1024 with column reductions), else a block of 256 (1024 when there are few
+//!   rows) — making one pass over
 //!   the row's columns per reduction level, as in the CPU backend's plan, with team reductions
 //!   between passes. With column reductions a fixed number of teams walk the rows (team `t`
 //!   takes rows `t, t + teams, ...`) and keep column partials per team.
@@ -34,6 +35,9 @@ use fusec_ir::rows::{liveness, Expr, Liveness, NodeId, Prog};
 pub(crate) const BLOCK: u32 = 256;
 /// Row-kernel teams when the program has column reductions (each keeps its own partials).
 pub(crate) const MAX_TEAMS: u64 = 2048;
+/// Row-kernel teams of a block or more when the program has column reductions: about one wave
+/// of 256-thread blocks on an H100 (132 SMs, four blocks each), each writing one partial set.
+pub(crate) const MAX_BLOCK_TEAMS: u64 = 512;
 /// Column-kernel blocks: `COL_BX` threads along the columns (`W` columns each) by `COL_BY`
 /// row slices.
 pub(crate) const COL_BX: u32 = 32;
@@ -116,7 +120,12 @@ pub(crate) fn plan(p: &Prog) -> Plan {
     } else if rowreds.is_empty() && row_colreds.is_empty() && row_stores.is_empty() {
         Mapping::Cols { chunks: (rows / (ROWS_PER_THREAD * COL_BY as u64)).clamp(1, MAX_CHUNKS) }
     } else {
-        let team: u32 = if cols <= 4096 {
+        // A warp keeps at most MAX_REG_PARTIALS column partials a lane in registers or shared
+        // memory; wider rows with column reductions get a block per row instead of per-warp
+        // partials in global memory (the LayerNorm gradient at C = 1600: 0.418 ms, 17% of the
+        // bandwidth on the H100).
+        let warp_partials_fit = col_colreds.is_empty() || cols.div_ceil(32) <= MAX_REG_PARTIALS;
+        let team: u32 = if cols <= 4096 && warp_partials_fit {
             32
         } else if rows >= 256 {
             256
@@ -124,7 +133,11 @@ pub(crate) fn plan(p: &Prog) -> Plan {
             1024
         };
         let tpb = (BLOCK / team).max(1);
-        let teams = if colreds.is_empty() { rows } else { rows.min(MAX_TEAMS) };
+        let teams = match (colreds.is_empty(), team) {
+            (true, _) => rows,
+            (false, 32) => rows.min(MAX_TEAMS),
+            (false, _) => rows.min(MAX_BLOCK_TEAMS),
+        };
         Mapping::Rows { team, tpb, teams: teams.max(1) }
     };
     // The LayerNorm gradient's three sums took 72 registers a thread in registers (occupancy
@@ -133,8 +146,10 @@ pub(crate) fn plan(p: &Prog) -> Plan {
     let smem_partials = match mapping {
         Mapping::Rows { team: 32, tpb, teams } => {
             let k_count = cols.div_ceil(32);
+            // The slots of 8-wide passes whose last step runs past the row (`emit/rows.rs`).
+            let k_slots = k_count.max(cols.div_ceil(256) * 8);
             let col_parts = col_colreds.len() as u64;
-            let bytes = col_parts * k_count * 32 * tpb as u64 * 4;
+            let bytes = col_parts * k_slots * 32 * tpb as u64 * 4;
             k_count <= MAX_REG_PARTIALS
                 && col_parts * k_count > MAX_REG_PARTIALS
                 && bytes <= STAGE_MAX_BYTES

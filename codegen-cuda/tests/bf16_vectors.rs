@@ -125,17 +125,28 @@ fn bf16_row_loops_move_eight_or_four_columns_a_thread() {
     assert!(s.contains("scratch[0 + blockIdx.x * 768ll + c] = a;"), "{s}");
     assert!(!s.contains("bf16_to_f32(in") && !s.contains("out0[r * 768 + c] = f32_to_bf16"), "no scalar bf16 access:\n{s}");
 
-    // 384 columns: register partials 4 wide (384 is not a multiple of 8 x 32), the output
-    // pass (no column reductions) 8 wide.
+    // 384 columns: register partials 8 wide in two unrolled steps, the second only for the
+    // lanes it does not take past the row (16 slots a reduction, 12 used); the output pass too.
     let s = body(&layernorm_grad_bf16(64, 384).source);
-    assert!(s.contains("const int c = c0 + j, k = k4 * 4 + j;") && s.contains("q0 = *(const uint2*)&in0[r * 384 + c];"), "{s}");
-    assert!(s.contains("for (int c0 = lane * 8; c0 < 384; c0 += 256) {") && s.contains("st_b32x4(&out0[r * 384 + c], w"), "{s}");
-    assert!(s.contains("const int c = (lane + (k / 4) * 32) * 4 + k % 4;"), "{s}");
+    assert!(s.contains("float p20[16];") && s.contains("const int c = c0 + j, k = k4 * 8 + j;"), "{s}");
+    let two_steps = "for (int k4 = 0; k4 < 2; ++k4) {\n      const int c0 = (lane + k4 * 32) * 8;\n      if (c0 < 384) {";
+    assert_eq!(s.matches(two_steps).count(), 2, "{s}");
+    assert!(s.contains("q0 = *(const uint4*)&in0[r * 384 + c];") && s.contains("st_b32x4(&out0[r * 384 + c], w"), "{s}");
+    assert!(s.contains("const int c = (lane + (k / 8) * 32) * 8 + k % 8;\n    if (c < 384)"), "{s}");
 
-    // 36 columns: 4 wide (8-byte `uint2`) where no register layout is needed, else scalar.
+    // 36 columns: 4 wide (8-byte `uint2`), one guarded step.
     let s = body(&layernorm_grad_bf16(64, 36).source);
-    assert!(s.contains("for (int c0 = lane * 4; c0 < 36; c0 += 128) {") && s.contains("st_b32x2(&out0[r * 36 + c], w"), "{s}");
-    assert!(!s.contains("uint4") && s.contains("bf16_to_f32(in0[r * 36 + c])"), "{s}");
+    assert!(s.contains("const int c0 = (lane + k4 * 32) * 4;\n      if (c0 < 36) {") && s.contains("st_b32x2(&out0[r * 36 + c], w"), "{s}");
+    assert!(!s.contains("uint4") && s.contains("q0 = *(const uint2*)&in0[r * 36 + c];"), "{s}");
+
+    // 1,600 columns (GPT-2 1.5B): per-warp partials would not fit registers or shared memory,
+    // so a block of 256 takes a row, 8 columns a thread, 8 register partials a reduction, and
+    // 512 blocks walk the rows.
+    let s = body(&layernorm_grad_bf16(1024, 1600).source);
+    assert!(s.contains("const int lane = threadIdx.x % 256;") && s.contains("if (team >= 512) return;"), "{s}");
+    assert!(s.contains("float p20[8];") && s.contains("team_sum<256>"), "{s}");
+    assert!(s.contains("const int c0 = (lane + k4 * 256) * 8;\n      if (c0 < 1600) {"), "{s}");
+    assert!(!s.contains("p20[c] = "), "no partials in global memory:\n{s}");
 
     // 30 columns: scalar accesses only.
     let s = layernorm_grad_bf16(64, 30).source;

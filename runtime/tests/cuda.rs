@@ -235,6 +235,33 @@ fn flash_attention_and_cublaslt_epilogues_match_the_cpu_for_several_head_sizes()
     }
 }
 
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --ignored on the device"]
+fn rows_wider_than_a_warp_can_keep_column_partials_for_match_the_cpu() {
+    // Rows of 1,600 and 1,040 columns (GPT-2 1.5B's width; neither a multiple of 256): the
+    // LayerNorm gradient's column sums go to block-wide teams with tail-guarded 8-wide steps,
+    // the LayerNorm forward's unrolled steps end past the row. 256 rows: block-wide teams.
+    for (heads, channels) in [(25, 1600), (26, 1040)] {
+        let cfg = Gpt2Config { layers: 1, heads, channels, vocab: 256, padded_vocab: 256, max_seq: 64 };
+        let (b, t) = (4, 64);
+        let fwd = build_gpt2(&cfg, "wide_rows");
+        for precision in [fusec_passes::amp::Precision::F32, fusec_passes::amp::Precision::Bf16] {
+            let run = programs_with(&fwd, b, t, &PipelineOptions { precision, ..PipelineOptions::default() });
+            let step = run.step().unwrap();
+            let (mut cpu, _) = CpuExecutor::new(&run, 2, false).unwrap();
+            let (want_loss, want) = loss_and_grads(&mut cpu, &fwd, step, &cfg, b, t);
+            let (mut gpu, _) = CudaExecutor::new(&run, &cuda(false, false)).unwrap_or_else(|e| panic!("{e}"));
+            let (loss, got) = loss_and_grads(&mut gpu, &fwd, step, &cfg, b, t);
+            let (err, name) = worst_grad_error(&got, &want);
+            eprintln!("C = {channels}, {precision:?}: loss {loss} vs cpu {want_loss}, worst gradient relative L2 {err:e} ({name})");
+            // fp32 without TF32: summation order only; bf16: a rounding may fall the other way.
+            let (loss_tol, grad_tol) = if precision.is_bf16() { (1e-3, 2e-2) } else { (1e-5, 1e-4) };
+            assert!((loss - want_loss).abs() <= loss_tol * want_loss.abs(), "C = {channels}, {precision:?}: loss {loss} vs {want_loss}");
+            assert!(err <= grad_tol, "C = {channels}, {precision:?}: gradient of {name}: relative L2 error {err:e}");
+        }
+    }
+}
+
 /// The llm.c reference folder: `../shared/refs/llmc-odd` beside the repository, or
 /// `.dev/refs/llmc-odd` inside it (the device copy), or `$FUSEC_LLMC_REFS`.
 fn llmc_odd() -> Option<PathBuf> {

@@ -33,7 +33,7 @@ impl Seg<'_> {
             plan.colreds.iter().map(|&c| arg(p, c)).chain(plan.elem_stores.iter().map(|&s| p.stores[s].value)).collect();
         let in_loop = |id: NodeId| live[id as usize] && matches!(region(p, id), Region::Col | Region::Row);
         let all = self.needed(roots, in_loop);
-        let w = self.width(&all, plan.elem_stores.iter().map(|&s| &p.stores[s]), 1);
+        let w = self.width(&all, plan.elem_stores.iter().map(|&s| &p.stores[s]));
         (all, w)
     }
 

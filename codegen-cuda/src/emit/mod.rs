@@ -296,7 +296,7 @@ impl Seg<'_> {
     pub fn flat_width(&self) -> u32 {
         let stores = self.plan.elem_stores.iter().map(|&s| &self.p.stores[s]);
         let live: Vec<NodeId> = (0..self.p.nodes.len() as NodeId).filter(|&i| self.plan.main_live[i as usize]).collect();
-        self.width(&live, stores, 1)
+        self.width(&live, stores)
     }
 
     /// The flat body: element `i` of this segment is thread `threadIdx.x` of block

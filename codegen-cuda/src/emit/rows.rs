@@ -65,7 +65,14 @@ impl Seg<'_> {
         // Where each column reduction's shared-memory partials start.
         let mut smem_base: Vec<(NodeId, u64)> = vec![];
         // Each pass's per-column code, worked out once for staging and for emission.
-        let codes: Vec<(Vec<NodeId>, u32, bool)> = plan.passes.iter().map(|pass| self.pass_code(pass, team, reg)).collect();
+        let codes: Vec<(Vec<NodeId>, u32, bool)> = plan.passes.iter().map(|pass| self.pass_code(pass, reg)).collect();
+        // Partial slots a thread keeps per column reduction: one per column it visits, or more
+        // where a wide pass's last vector step runs past the row (those stay unused).
+        let k_slots = codes
+            .iter()
+            .filter(|(_, w, unrolled)| *unrolled && *w > 1)
+            .map(|(_, w, _)| cols.div_ceil(team as u64 * *w as u64) * *w as u64)
+            .fold(k_count, u64::max);
         let staged = self.stage_plan(tpb, &codes);
         if in_smem || !staged.is_empty() {
             let _ = writeln!(out, "  extern __shared__ __align__(16) unsigned char stage[];");
@@ -75,14 +82,14 @@ impl Seg<'_> {
             let op = op_of(&p.node(c).expr);
             if !plan.row_colreds.contains(&c) && reg {
                 if in_smem {
-                    let per_warp = k_count * team as u64;
+                    let per_warp = k_slots * team as u64;
                     smem_base.push((c, shared));
                     let _ = writeln!(out, "  float* p{c} = (float*)(stage + {shared}) + (threadIdx.x / 32) * {per_warp} + lane;");
                     shared += per_warp * tpb as u64 * 4;
                 } else {
-                    let _ = writeln!(out, "  float p{c}[{k_count}];");
+                    let _ = writeln!(out, "  float p{c}[{k_slots}];");
                 }
-                let _ = writeln!(out, "#pragma unroll\n  for (int k = 0; k < {k_count}; ++k) {} = {};", part(c), red_init(op));
+                let _ = writeln!(out, "#pragma unroll\n  for (int k = 0; k < {k_slots}; ++k) {} = {};", part(c), red_init(op));
             } else if !plan.row_colreds.contains(&c) {
                 let _ = writeln!(out, "  float* p{c} = scratch + {} + team * {cols};", self.scratch_of(c));
                 let _ = writeln!(out, "  for (int c = lane; c < {cols}; c += {team}) p{c}[c] = {};", red_init(op));
@@ -136,19 +143,29 @@ impl Seg<'_> {
                     }
                 }
                 *self.stage.borrow_mut() = stage;
+                // Vector steps of the team over the row; in an unrolled wide pass the last one
+                // may start past the row's end.
+                let steps = cols.div_ceil(team as u64 * w as u64);
+                let past_end = wide && (unrolled || steps <= MAX_UNROLL) && steps * (team * w) as u64 > cols;
                 if wide && unrolled {
-                    let _ = writeln!(out, "#pragma unroll\n    for (int k4 = 0; k4 < {}; ++k4) {{", k_count / w as u64);
+                    let _ = writeln!(out, "#pragma unroll\n    for (int k4 = 0; k4 < {}; ++k4) {{", k_slots / w as u64);
                     let _ = writeln!(out, "      const int c0 = (lane + k4 * {team}) * {w};");
+                    if past_end {
+                        let _ = writeln!(out, "      if (c0 < {cols}) {{");
+                    }
                     self.vector_io(out, COLS, body, stores(), w, true)?;
                     let _ = writeln!(
                         out,
                         "#pragma unroll\n      for (int j = 0; j < {w}; ++j) {{\n      const int c = c0 + j, k = k4 * {w} + j;"
                     );
-                } else if wide && cols.is_multiple_of((team * w) as u64) && cols / ((team * w) as u64) <= MAX_UNROLL {
+                } else if wide && steps <= MAX_UNROLL {
                     // A few vector steps a thread: unrolled, so that all their loads are in
                     // flight at once (LayerNorm forward 0.062 -> 0.056 ms on the H100).
-                    let _ = writeln!(out, "#pragma unroll\n    for (int k4 = 0; k4 < {}; ++k4) {{", cols / (team * w) as u64);
+                    let _ = writeln!(out, "#pragma unroll\n    for (int k4 = 0; k4 < {steps}; ++k4) {{");
                     let _ = writeln!(out, "      const int c0 = (lane + k4 * {team}) * {w};");
+                    if past_end {
+                        let _ = writeln!(out, "      if (c0 < {cols}) {{");
+                    }
                     self.vector_io(out, COLS, body, stores(), w, true)?;
                     let _ = writeln!(out, "#pragma unroll\n      for (int j = 0; j < {w}; ++j) {{\n      const int c = c0 + j;");
                 } else if wide {
@@ -181,6 +198,9 @@ impl Seg<'_> {
                     let _ = writeln!(out, "      }}");
                     self.vector_io(out, COLS, body, stores(), w, false)?;
                 }
+                if past_end {
+                    let _ = writeln!(out, "      }}");
+                }
                 let _ = writeln!(out, "    }}");
                 self.stage.borrow_mut().clear();
                 for &rr in &pass.rowreds {
@@ -207,7 +227,7 @@ impl Seg<'_> {
         let width_of = |c: NodeId| reg_width.iter().find(|&&(n, _)| n == c).map_or(1, |&(_, w)| w);
         if in_smem {
             // The block sums its warps' partials (in warp order) and writes one set.
-            let per_warp = k_count * team as u64;
+            let per_warp = k_slots * team as u64;
             let _ = writeln!(out, "  __syncthreads();");
             let _ = writeln!(out, "  for (int i = threadIdx.x; i < {per_warp}; i += {}) {{", tpb * team);
             for &(c, base) in &smem_base {
@@ -228,7 +248,7 @@ impl Seg<'_> {
             if plan.row_colreds.contains(&c) {
                 let _ = writeln!(out, "  if (lane == 0) scratch[{off} + team] = p{c};");
             } else if reg {
-                let _ = writeln!(out, "#pragma unroll\n  for (int k = 0; k < {k_count}; ++k) {{");
+                let _ = writeln!(out, "#pragma unroll\n  for (int k = 0; k < {k_slots}; ++k) {{");
                 let w = width_of(c);
                 if w > 1 {
                     let _ = writeln!(out, "    const int c = (lane + (k / {w}) * {team}) * {w} + k % {w};");
@@ -243,14 +263,15 @@ impl Seg<'_> {
 
     /// A row pass's per-column code: the nodes it computes, its width (see `width`) and
     /// whether its column loop is unrolled over register partials.
-    fn pass_code(&self, pass: &Pass, team: u32, reg: bool) -> (Vec<NodeId>, u32, bool) {
+    fn pass_code(&self, pass: &Pass, reg: bool) -> (Vec<NodeId>, u32, bool) {
         let (p, live) = (self.p, &self.plan.main_live);
         let unrolled = reg && !pass.colreds.is_empty();
         let roots: Vec<NodeId> =
             pass.rowreds.iter().chain(&pass.colreds).map(|&r| arg(p, r)).chain(pass.stores.iter().map(|&s| p.stores[s].value)).collect();
         let body = self.needed(roots, |id| live[id as usize] && region(p, id) == Region::Col);
         let stores = pass.stores.iter().map(|&s| &p.stores[s]);
-        let w = self.width(&body, stores, if unrolled { team as u64 } else { 1 });
+        // An unrolled pass's last vector step may run past the row (guarded where emitted).
+        let w = self.width(&body, stores);
         (body, w, unrolled)
     }
 
@@ -296,10 +317,10 @@ impl Seg<'_> {
         staged
     }
 
-    /// The columns a thread takes at a time in a column loop over `body` and `stores` whose
-    /// threads step by `unit` wide groups (the team, or 1): 8 when a bf16 view is among the
-    /// vectorizable ones and all of them allow it, else 4, else 1 (a scalar loop).
-    pub(super) fn width<'s>(&self, body: &[NodeId], stores: impl Iterator<Item = &'s Store>, unit: u64) -> u32 {
+    /// The columns a thread takes at a time in a column loop over `body` and `stores`: 8 when a
+    /// bf16 view is among the vectorizable ones, all of them allow it and the row is a multiple
+    /// of 8, else 4 where the row is a multiple of 4, else 1 (a scalar loop).
+    pub(super) fn width<'s>(&self, body: &[NodeId], stores: impl Iterator<Item = &'s Store>) -> u32 {
         let cols = self.p.cols;
         let loads = body.iter().filter_map(|&id| match &self.p.node(id).expr {
             Expr::Load(v) => Some(v),
@@ -307,9 +328,9 @@ impl Seg<'_> {
         });
         let views: Vec<&View> = loads.chain(stores.map(|s| &s.view)).filter(|v| vectorizable(v, 4)).collect();
         let eight = views.iter().any(|v| v.mem == Mem::Bf16) && views.iter().all(|v| vectorizable(v, 8));
-        if eight && cols.is_multiple_of(8 * unit) {
+        if eight && cols.is_multiple_of(8) {
             8
-        } else if cols.is_multiple_of(4 * unit) {
+        } else if cols.is_multiple_of(4) {
             4
         } else {
             1
