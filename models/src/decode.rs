@@ -54,6 +54,11 @@ pub fn decoder_graph(cfg: &Gpt2Config, new: usize) -> Result<Graph, String> {
     if new == 0 || new > cfg.max_seq {
         return Err(format!("a decoder step takes 1..={} new positions, not {new}", cfg.max_seq));
     }
+    // Gather rows are computed in f32: exact below 2^24.
+    let rows = cfg.max_seq.checked_mul(3 * cfg.heads).filter(|&r| r < 1 << 24);
+    if rows.is_none() {
+        return Err(format!("a decoder needs 3 x max_seq x heads below 2^24 (f32 indices); {cfg} has more"));
+    }
     let mut d = Decoder { b: Builder { g: Graph::new(&format!("gpt2_decode_{new}"), &[]) }, cfg: *cfg, s: new as u64 };
     let p = d.b.params(cfg);
     let tokens = d.b.input(decoder_tokens_input(new), DType::I32, Shape::lits(&[d.s]).dims());
