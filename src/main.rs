@@ -9,8 +9,10 @@ mod cmd_import;
 mod cmd_plot;
 mod cmd_prepare;
 mod cmd_run;
+mod cmd_sample;
 mod report;
 mod sample;
+mod token_stream;
 
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
@@ -31,6 +33,8 @@ enum Command {
     Export(cmd_export::ExportArgs),
     /// Evaluate or train a graph on a target.
     Run(Box<cmd_run::RunArgs>),
+    /// Generate text from a checkpoint with the compiled key/value-cache decoder, streamed.
+    Sample(cmd_sample::SampleArgs),
     /// Tokenize text with GPT-2 BPE into llm.c token files (train and val).
     Prepare(cmd_prepare::PrepareArgs),
     /// Draw the loss curves of `run --log-json` logs as SVG or PNG.
@@ -56,6 +60,7 @@ fn main() -> ExitCode {
         Command::Dump(a) => cmd_dump::dump(a),
         Command::Export(a) => cmd_export::export(a),
         Command::Run(a) => cmd_run::run(*a),
+        Command::Sample(a) => cmd_sample::sample(a),
         Command::Prepare(a) => cmd_prepare::prepare(a),
         Command::Plot(a) => cmd_plot::plot(a),
         Command::Import(a) => cmd_import::import(a),

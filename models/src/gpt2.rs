@@ -44,40 +44,41 @@ pub fn build_gpt2(cfg: &Gpt2Config, name: &str) -> Graph {
     b.g
 }
 
-fn sym(s: &str) -> Dim {
+pub(crate) fn sym(s: &str) -> Dim {
     Dim::sym(s)
 }
 
-fn shape(d: &[Dim]) -> Shape {
+pub(crate) fn shape(d: &[Dim]) -> Shape {
     Shape(d.iter().cloned().collect())
 }
 
 /// Parameter values of the whole model.
-struct Params {
-    wte: ValueId,
-    wpe: ValueId,
-    ln1w: Vec<ValueId>,
-    ln1b: Vec<ValueId>,
-    qkvw: Vec<ValueId>,
-    qkvb: Vec<ValueId>,
-    attprojw: Vec<ValueId>,
-    attprojb: Vec<ValueId>,
-    ln2w: Vec<ValueId>,
-    ln2b: Vec<ValueId>,
-    fcw: Vec<ValueId>,
-    fcb: Vec<ValueId>,
-    fcprojw: Vec<ValueId>,
-    fcprojb: Vec<ValueId>,
-    lnfw: ValueId,
-    lnfb: ValueId,
+pub(crate) struct Params {
+    pub(crate) wte: ValueId,
+    pub(crate) wpe: ValueId,
+    pub(crate) ln1w: Vec<ValueId>,
+    pub(crate) ln1b: Vec<ValueId>,
+    pub(crate) qkvw: Vec<ValueId>,
+    pub(crate) qkvb: Vec<ValueId>,
+    pub(crate) attprojw: Vec<ValueId>,
+    pub(crate) attprojb: Vec<ValueId>,
+    pub(crate) ln2w: Vec<ValueId>,
+    pub(crate) ln2b: Vec<ValueId>,
+    pub(crate) fcw: Vec<ValueId>,
+    pub(crate) fcb: Vec<ValueId>,
+    pub(crate) fcprojw: Vec<ValueId>,
+    pub(crate) fcprojb: Vec<ValueId>,
+    pub(crate) lnfw: ValueId,
+    pub(crate) lnfb: ValueId,
 }
 
-struct Builder {
-    g: Graph,
+/// Adds GPT-2's pieces to a graph (shared with the decoder builder).
+pub(crate) struct Builder {
+    pub(crate) g: Graph,
 }
 
 impl Builder {
-    fn params(&mut self, cfg: &Gpt2Config) -> Params {
+    pub(crate) fn params(&mut self, cfg: &Gpt2Config) -> Params {
         let (c, l) = (cfg.channels as u64, cfg.layers);
         let per_layer =
             |b: &mut Builder, name: &str, dims: &[u64]| -> Vec<ValueId> { (0..l).map(|i| b.param(&format!("{name}.{i}"), dims)).collect() };
@@ -103,43 +104,43 @@ impl Builder {
         }
     }
 
-    fn param(&mut self, name: &str, dims: &[u64]) -> ValueId {
+    pub(crate) fn param(&mut self, name: &str, dims: &[u64]) -> ValueId {
         let ty = Type::new(DType::F32, Shape::lits(dims));
         self.g.add1(Op::Param { name: name.to_string(), ty }, &[])
     }
 
-    fn input(&mut self, name: &str, dtype: DType, dims: &[Dim]) -> ValueId {
+    pub(crate) fn input(&mut self, name: &str, dtype: DType, dims: &[Dim]) -> ValueId {
         self.g.add1(Op::Input { name: name.to_string(), ty: Type::new(dtype, shape(dims)) }, &[])
     }
 
-    fn bin(&mut self, op: BinaryOp, a: ValueId, b: ValueId) -> ValueId {
+    pub(crate) fn bin(&mut self, op: BinaryOp, a: ValueId, b: ValueId) -> ValueId {
         self.g.add1(Op::Binary(op), &[a, b])
     }
 
-    fn un(&mut self, op: UnaryOp, a: ValueId) -> ValueId {
+    pub(crate) fn un(&mut self, op: UnaryOp, a: ValueId) -> ValueId {
         self.g.add1(Op::Unary(op), &[a])
     }
 
     /// A constant splat with the shape and dtype of `like`.
-    fn splat(&mut self, value: f64, like: ValueId) -> ValueId {
+    pub(crate) fn splat(&mut self, value: f64, like: ValueId) -> ValueId {
         let ty = self.g.ty(like).clone();
         self.g.add1(Op::Const { value, ty }, &[])
     }
 
     /// Broadcasts `x` (whose dims are the leading or trailing dims of `like`) to `like`'s shape.
-    fn broadcast_to(&mut self, x: ValueId, like: ValueId, leading: bool) -> ValueId {
+    pub(crate) fn broadcast_to(&mut self, x: ValueId, like: ValueId, leading: bool) -> ValueId {
         let to = self.g.ty(like).shape.clone();
         let n = self.g.ty(x).shape.rank();
         let dims = if leading { (0..n).collect() } else { (to.rank() - n..to.rank()).collect() };
         self.g.add1(Op::Broadcast { dims, shape: to }, &[x])
     }
 
-    fn reduce(&mut self, op: ReduceOp, x: ValueId, axes: Vec<usize>) -> ValueId {
+    pub(crate) fn reduce(&mut self, op: ReduceOp, x: ValueId, axes: Vec<usize>) -> ValueId {
         self.g.add1(Op::Reduce { op, axes }, &[x])
     }
 
     /// Mean over the last axis of width `n`, kept as a tensor without that axis.
-    fn mean_last(&mut self, x: ValueId, n: u64) -> ValueId {
+    pub(crate) fn mean_last(&mut self, x: ValueId, n: u64) -> ValueId {
         let last = self.g.ty(x).shape.rank() - 1;
         let sum = self.reduce(ReduceOp::Sum, x, vec![last]);
         let inv = self.splat(1.0 / n as f64, sum);
@@ -147,7 +148,7 @@ impl Builder {
     }
 
     /// LayerNorm over the last axis from primitives: mean, biased variance, rsqrt, scale, shift.
-    fn layernorm(&mut self, x: ValueId, w: ValueId, b: ValueId, c: u64) -> ValueId {
+    pub(crate) fn layernorm(&mut self, x: ValueId, w: ValueId, b: ValueId, c: u64) -> ValueId {
         let mean = self.mean_last(x, c);
         let mean_b = self.broadcast_to(mean, x, true);
         let xc = self.bin(BinaryOp::Sub, x, mean_b);
@@ -165,7 +166,7 @@ impl Builder {
     }
 
     /// `x @ w^T + b` with `w: [out, in]` (PyTorch `nn.Linear`).
-    fn linear(&mut self, x: ValueId, w: ValueId, b: ValueId) -> ValueId {
+    pub(crate) fn linear(&mut self, x: ValueId, w: ValueId, b: ValueId) -> ValueId {
         let y = self.g.add1(Op::MatMul { trans_a: false, trans_b: true }, &[x, w]);
         let b_b = self.broadcast_to(b, y, false);
         self.bin(BinaryOp::Add, y, b_b)

@@ -203,21 +203,27 @@ pub struct LaunchPlan<'g> {
     pub programs: Vec<(Program, Vec<Launch<'g>>, ProgramIo)>,
     /// Type and concrete shape of every parameter and input, by name.
     pub tensors: HashMap<String, (DType, Vec<usize>)>,
-    /// The Step program's memory plan (for summaries).
+    /// The Step program's memory plan (for summaries; the first program's in a run without Step).
     pub step_plan: MemPlan,
 }
 
 impl<'g> LaunchPlan<'g> {
-    /// Plans memory for every program (the Step program's persistent regions are shared) and
-    /// lists their launches.
+    /// Plans memory for every program (the Step program's persistent regions are shared, or the
+    /// first program's in a run without Step) and lists their launches.
     pub fn new(run: &'g RunPrograms) -> Result<LaunchPlan<'g>, String> {
         let bind = &run.bind;
         let mut plans = vec![];
         for (p, g) in run.in_order() {
             plans.push((p, g, memplan(g, bind, &MemplanOptions::default()).map_err(|e| format!("memory plan of {p:?}: {e}"))?));
         }
-        let (_, step, step_plan) = plans.iter().find(|(p, _, _)| *p == Program::Step).ok_or("the programs of a run must include Step")?;
-        let layout = SharedLayout::new(step, step_plan);
+        // The Step program's persistent tensors are laid out first (a run without one, such
+        // as the decoder's, starts from its first program), then any another program adds.
+        let first = plans.iter().position(|(p, _, _)| *p == Program::Step).unwrap_or(0);
+        let (_, main, main_plan) = plans.get(first).ok_or("a run needs at least one program")?;
+        let mut layout = SharedLayout::new(main, main_plan);
+        for (p, g, plan) in &plans {
+            layout.add_missing(g, plan).map_err(|e| format!("{p:?} program: {e}"))?;
+        }
         let arena = plans.iter().map(|(_, _, plan)| plan.arena_bytes).max().unwrap_or(0);
         let planned_bytes = layout.persistent_bytes.checked_add(arena).ok_or("the memory plan overflows 64 bits")?;
         let mut programs = vec![];
@@ -237,7 +243,7 @@ impl<'g> LaunchPlan<'g> {
             }
             programs.push((*p, launches, io));
         }
-        let step_plan = plans.into_iter().find(|(p, _, _)| *p == Program::Step).map(|(_, _, plan)| plan).ok_or("no Step program")?;
+        let step_plan = plans.into_iter().nth(first).map(|(_, _, plan)| plan).ok_or("no program")?;
         Ok(LaunchPlan { layout, planned_bytes, programs, tensors, step_plan })
     }
 }

@@ -1,6 +1,7 @@
 //! Runs the programs of a run and everything around them.
 //!
-//! - [`programs`]: the programs a training run needs (Eval, Grad, Step, Logits), compiled once
+//! - [`programs`]: the programs a training run needs (Eval, Grad, Step, Logits) or the
+//!   decoder's (Prefill, Decode), compiled once
 //!   through the pass pipeline ([`programs::RunPrograms`]);
 //! - [`launches`]: the launch plan, every program as a backend-neutral list of launches over
 //!   one [`layout::SharedLayout`] (the memory plans of all programs, persistent tensors shared);
@@ -14,7 +15,8 @@
 //!   ([`normals`]: the random initialization's normals, fast and exact);
 //!   [`savedir`]: checkpoint folders (`model.bin` + [`state`]) for exact resume, written
 //!   through [`atomic`] so that they are never torn; [`host`]: the process's host memory;
-//!   [`tokenizer`], [`sample`]: GPT-2 BPE and sampling; [`corpus`]: the embedded demo corpus;
+//!   [`tokenizer`], [`sample`]: GPT-2 BPE and sampling; [`decoder`]: sampling through the
+//!   compiled decoder with a key/value cache; [`corpus`]: the embedded demo corpus;
 //!   [`hf_gpt2`]: Hugging Face GPT-2 weights to and from llm.c checkpoints, through
 //!   [`safetensors_io`]; [`dist`]: data-parallel plans, launch environment and rendezvous
 //!   (no GPU needed; the NCCL side is not built yet).
@@ -25,6 +27,7 @@ pub mod corpus;
 pub mod cpu;
 pub mod cuda;
 pub mod data;
+pub mod decoder;
 pub mod dist;
 pub mod executor;
 pub mod file_error;

@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 
 use fusec_ir::{Bindings, Graph};
-use fusec_models::logits_graph;
+use fusec_models::{decoder_graph, logits_graph, Gpt2Config};
 use fusec_passes::pipeline::{compile, Mode, PassRun, PipelineOptions};
 
 /// One program of a training run.
@@ -19,13 +19,18 @@ pub enum Program {
     Step,
     /// Forward to the logits (sampling).
     Logits,
+    /// The decoder's prefill: the prompt's positions into the key/value cache, the last one's
+    /// logits ([`fusec_models::decoder_graph`] for the prompt's length).
+    Prefill,
+    /// One decoding step: one new position into the key/value cache, its logits.
+    Decode,
 }
 
 impl Program {
     /// What the pass pipeline builds for this program.
     pub fn mode(self) -> Mode {
         match self {
-            Program::Eval | Program::Logits => Mode::Forward,
+            Program::Eval | Program::Logits | Program::Prefill | Program::Decode => Mode::Forward,
             Program::Grad => Mode::Grad,
             Program::Step => Mode::Step,
         }
@@ -66,6 +71,22 @@ impl RunPrograms {
         Ok(RunPrograms { graphs, bind: bind.clone(), opts: opts.clone(), pass_runs })
     }
 
+    /// Compiles the decoder of a GPT-2 of config `cfg` (no symbolic dims): `Decode` (one new
+    /// position) and, for a prompt of `prompt_len` > 1 tokens, `Prefill` for that length. Both
+    /// read and write the same key/value caches (their layout is shared by name).
+    pub fn decoder(cfg: &Gpt2Config, prompt_len: usize, opts: &PipelineOptions) -> Result<RunPrograms, String> {
+        let bind = Bindings::default();
+        let mut graphs = HashMap::new();
+        let mut pass_runs = vec![];
+        let prefill = (prompt_len > 1).then_some((Program::Prefill, prompt_len));
+        for (p, new) in [prefill, Some((Program::Decode, 1))].into_iter().flatten() {
+            let c = compile(&decoder_graph(cfg, new)?, "schedule", p.mode(), opts, &bind)?;
+            pass_runs.extend(c.runs.into_iter().map(|r| (p, r)));
+            graphs.insert(p, c.graph);
+        }
+        Ok(RunPrograms { graphs, bind, opts: opts.clone(), pass_runs })
+    }
+
     /// `B` and `T` bound to `batch` and `seq`.
     pub fn bindings(batch: usize, seq: usize) -> Bindings {
         let mut bind = Bindings::default();
@@ -73,7 +94,7 @@ impl RunPrograms {
         bind
     }
 
-    /// The programs in a fixed order (Eval, Grad, Step, Logits).
+    /// The programs in a fixed order (Eval, Grad, Step, Logits, Prefill, Decode).
     pub fn in_order(&self) -> Vec<(Program, &Graph)> {
         let mut v: Vec<(Program, &Graph)> = self.graphs.iter().map(|(p, g)| (*p, g)).collect();
         v.sort_by_key(|(p, _)| *p);

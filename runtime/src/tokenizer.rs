@@ -57,12 +57,15 @@ impl Gpt2Tokenizer {
     pub fn decode(&self, ids: &[u16]) -> String {
         let mut bytes = Vec::with_capacity(ids.len() * 4);
         for &id in ids {
-            match self.bpe.decode_bytes(&[u32::from(id)]) {
-                Ok(b) => bytes.extend_from_slice(&b),
-                Err(_) => bytes.extend_from_slice("\u{FFFD}".as_bytes()),
-            }
+            bytes.extend_from_slice(&self.token_bytes(id));
         }
         String::from_utf8_lossy(&bytes).into_owned()
+    }
+
+    /// The bytes of one token (not always whole UTF-8 characters: a multi-byte character may
+    /// span tokens); U+FFFD's bytes for an id outside the vocabulary.
+    pub fn token_bytes(&self, id: u16) -> Vec<u8> {
+        self.bpe.decode_bytes(&[u32::from(id)]).unwrap_or_else(|_| "\u{FFFD}".as_bytes().to_vec())
     }
 }
 

@@ -15,8 +15,7 @@ mod roof;
 mod summary;
 mod timeline;
 
-pub use args::RunArgs;
-use args::Target;
+pub use args::{RunArgs, Target};
 
 use std::time::Instant;
 
@@ -26,6 +25,7 @@ use fusec_passes::pipeline::PipelineOptions;
 use fusec_passes::recompute::Recompute;
 use fusec_runtime::checkpoint::Checkpoint;
 use fusec_runtime::corpus::markov_tokens;
+use fusec_runtime::cuda::CudaOptions;
 use fusec_runtime::data::DataLoader;
 use fusec_runtime::params::{prefetch, ParamSource};
 use fusec_runtime::programs::RunPrograms;
@@ -84,7 +84,7 @@ pub fn run(a: RunArgs) -> CliResult {
     };
     let mut phases = Phases { init: t_start.elapsed().as_secs_f64(), ..Phases::default() };
     let t_compile = Instant::now();
-    let run = RunPrograms::compile(&g, &opts, &RunPrograms::bindings(a.batch, a.seq), a.sample > 0)?;
+    let run = RunPrograms::compile(&g, &opts, &RunPrograms::bindings(a.batch, a.seq), false)?;
     let t_build = Instant::now();
     let mut built = build::executor(&a, &run, threads)?;
     let ex = built.ex.as_mut();
@@ -177,7 +177,14 @@ pub fn run(a: RunArgs) -> CliResult {
     }
     if a.sample > 0 {
         let t = Instant::now();
-        crate::sample::print_sample(ex, &model, a.batch, a.seq, a.sample, a.temperature, a.seed)?;
+        let cuda = CudaOptions {
+            profile: false,
+            tf32: !a.no_tf32,
+            flash: !a.no_flash_attention,
+            lt_epilogues: !a.no_cublaslt,
+            graphs: !a.no_cuda_graph,
+        };
+        crate::sample::print_sample(ex, &model, a.target, threads, &cuda, a.sample, a.temperature, a.seed)?;
         phases.sample = t.elapsed().as_secs_f64();
     }
     let summary = Summary {
