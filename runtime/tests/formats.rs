@@ -8,12 +8,27 @@ use fusec_runtime::data::DataLoader;
 use fusec_runtime::file_error::FileError;
 use fusec_runtime::tokens::{read_tokens, write_tokens};
 
-/// A fresh temp folder for one test (unique per process and test name).
-fn temp_dir(test: &str) -> PathBuf {
+/// A fresh temp folder for one test (unique per process and test name), removed when dropped.
+struct TempDir(PathBuf);
+
+impl std::ops::Deref for TempDir {
+    type Target = Path;
+    fn deref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn temp_dir(test: &str) -> TempDir {
     let dir = std::env::temp_dir().join(format!("fusec-formats-{}-{test}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
-    dir
+    TempDir(dir)
 }
 
 /// The llmc-odd reference folder, or None (with a printed skip reason) when absent.
@@ -320,7 +335,8 @@ fn llmc_odd_reference_files() {
     let rebuilt = Checkpoint::from_named(ck.config, |n| named.iter().find(|t| t.0 == n).map(|t| t.2.to_vec())).unwrap();
     assert_eq!(rebuilt.params.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), ck.params.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
 
-    let out = temp_dir("llmc_odd").join("copy.bin");
+    let tmp = temp_dir("llmc_odd");
+    let out = tmp.join("copy.bin");
     rebuilt.write(&out).unwrap();
     assert!(std::fs::read(&out).unwrap() == std::fs::read(&ckpt_path).unwrap());
 
