@@ -3,6 +3,8 @@
 //! step's kernels, and (when libnvrtc can be loaded) that the vector paths compile to vector
 //! instructions without local memory.
 
+mod common;
+
 use fusec_codegen_cuda::{kernel_source, nvrtc, KernelSource};
 use fusec_ir::text::parse;
 use fusec_ir::{Bindings, Op};
@@ -204,17 +206,7 @@ fn step_124m(precision: Precision) -> Vec<KernelSource> {
     let mut bind = Bindings::default();
     bind.set("B", 16).set("T", 1024);
     let opts = PipelineOptions { precision, ..PipelineOptions::default() };
-    let step = compile(&g, "schedule", Mode::Step, &opts, &bind).unwrap().graph;
-    let mut out: Vec<KernelSource> = vec![];
-    for n in &step.nodes {
-        if let Op::Kernel(k) = &n.op {
-            let ks = kernel_source(k, &bind).unwrap_or_else(|e| panic!("{}: {e}", k.name));
-            if !out.iter().any(|o| o.source == ks.source) {
-                out.push(ks);
-            }
-        }
-    }
-    out
+    common::distinct_sources(&compile(&g, "schedule", Mode::Step, &opts, &bind).unwrap().graph, &bind).0
 }
 
 #[test]

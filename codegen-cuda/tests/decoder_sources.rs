@@ -2,8 +2,10 @@
 //! decoder programs (a prefill and a one-token step, tiny and 124M) generates, including the
 //! index kernels that build its gather rows, and (when libnvrtc can be loaded) compiles.
 
-use fusec_codegen_cuda::{kernel_source, nvrtc, KernelSource};
-use fusec_ir::{Bindings, Op};
+mod common;
+
+use fusec_codegen_cuda::{nvrtc, KernelSource};
+use fusec_ir::Bindings;
 use fusec_models::{decoder_graph, Gpt2Config};
 use fusec_passes::pipeline::{compile, Mode, PipelineOptions};
 
@@ -12,16 +14,7 @@ fn decoder_sources(preset: &str, new: usize) -> Vec<KernelSource> {
     let cfg = Gpt2Config::preset(preset).unwrap();
     let bind = Bindings::default();
     let g = compile(&decoder_graph(&cfg, new).unwrap(), "schedule", Mode::Forward, &PipelineOptions::default(), &bind).unwrap().graph;
-    let mut out: Vec<KernelSource> = vec![];
-    for n in &g.nodes {
-        if let Op::Kernel(k) = &n.op {
-            let ks = kernel_source(k, &bind).unwrap_or_else(|e| panic!("{}: {e}", k.name));
-            if !out.iter().any(|o| o.source == ks.source) {
-                out.push(ks);
-            }
-        }
-    }
-    out
+    common::distinct_sources(&g, &bind).0
 }
 
 #[test]

@@ -4,8 +4,10 @@
 
 use std::collections::BTreeMap;
 
-use fusec_codegen_cuda::{flash, gemm, kernel_source, native, nvrtc, KernelSource};
-use fusec_ir::{Bindings, DType, Op};
+mod common;
+
+use fusec_codegen_cuda::{flash, gemm, native, nvrtc, KernelSource};
+use fusec_ir::{Bindings, DType};
 use fusec_models::{build_gpt2, Gpt2Config};
 use fusec_passes::pipeline::{compile, Mode, PipelineOptions};
 
@@ -19,19 +21,7 @@ fn step_sources_with(preset: &str, b: u64, t: u64, opts: &PipelineOptions) -> (V
     let g = build_gpt2(&cfg, preset);
     let mut bind = Bindings::default();
     bind.set("B", b).set("T", t);
-    let step = compile(&g, "schedule", Mode::Step, opts, &bind).unwrap().graph;
-    let mut out: Vec<KernelSource> = vec![];
-    let mut kernels = 0;
-    for n in &step.nodes {
-        if let Op::Kernel(k) = &n.op {
-            kernels += 1;
-            let ks = kernel_source(k, &bind).unwrap_or_else(|e| panic!("{}: {e}", k.name));
-            if !out.iter().any(|o| o.source == ks.source) {
-                out.push(ks);
-            }
-        }
-    }
-    (out, kernels)
+    common::distinct_sources(&compile(&g, "schedule", Mode::Step, opts, &bind).unwrap().graph, &bind)
 }
 
 fn by_name(sources: &[KernelSource]) -> BTreeMap<String, &KernelSource> {
