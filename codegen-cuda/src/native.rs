@@ -7,8 +7,8 @@
 //!   prefix sum, which also lists the rows some index points to), `sort`: a block per listed
 //!   row sorts its list into increasing position (a bitonic sort in shared memory up to
 //!   [`SCATTER_SORT`] entries, ranks from global memory beyond), `sum`: a block per listed row
-//!   and 128 columns; warp `w` sums the `w`-th eighth of the sorted list, the eight partial rows
-//!   are added in warp order. The order of every sum is a function of the indices alone (no
+//!   walking its columns 128 at a time; warp `w` sums the `w`-th eighth of the sorted list, the
+//!   eight partial rows are added in warp order. The order of every sum is a function of the indices alone (no
 //!   float atomics): same input, same bits. The other rows are zeroed by a memset first. The
 //!   grids have one block per index at most, not per output row: launching 50,304 x 6 blocks
 //!   for `wte`, most of them for rows no token of the batch uses, had kept it at 0.5 ms.
@@ -37,7 +37,8 @@ pub const SCATTER_ENTRIES: [&str; 5] =
     ["fusec_scatter_count", "fusec_scatter_offsets", "fusec_scatter_fill", "fusec_scatter_sort", "fusec_scatter_sum"];
 /// List entries `fusec_scatter_sort` sorts in shared memory (32 KiB).
 pub const SCATTER_SORT: u32 = 8192;
-/// Columns a thread of `fusec_scatter_sum` adds (one `float4`); a block takes 32 times that.
+/// Columns a thread of `fusec_scatter_sum` adds at a time (one `float4`); a block's step is 32
+/// times that.
 pub const SCATTER_VEC: u32 = 4;
 /// Score rows per block (one warp each) of the attention kernels.
 pub const ATTN_ROWS_PER_BLOCK: u32 = 8;
@@ -165,30 +166,33 @@ extern "C" __global__ void __launch_bounds__(256) fusec_scatter_sum(const float*
   const int r = nz[1 + blockIdx.x], warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int o = offs[r], len = offs[r + 1] - o;
   const int j0 = (int)((long long)len * warp / 8), j1 = (int)((long long)len * (warp + 1) / 8);
-  const int c0 = blockIdx.y * 32 * SCATTER_VEC + lane * SCATTER_VEC;
-  float a[SCATTER_VEC];
+  for (int cb = 0; cb < cols; cb += 32 * SCATTER_VEC) {
+    const int c0 = cb + lane * SCATTER_VEC;
+    float a[SCATTER_VEC];
 #pragma unroll
-  for (int k = 0; k < SCATTER_VEC; ++k) a[k] = 0.0f;
-  if (cols % SCATTER_VEC == 0 && c0 < cols) {
+    for (int k = 0; k < SCATTER_VEC; ++k) a[k] = 0.0f;
+    if (cols % SCATTER_VEC == 0 && c0 < cols) {
 #pragma unroll 4
-    for (int j = j0; j < j1; ++j) {
-      const float4 v = *(const float4*)&src[(long long)sorted[o + j] * cols + c0];
-      a[0] = a[0] + v.x; a[1] = a[1] + v.y; a[2] = a[2] + v.z; a[3] = a[3] + v.w;
+      for (int j = j0; j < j1; ++j) {
+        const float4 v = *(const float4*)&src[(long long)sorted[o + j] * cols + c0];
+        a[0] = a[0] + v.x; a[1] = a[1] + v.y; a[2] = a[2] + v.z; a[3] = a[3] + v.w;
+      }
+    } else {
+      for (int j = j0; j < j1; ++j)
+#pragma unroll
+        for (int k = 0; k < SCATTER_VEC; ++k)
+          if (c0 + k < cols) a[k] = a[k] + src[(long long)sorted[o + j] * cols + c0 + k];
     }
-  } else {
-    for (int j = j0; j < j1; ++j)
 #pragma unroll
-      for (int k = 0; k < SCATTER_VEC; ++k)
-        if (c0 + k < cols) a[k] = a[k] + src[(long long)sorted[o + j] * cols + c0 + k];
-  }
-#pragma unroll
-  for (int k = 0; k < SCATTER_VEC; ++k) part[warp][lane * SCATTER_VEC + k] = a[k];
-  __syncthreads();
-  const int i = threadIdx.x;
-  if (i < 32 * SCATTER_VEC && blockIdx.y * 32 * SCATTER_VEC + i < cols) {
-    float v = part[0][i];
-    for (int w = 1; w < 8; ++w) v = v + part[w][i];
-    out[(long long)r * cols + blockIdx.y * 32 * SCATTER_VEC + i] = v;
+    for (int k = 0; k < SCATTER_VEC; ++k) part[warp][lane * SCATTER_VEC + k] = a[k];
+    __syncthreads();
+    const int i = threadIdx.x;
+    if (i < 32 * SCATTER_VEC && cb + i < cols) {
+      float v = part[0][i];
+      for (int w = 1; w < 8; ++w) v = v + part[w][i];
+      out[(long long)r * cols + cb + i] = v;
+    }
+    __syncthreads();
   }
 }
 extern "C" __global__ void __launch_bounds__(256) fusec_attn_softmax(float* sc, float* lse, int T, long long nrows, float scale) {

@@ -175,12 +175,11 @@ impl Builder<'_> {
     /// `sorted`, and `nz`, the count and list of rows with positions: 32-bit words, `4 rows +
     /// 2 n + 2` of them); the output is zeroed first.
     fn scatter_add(&mut self, s: &launches::ScatterAdd, err: Addr) -> Result<Vec<Step>, String> {
-        let too_big = || format!("scatter_add: {} rows and {} indices exceed the kernels' 32-bit indexing", s.rows, s.n);
+        let too_big = || format!("scatter_add: {} rows of {} columns and {} indices exceed the kernels' 32-bit indexing", s.rows, s.cols, s.n);
         let words =
             s.rows.checked_mul(4).and_then(|w| w.checked_add(s.n.checked_mul(2)?)).and_then(|w| w.checked_add(2)).ok_or_else(too_big)?;
         let out_words = s.rows.checked_mul(s.cols).ok_or_else(too_big)?;
-        let col_blocks = (s.cols as u64).div_ceil(32 * fusec_codegen_cuda::native::SCATTER_VEC as u64);
-        if i32::try_from(words).is_err() || col_blocks > 65535 {
+        if i32::try_from(words).is_err() || i32::try_from(s.cols).is_err() {
             return Err(too_big());
         }
         if s.rows == 0 {
@@ -205,7 +204,7 @@ impl Builder<'_> {
             Step::Kernel { f: f[2], grid: by_index, block, shared: 0, args: vec![idx, cursor, slots, ri, ni] },
             Step::Kernel { f: f[3], grid: [listed, 1, 1], block, shared: 0, args: vec![offs, nz, slots, sorted] },
             Step::Fill32 { dst: Addr::Plan(s.out), bits: 0, n: out_words },
-            Step::Kernel { f: f[4], grid: [listed, col_blocks as u32, 1], block, shared: 0, args: vec![src, offs, nz, sorted, out, ci] },
+            Step::Kernel { f: f[4], grid: [listed, 1, 1], block, shared: 0, args: vec![src, offs, nz, sorted, out, ci] },
         ])
     }
 
