@@ -5,6 +5,7 @@
 //! name the tensor, and the converted model's loss through `--target ref` against a forward pass
 //! written here in f64 on the Hugging Face tensors.
 
+use fusec_ir::testkit::TempDir;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -33,11 +34,8 @@ fn text(b: &[u8]) -> String {
 }
 
 /// A fresh folder for one test.
-fn dir(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("fusec-import-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+fn dir(name: &str) -> TempDir {
+    TempDir::new(&format!("import-{name}"))
 }
 
 fn s(p: &Path) -> &str {

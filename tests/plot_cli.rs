@@ -2,7 +2,8 @@
 //! the legend, a PNG of the requested size, a real `fusec run --log-json` log against tokens,
 //! and errors that name the file and line.
 
-use std::path::{Path, PathBuf};
+use fusec_ir::testkit::TempDir;
+use std::path::Path;
 use std::process::{Command, Output};
 
 fn fusec(args: &[&str]) -> Output {
@@ -13,11 +14,8 @@ fn text(b: &[u8]) -> String {
     String::from_utf8_lossy(b).into_owned()
 }
 
-fn dir(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("fusec-plot-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+fn dir(name: &str) -> TempDir {
+    TempDir::new(&format!("plot-{name}"))
 }
 
 fn s(p: &Path) -> &str {

@@ -1,6 +1,7 @@
 //! End-to-end tests of `fusec prepare`: text → GPT-2 tokens → llm.c train/val token files.
 
-use std::path::{Path, PathBuf};
+use fusec_ir::testkit::TempDir;
+use std::path::Path;
 use std::process::{Command, Output};
 use std::time::Instant;
 
@@ -12,11 +13,8 @@ fn fusec(args: &[&str]) -> Output {
 }
 
 /// A fresh directory for one test.
-fn tmp_dir(test: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("fusec-prepare-{}-{test}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+fn tmp_dir(test: &str) -> TempDir {
+    TempDir::new(&format!("prepare-{test}"))
 }
 
 fn text(b: &[u8]) -> String {

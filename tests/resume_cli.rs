@@ -8,6 +8,7 @@
 //!
 //! `FUSEC_BIN` may name the binary to test (the device runs a prebuilt one).
 
+use fusec_ir::testkit::TempDir;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::Duration;
@@ -39,11 +40,8 @@ fn text(b: &[u8]) -> String {
 }
 
 /// A fresh folder for one test.
-fn scratch(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("fusec-resume-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+fn scratch(name: &str) -> TempDir {
+    TempDir::new(&format!("resume-{name}"))
 }
 
 fn s(p: &Path) -> &str {

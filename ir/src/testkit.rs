@@ -17,6 +17,39 @@ use crate::interp::Tensor;
 use crate::rng::Rng;
 use crate::{Bindings, DType, Graph};
 
+/// A fresh folder under the system's temp folder for one test, named `fusec-{what}-{pid}`,
+/// emptied when made and removed with what it holds when dropped.
+pub struct TempDir(std::path::PathBuf);
+
+impl TempDir {
+    /// Makes (or empties) the folder; panics if it cannot (a test's own setup).
+    pub fn new(what: &str) -> TempDir {
+        let d = std::env::temp_dir().join(format!("fusec-{what}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap_or_else(|e| panic!("{}: {e}", d.display()));
+        TempDir(d)
+    }
+}
+
+impl std::ops::Deref for TempDir {
+    type Target = Path;
+    fn deref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl AsRef<Path> for TempDir {
+    fn as_ref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
 /// Whether `got` is within `atol + rtol * |want|` of `want` (equal values, both infinities of
 /// one sign, and NaN against NaN pass).
 pub fn close(got: f64, want: f64, atol: f64, rtol: f64) -> bool {

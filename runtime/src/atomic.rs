@@ -184,11 +184,8 @@ pub fn write_atomic<E: From<FileError>>(dest: &Path, body: impl FnOnce(&mut Pend
 mod tests {
     use super::*;
 
-    fn dir(name: &str) -> PathBuf {
-        let d = std::env::temp_dir().join(format!("fusec-atomic-{}-{name}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&d);
-        std::fs::create_dir_all(&d).unwrap();
-        d
+    fn dir(name: &str) -> fusec_ir::testkit::TempDir {
+        fusec_ir::testkit::TempDir::new(&format!("atomic-{name}"))
     }
 
     #[test]

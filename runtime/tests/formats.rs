@@ -3,32 +3,16 @@
 
 use std::path::{Path, PathBuf};
 
+use fusec_ir::testkit::TempDir;
+
 use fusec_runtime::checkpoint::{graph_param_names, param_layout, random_init, Checkpoint, Gpt2Config};
 use fusec_runtime::data::DataLoader;
 use fusec_runtime::file_error::FileError;
 use fusec_runtime::tokens::{read_tokens, write_tokens};
 
 /// A fresh temp folder for one test (unique per process and test name), removed when dropped.
-struct TempDir(PathBuf);
-
-impl std::ops::Deref for TempDir {
-    type Target = Path;
-    fn deref(&self) -> &Path {
-        &self.0
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
 fn temp_dir(test: &str) -> TempDir {
-    let dir = std::env::temp_dir().join(format!("fusec-formats-{}-{test}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    TempDir(dir)
+    TempDir::new(&format!("formats-{test}"))
 }
 
 /// The llmc-odd reference folder, or None (with a printed skip reason) when absent.

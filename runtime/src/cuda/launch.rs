@@ -175,7 +175,8 @@ impl Builder<'_> {
     /// `sorted`, and `nz`, the count and list of rows with positions: 32-bit words, `4 rows +
     /// 2 n + 2` of them); the output is zeroed first.
     fn scatter_add(&mut self, s: &launches::ScatterAdd, err: Addr) -> Result<Vec<Step>, String> {
-        let too_big = || format!("scatter_add: {} rows of {} columns and {} indices exceed the kernels' 32-bit indexing", s.rows, s.cols, s.n);
+        let too_big =
+            || format!("scatter_add: {} rows of {} columns and {} indices exceed the kernels' 32-bit indexing", s.rows, s.cols, s.n);
         let words =
             s.rows.checked_mul(4).and_then(|w| w.checked_add(s.n.checked_mul(2)?)).and_then(|w| w.checked_add(2)).ok_or_else(too_big)?;
         let out_words = s.rows.checked_mul(s.cols).ok_or_else(too_big)?;
