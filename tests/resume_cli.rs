@@ -198,6 +198,26 @@ fn a_run_killed_at_each_point_of_a_save_resumes_from_what_it_left() {
 }
 
 #[test]
+fn a_run_killed_between_the_renames_of_its_last_save_is_done_not_resumed() {
+    // Killed after the final save's model.bin was renamed, before its state.bin was: the
+    // checkpoint is the complete step-8 pair (state.bin.tmp), although state.bin still says
+    // step 7. Resuming with --steps 8 must refuse (nothing left to train), never panic.
+    let d = scratch("last-commit");
+    let dir = d.join("run");
+    let args = ["--batch", "2", "--seq", "16", "--steps", "8", "--save-every", "1", "--save", s(&dir)];
+    let tiny = tiny();
+    let o = fusec(&[&["run", tiny.as_str()], &args[..]].concat(), &[("FUSEC_TEST_KILL_AT", "commit:8")]);
+    assert_eq!(o.status.code(), Some(137), "{}", text(&o.stderr));
+    let o = fusec(&["run", tiny.as_str(), "--batch", "2", "--seq", "16", "--steps", "8", "--resume", s(&dir)], &[]);
+    let err = text(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("at step 8 already") && !err.contains("panicked"), "{err}");
+    // One step more continues from the complete step-8 pair.
+    let o = fusec(&["run", tiny.as_str(), "--batch", "2", "--seq", "16", "--steps", "9", "--resume", s(&dir)], &[]);
+    assert!(o.status.success() && text(&o.stderr).contains("at step 8"), "{}", text(&o.stderr));
+}
+
+#[test]
 fn sigkill_at_random_moments_never_leaves_an_unusable_checkpoint() {
     let d = scratch("sigkill");
     let r = reference(&d, &[]);

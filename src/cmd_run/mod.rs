@@ -96,7 +96,7 @@ pub fn run(a: RunArgs) -> CliResult {
     let (start, first_loss) = match &a.resume {
         Some(dir) => {
             let meta = savedir::resume(dir, ex, run.step()?, &run.bind, &model)?;
-            let (step, first) = resume::start(&meta, &a, train_data.num_tokens())?;
+            let (step, first) = resume::start(&meta, &a, dir, train_data.num_tokens())?;
             if a.trace.is_some() && a.steps < step + 2 {
                 return Err(format!(
                     "--trace records the second step this run takes (the first is warm-up): resuming at step {step}, it needs --steps {} or more",

@@ -109,14 +109,7 @@ pub fn check(a: &RunArgs, dir: &Path, model: &Gpt2Config, m: &Meta) -> Result<()
         }
     }
     let step: usize = m.parse("step").map_err(|e| format!("--resume {}: {e}", dir.display()))?;
-    if a.steps != 0 && a.steps <= step {
-        return Err(format!(
-            "--steps {}: the checkpoint in {} is at step {step} already; --steps counts every step of the run, so give more than {step} \
-             (or 0 to evaluate)",
-            a.steps,
-            dir.display()
-        ));
-    }
+    steps_left(a, dir, step)?;
     let notes: Vec<String> = other_settings(a)
         .into_iter()
         .filter(|(k, _, v)| m.get(k).is_some_and(|s| s != v))
@@ -128,10 +121,25 @@ pub fn check(a: &RunArgs, dir: &Path, model: &Gpt2Config, m: &Meta) -> Result<()
     Ok(())
 }
 
+/// Refuses `--steps` at or below the checkpoint's `step` (0 evaluates, and is allowed).
+fn steps_left(a: &RunArgs, dir: &Path, step: usize) -> Result<(), String> {
+    if a.steps != 0 && a.steps <= step {
+        return Err(format!(
+            "--steps {}: the checkpoint in {} is at step {step} already; --steps counts every step of the run, so give more than {step} \
+             (or 0 to evaluate)",
+            a.steps,
+            dir.display()
+        ));
+    }
+    Ok(())
+}
+
 /// Where the resumed run starts: (steps done, the first step's loss), from the state that
-/// [`savedir::resume`] loaded; notes a different training set.
-pub fn start(m: &Meta, a: &RunArgs, train_tokens: usize) -> Result<(usize, f64), String> {
+/// [`savedir::resume`] loaded; notes a different training set. It refuses a state at or past `--steps` (after an interrupted save,
+/// the newer state, which [`check`] may not have seen).
+pub fn start(m: &Meta, a: &RunArgs, dir: &Path, train_tokens: usize) -> Result<(usize, f64), String> {
     let step: usize = m.parse("step")?;
+    steps_left(a, dir, step)?;
     let batch: usize = m.parse("train_batch")?;
     if step.checked_mul(a.grad_accum) != Some(batch) {
         return Err(format!("the state's data position (batch {batch}) is not that of step {step}: a corrupt state"));

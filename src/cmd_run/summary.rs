@@ -6,7 +6,7 @@ use std::time::Duration;
 use fusec_passes::pipeline::PassRun;
 use fusec_runtime::executor::Executor;
 use fusec_runtime::programs::Program;
-use fusec_runtime::train::TrainOutcome;
+use fusec_runtime::train::{StepLog, TrainOutcome};
 
 use super::args::RunArgs;
 use crate::report::mib;
@@ -72,9 +72,25 @@ impl Summary<'_> {
     /// The rows: (label, value); `build` (the executor's rows) go after the timing rows.
     pub fn rows(&self, ex: &dyn Executor, build: &[(String, String)], wall: f64) -> Vec<(String, String)> {
         let (a, logs) = (self.args, &self.outcome.logs);
-        let (first, last) = (logs[0].loss, logs[logs.len() - 1].loss);
+        let compile_ms = self.phases.compile * 1e3;
+        let target = ("target".to_string(), format!("{}, {} thread(s), B={} T={}", a.target_name(), self.threads, a.batch, a.seq));
+        let compile = ("compile".to_string(), format!("{compile_ms:.1} ms: {}", pass_times(self.pass_runs)));
+        let mut rows = match (logs.first(), logs.last()) {
+            (Some(first), Some(last)) => self.step_rows(first, last, compile, compile_ms),
+            // Resumed at the last step (a run killed after its final save): nothing to train.
+            _ => vec![("loss".into(), format!("no step left: resumed at step {} of {}", self.start, a.steps)), compile],
+        };
+        rows.insert(0, target);
+        self.extra_rows(&mut rows, ex, build, wall);
+        rows
+    }
+
+    /// The rows about the steps trained (from the first and last step's logs), with `compile`.
+    fn step_rows(&self, first_log: &StepLog, last_log: &StepLog, compile: (String, String), compile_ms: f64) -> Vec<(String, String)> {
+        let (a, logs) = (self.args, &self.outcome.logs);
+        let (first, last) = (first_log.loss, last_log.loss);
         let steady: Vec<f64> = logs.iter().skip(1).map(|l| l.ms).collect();
-        let ms = if steady.is_empty() { logs[0].ms } else { steady.iter().sum::<f64>() / steady.len() as f64 };
+        let ms = if steady.is_empty() { first_log.ms } else { steady.iter().sum::<f64>() / steady.len() as f64 };
         let val = match self.outcome.final_val {
             Some(v) => format!(" (val {v:.4} after step {})", a.steps),
             None => logs.iter().rev().find_map(|l| l.val_loss).map(|v| format!(" (last val {v:.4})")).unwrap_or_default(),
@@ -83,23 +99,25 @@ impl Summary<'_> {
             Some(dir) => format!(", steps {}..={} resumed from {}", self.start + 1, a.steps, dir.display()),
             None => String::new(),
         };
-        let compile_ms = self.phases.compile * 1e3;
-        let mut rows = vec![
-            ("target".to_string(), format!("{}, {} thread(s), B={} T={}", a.target_name(), self.threads, a.batch, a.seq)),
+        vec![
             ("loss".into(), format!("{first:.4} → {last:.4} over {} steps{val}{resumed}", logs.len())),
-            ("step time".into(), format!("{ms:.1} ms/step (first step {:.1} ms)", logs[0].ms)),
+            ("step time".into(), format!("{ms:.1} ms/step (first step {:.1} ms)", first_log.ms)),
             ("throughput".into(), format!("{:.0} tok/s", self.tokens_per_step as f64 / ms * 1e3)),
-            ("compile".into(), format!("{compile_ms:.1} ms: {}", pass_times(self.pass_runs))),
+            compile,
             (
                 "first step".into(),
                 format!(
                     "compile + first step {:.2} s; started {:.2} s and done {:.2} s after start",
-                    (compile_ms + logs[0].ms) / 1e3,
-                    self.first_done.as_secs_f64() - logs[0].ms / 1e3,
+                    (compile_ms + first_log.ms) / 1e3,
+                    self.first_done.as_secs_f64() - first_log.ms / 1e3,
                     self.first_done.as_secs_f64()
                 ),
             ),
-        ];
+        ]
+    }
+
+    /// The executor's rows, then memory and phases.
+    fn extra_rows(&self, rows: &mut Vec<(String, String)>, ex: &dyn Executor, build: &[(String, String)], wall: f64) {
         rows.extend_from_slice(build);
         if let (Some(alloc), Some(peak)) = (ex.allocated_device_bytes(), ex.peak_device_bytes()) {
             let what = format!(
@@ -118,7 +136,6 @@ impl Summary<'_> {
             rows.push(("host memory".into(), what));
         }
         rows.push(("phases".into(), self.phases.row(wall)));
-        rows
     }
 }
 
