@@ -6,6 +6,7 @@ mod cmd_dump;
 mod cmd_export;
 mod cmd_export_weights;
 mod cmd_import;
+mod cmd_nccl_check;
 mod cmd_plot;
 mod cmd_prepare;
 mod cmd_run;
@@ -43,6 +44,8 @@ enum Command {
     Import(cmd_import::ImportArgs),
     /// Write an llm.c checkpoint as Hugging Face GPT-2 weights (safetensors + config.json).
     ExportWeights(cmd_export_weights::ExportWeightsArgs),
+    /// Check NCCL across this host's GPUs: an all-reduce, every GPU one rank, verified and timed.
+    NcclCheck(cmd_nccl_check::NcclCheckArgs),
     /// Internal: compile CUDA modules sent on stdin with NVRTC (a cold build's worker process).
     #[command(hide = true)]
     NvrtcWorker,
@@ -65,6 +68,7 @@ fn main() -> ExitCode {
         Command::Plot(a) => cmd_plot::plot(a),
         Command::Import(a) => cmd_import::import(a),
         Command::ExportWeights(a) => cmd_export_weights::export_weights(a),
+        Command::NcclCheck(a) => cmd_nccl_check::nccl_check(a),
         Command::NvrtcWorker => fusec_codegen_cuda::nvrtc::workers::serve(),
     };
     match result {

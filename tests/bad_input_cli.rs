@@ -275,3 +275,21 @@ fn graph_files_that_used_to_panic_or_abort() {
     assert_eq!(o.status.code(), Some(2), "{err}");
     assert!(err.contains("more than 2^64 bytes") && !err.contains("panicked"), "{err}");
 }
+
+#[test]
+fn nccl_check_without_a_gpu_or_with_bad_flags_is_a_clear_error() {
+    for (args, want) in [(vec!["nccl-check", "--mib", "0"], "--mib"), (vec!["nccl-check", "--iters", "5000"], "--iters")] {
+        let o = Command::new(env!("CARGO_BIN_EXE_fusec")).args(&args).output().unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {err}");
+        assert!(err.contains(want) && !err.contains("panicked"), "{args:?}: {err}");
+    }
+    // On a machine without a GPU (CI) the check says what is missing; with one, it passes.
+    let o = Command::new(env!("CARGO_BIN_EXE_fusec")).args(["nccl-check", "--mib", "1", "--iters", "1"]).output().unwrap();
+    let (out, err) = (String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+    assert!(!err.contains("panicked"), "{err}");
+    match o.status.code() {
+        Some(0) => assert!(out.contains("correct on every rank"), "{out}"),
+        code => assert!(code == Some(2) && err.starts_with("error: "), "{code:?}: {err}"),
+    }
+}

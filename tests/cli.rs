@@ -29,6 +29,8 @@ fn every_command_has_help() {
         vec!["plot", "--help"],
         vec!["import", "--help"],
         vec!["export-weights", "--help"],
+        vec!["sample", "--help"],
+        vec!["nccl-check", "--help"],
     ] {
         let o = fusec(&args);
         assert!(o.status.success(), "{args:?}");

@@ -262,6 +262,15 @@ fn rows_wider_than_a_warp_can_keep_column_partials_for_match_the_cpu() {
     }
 }
 
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --ignored on the device"]
+fn nccl_all_reduce_is_exact_across_every_gpu_of_the_host() {
+    // One rank per visible GPU (one on a single-GPU machine: the one-rank communicator).
+    let r = fusec_runtime::dist::nccl::all_reduce_check(1 << 20, 3).unwrap_or_else(|e| panic!("{e}"));
+    eprintln!("{r:?}");
+    assert!(r.ranks >= 1 && r.ms > 0.0);
+}
+
 /// The llm.c reference folder: `../shared/refs/llmc-odd` beside the repository, or
 /// `.dev/refs/llmc-odd` inside it (the device copy), or `$FUSEC_LLMC_REFS`.
 fn llmc_odd() -> Option<PathBuf> {

@@ -1,5 +1,5 @@
-//! Data-parallel training, the parts that need no GPU (issue 15): pure plans and the start-up
-//! protocol, tested on the CPU. Nothing here talks to NCCL or a device yet.
+//! Data-parallel training (issue 15): pure plans and the start-up protocol, tested on the CPU,
+//! and a first check of NCCL on this host's GPUs. The step does not all-reduce yet.
 //!
 //! - [`bucket`]: gradient buckets over one flat gradient buffer in backward production order,
 //!   each with the producer that completes it (where its all-reduce can start);
@@ -9,10 +9,13 @@
 //!   `MASTER_PORT`) parsed and checked, and the environments of N ranks on one host;
 //! - [`rendezvous`]: rank 0 hands a 128-byte blob (the NCCL unique id) to every other rank over
 //!   TCP, with deadlines everywhere, so that a missing or silent rank is named, never waited
-//!   for forever.
+//!   for forever;
+//! - [`nccl`]: every visible GPU as one rank of this process, an all-reduce checked and timed
+//!   (`fusec nccl-check`).
 
 pub mod bucket;
 pub mod launch_env;
+pub mod nccl;
 pub mod rendezvous;
 pub mod shard;
 

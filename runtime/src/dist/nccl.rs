@@ -1,0 +1,90 @@
+//! NCCL on this host's GPUs: one communicator per GPU in this process (`ncclCommInitAll`), an
+//! in-place sum all-reduce checked element by element and timed. It is what `fusec nccl-check`
+//! runs, and the first piece of data parallelism that talks to a device: libnccl is opened at
+//! first use (cudarc's dynamic loading), so a host without it gets an error, never a panic.
+
+use std::time::Instant;
+
+use cudarc::driver::CudaContext;
+use cudarc::nccl::{group_end, group_start, Comm, ReduceOp};
+
+/// What [`all_reduce_check`] found.
+#[derive(Clone, Debug)]
+pub struct CheckReport {
+    /// GPUs taking part (one rank each).
+    pub ranks: usize,
+    /// NCCL's version, e.g. 22805 for 2.28.5.
+    pub version: i32,
+    /// Elements per rank of the timed all-reduce (f32).
+    pub elements: usize,
+    /// Median milliseconds of the timed all-reduces.
+    pub ms: f64,
+    /// Bus bandwidth in GB/s (`2 (n - 1) / n` of the bytes per rank, per second, as
+    /// nccl-tests reports it).
+    pub bus_gbps: f64,
+}
+
+/// Runs an in-place sum all-reduce over `elements` f32 per rank across every visible GPU
+/// (`rank r` holds `r + 1 + i mod 7` at element `i`), checks every element of every rank
+/// against the exact sum, then times `iters` more and reports the median.
+pub fn all_reduce_check(elements: usize, iters: usize) -> Result<CheckReport, String> {
+    crate::cuda::check_libraries()?;
+    guard(|| run(elements, iters.max(1)))
+}
+
+/// Runs `f`, turning a panic of the dynamically loaded bindings (no libnccl, a missing symbol)
+/// into an error.
+fn guard<T>(f: impl FnOnce() -> Result<T, String>) -> Result<T, String> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or_else(|p| {
+        let msg = p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string())).unwrap_or_default();
+        Err(format!("NCCL: {msg} (libnccl.so.2 is loaded at run time: install NCCL or set LD_LIBRARY_PATH)"))
+    })
+}
+
+fn run(elements: usize, iters: usize) -> Result<CheckReport, String> {
+    let e = |what: &'static str| move |err: cudarc::nccl::result::NcclError| format!("NCCL {what}: {err:?}");
+    let d = |what: &'static str| move |err: cudarc::driver::DriverError| format!("CUDA {what}: {err:?}");
+    let version = cudarc::nccl::result::get_nccl_version().map_err(e("version"))?;
+    let n = CudaContext::device_count().map_err(d("device count"))? as usize;
+    if n == 0 {
+        return Err("no CUDA GPU visible".into());
+    }
+    let streams = (0..n).map(|i| CudaContext::new(i).map(|c| c.default_stream())).collect::<Result<Vec<_>, _>>().map_err(d("context"))?;
+    let comms = Comm::from_devices(streams.clone()).map_err(e("communicators"))?;
+    let value = |r: usize, i: usize| (r + 1 + i % 7) as f32;
+    let mut bufs = Vec::with_capacity(n);
+    for (r, s) in streams.iter().enumerate() {
+        let host: Vec<f32> = (0..elements).map(|i| value(r, i)).collect();
+        bufs.push(s.clone_htod(&host).map_err(d("upload"))?);
+    }
+    let all_reduce = |bufs: &mut Vec<cudarc::driver::CudaSlice<f32>>| -> Result<(), String> {
+        group_start().map_err(e("group"))?;
+        for (c, b) in comms.iter().zip(bufs.iter_mut()) {
+            c.all_reduce_in_place(b, &ReduceOp::Sum).map_err(e("all-reduce"))?;
+        }
+        group_end().map_err(e("group"))?;
+        for s in &streams {
+            s.synchronize().map_err(d("synchronize"))?;
+        }
+        Ok(())
+    };
+    all_reduce(&mut bufs)?;
+    for (r, (s, b)) in streams.iter().zip(&bufs).enumerate() {
+        let got = s.clone_dtoh(b).map_err(d("download"))?;
+        if let Some(i) = (0..elements).find(|&i| got[i] != (0..n).map(|q| value(q, i)).sum::<f32>()) {
+            let want: f32 = (0..n).map(|q| value(q, i)).sum();
+            return Err(format!("all-reduce wrong on rank {r}, element {i}: {} instead of {want}", got[i]));
+        }
+    }
+    let mut times = Vec::with_capacity(iters);
+    for _ in 0..iters {
+        let t = Instant::now();
+        all_reduce(&mut bufs)?;
+        times.push(t.elapsed().as_secs_f64() * 1e3);
+    }
+    times.sort_by(f64::total_cmp);
+    let ms = times[times.len() / 2];
+    let bytes = (elements * 4) as f64;
+    let bus_gbps = if n > 1 { bytes * 2.0 * (n - 1) as f64 / n as f64 / (ms * 1e-3) / 1e9 } else { 0.0 };
+    Ok(CheckReport { ranks: n, version, elements, ms, bus_gbps })
+}
