@@ -54,6 +54,7 @@ use crate::layout::SharedLayout;
 use crate::profile::{Profile, Timed};
 use crate::programs::{Program, RunPrograms};
 use crate::roofline::Limits;
+pub(crate) use device::guard;
 pub use device::{check_libraries, start_driver};
 use device::{ck, ckb, Device};
 use launch::{attention_kinds, Addr, Arg, Builder, Launch, Loaded, Native, Step, ERR_WORDS, NATIVE_ENTRIES};

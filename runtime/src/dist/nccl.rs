@@ -29,16 +29,8 @@ pub struct CheckReport {
 /// against the exact sum, then times `iters` more and reports the median.
 pub fn all_reduce_check(elements: usize, iters: usize) -> Result<CheckReport, String> {
     crate::cuda::check_libraries()?;
-    guard(|| run(elements, iters.max(1)))
-}
-
-/// Runs `f`, turning a panic of the dynamically loaded bindings (no libnccl, a missing symbol)
-/// into an error.
-fn guard<T>(f: impl FnOnce() -> Result<T, String>) -> Result<T, String> {
-    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or_else(|p| {
-        let msg = p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string())).unwrap_or_default();
-        Err(format!("NCCL: {msg} (libnccl.so.2 is loaded at run time: install NCCL or set LD_LIBRARY_PATH)"))
-    })
+    // A panic of the dynamically loaded bindings (no libnccl, a missing symbol) becomes an error.
+    crate::cuda::guard("NCCL (libnccl.so.2, loaded at run time: install NCCL or set LD_LIBRARY_PATH)", || run(elements, iters.max(1)))
 }
 
 fn run(elements: usize, iters: usize) -> Result<CheckReport, String> {
