@@ -15,10 +15,7 @@ use fusec_runtime::programs::RunPrograms;
 fn cached_logits_equal_the_full_forward_at_every_position_on_cuda() {
     let mut rng = Rng::new(29);
     for case in 0..3 {
-        let cfg = random_config(&mut rng);
-        let params = random_params(&cfg, 300 + case);
-        let tokens = random_tokens(&cfg, cfg.max_seq, &mut rng);
-        let full = full_forward_logits(&cfg, &params, &tokens);
+        let Case { cfg, params, tokens, full } = random_case(&mut rng, 300 + case);
         for p in [1, 3, cfg.max_seq] {
             let run = RunPrograms::decoder(&cfg, p, &PipelineOptions::default()).unwrap();
             let opts = CudaOptions { tf32: false, ..CudaOptions::default() };

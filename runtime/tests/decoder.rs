@@ -17,10 +17,7 @@ use fusec_runtime::programs::RunPrograms;
 fn cached_logits_equal_the_full_forward_at_every_position_on_the_interpreter() {
     let mut rng = Rng::new(17);
     for case in 0..3 {
-        let cfg = random_config(&mut rng);
-        let params = random_params(&cfg, 100 + case);
-        let tokens = random_tokens(&cfg, cfg.max_seq, &mut rng);
-        let full = full_forward_logits(&cfg, &params, &tokens);
+        let Case { cfg, params, tokens, full } = random_case(&mut rng, 100 + case);
         let opts = PipelineOptions { no_fusion: true, ..PipelineOptions::default() };
         for p in [1, 3] {
             let run = RunPrograms::decoder(&cfg, p, &opts).unwrap();
@@ -34,10 +31,7 @@ fn cached_logits_equal_the_full_forward_at_every_position_on_the_interpreter() {
 fn cached_logits_equal_the_full_forward_at_every_position_on_the_cpu() {
     let mut rng = Rng::new(23);
     for case in 0..4 {
-        let cfg = random_config(&mut rng);
-        let params = random_params(&cfg, 200 + case);
-        let tokens = random_tokens(&cfg, cfg.max_seq, &mut rng);
-        let full = full_forward_logits(&cfg, &params, &tokens);
+        let Case { cfg, params, tokens, full } = random_case(&mut rng, 200 + case);
         let opts = PipelineOptions::default();
         for p in [1, 2, cfg.max_seq / 2, cfg.max_seq] {
             let run = RunPrograms::decoder(&cfg, p, &opts).unwrap();

@@ -45,6 +45,24 @@ pub fn random_tokens(cfg: &Gpt2Config, n: usize, rng: &mut Rng) -> Vec<u16> {
     (0..n).map(|_| rng.below(cfg.vocab as u64) as u16).collect()
 }
 
+/// One random case: a config, its parameters (from `seed`), `max_seq` tokens and the
+/// interpreter's full-forward logits over them.
+pub struct Case {
+    pub cfg: Gpt2Config,
+    pub params: Vec<(String, Vec<usize>, Vec<f32>)>,
+    pub tokens: Vec<u16>,
+    pub full: Vec<f64>,
+}
+
+/// Draws a [`Case`]: the config and tokens from `rng`, the parameters from `seed`.
+pub fn random_case(rng: &mut Rng, seed: u64) -> Case {
+    let cfg = random_config(rng);
+    let params = random_params(&cfg, seed);
+    let tokens = random_tokens(&cfg, cfg.max_seq, rng);
+    let full = full_forward_logits(&cfg, &params, &tokens);
+    Case { cfg, params, tokens, full }
+}
+
 /// The interpreter's logits `[T, Vp]` of the whole forward over `tokens` (batch 1): the oracle.
 pub fn full_forward_logits(cfg: &Gpt2Config, params: &[(String, Vec<usize>, Vec<f32>)], tokens: &[u16]) -> Vec<f64> {
     let t = tokens.len();
