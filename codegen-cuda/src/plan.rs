@@ -150,11 +150,8 @@ pub(crate) fn plan(p: &Prog) -> Plan {
             let k_slots = k_count.max(cols.div_ceil(256) * 8);
             let col_parts = col_colreds.len() as u64;
             let bytes = col_parts * k_slots * 32 * tpb as u64 * 4;
-            k_count <= MAX_REG_PARTIALS
-                && col_parts * k_count > MAX_REG_PARTIALS
-                && bytes <= STAGE_MAX_BYTES
-                && row_colreds.is_empty()
-                && teams.is_multiple_of(tpb as u64)
+            // (A warp team with column reductions has k_count <= MAX_REG_PARTIALS: see `team`.)
+            col_parts * k_count > MAX_REG_PARTIALS && bytes <= STAGE_MAX_BYTES && row_colreds.is_empty() && teams.is_multiple_of(tpb as u64)
         }
         _ => false,
     };
