@@ -1,18 +1,13 @@
 //! End-to-end tests of the `fusec` binary: help, exit codes and messages on bad input, export,
 //! dump and a short training run on the interpreter.
 
-use std::path::PathBuf;
+use fusec_ir::testkit::TempDir;
 use std::process::{Command, Output};
 
 fn fusec(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_fusec")).args(args).output().unwrap()
 }
 
-fn tmp(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("fusec-cli-{}", std::process::id()));
-    std::fs::create_dir_all(&d).unwrap();
-    d.join(name)
-}
 
 fn text(b: &[u8]) -> String {
     String::from_utf8_lossy(b).into_owned()
@@ -40,7 +35,8 @@ fn every_command_has_help() {
 
 #[test]
 fn malformed_graph_gets_file_line_col_and_exit_2() {
-    let p = tmp("bad.graph");
+    let dir = TempDir::new("cli-malformed_graph_gets_file_line_col_and_exit_2");
+    let p = dir.join("bad.graph");
     std::fs::write(&p, "graph g(B) {\n  %0 = param \"w\" : f32[4]\n  %1 = frobnicate %0 : f32[4]\n}\n").unwrap();
     let o = fusec(&["dump", p.to_str().unwrap()]);
     assert_eq!(o.status.code(), Some(2));
@@ -52,7 +48,8 @@ fn malformed_graph_gets_file_line_col_and_exit_2() {
 
 #[test]
 fn export_then_dump_is_canonical() {
-    let p = tmp("tiny.graph");
+    let dir = TempDir::new("cli-export_then_dump_is_canonical");
+    let p = dir.join("tiny.graph");
     assert!(fusec(&["export", "gpt2", "--preset", "tiny", "-o", p.to_str().unwrap()]).status.success());
     let o = fusec(&["dump", p.to_str().unwrap(), "--pass", "parse"]);
     assert!(o.status.success());
@@ -71,10 +68,11 @@ fn export_rejects_bad_sizes() {
 
 #[test]
 fn train_on_the_interpreter_and_save_a_checkpoint() {
-    let graph = tmp("small.graph");
-    let data = tmp("train.bin");
-    let ckpt = tmp("out.bin");
-    let log = tmp("log.jsonl");
+    let dir = TempDir::new("cli-train_on_the_interpreter_and_save_a_checkpoint");
+    let graph = dir.join("small.graph");
+    let data = dir.join("train.bin");
+    let ckpt = dir.join("out.bin");
+    let log = dir.join("log.jsonl");
     let args = ["export", "gpt2", "--layers", "1", "--heads", "2", "--channels", "16", "--vocab", "50", "--max-seq", "16", "-o"];
     assert!(fusec(&[&args[..], &[graph.to_str().unwrap()]].concat()).status.success());
     let toks: Vec<u16> = (0..500u32).map(|i| ((i * 7 + i / 3) % 50) as u16).collect();
@@ -123,9 +121,10 @@ fn train_on_the_interpreter_and_save_a_checkpoint() {
 
 #[test]
 fn bad_checkpoint_and_token_files_are_named() {
-    let graph = tmp("g2.graph");
+    let dir = TempDir::new("cli-bad_checkpoint_and_token_files_are_named");
+    let graph = dir.join("g2.graph");
     assert!(fusec(&["export", "gpt2", "--preset", "tiny", "-o", graph.to_str().unwrap()]).status.success());
-    let bad = tmp("garbage.bin");
+    let bad = dir.join("garbage.bin");
     std::fs::write(&bad, vec![7u8; 2048]).unwrap();
     let o = fusec(&["run", graph.to_str().unwrap(), "--init", bad.to_str().unwrap(), "--data", bad.to_str().unwrap()]);
     assert_eq!(o.status.code(), Some(2));
@@ -138,10 +137,11 @@ fn bad_checkpoint_and_token_files_are_named() {
 
 #[test]
 fn checkpoint_that_does_not_fit_the_graph_is_refused() {
-    let graph = tmp("g3.graph");
-    let other = tmp("g4.graph");
-    let ckpt = tmp("other.bin");
-    let data = tmp("t3.bin");
+    let dir = TempDir::new("cli-checkpoint_that_does_not_fit_the_graph_is_refused");
+    let graph = dir.join("g3.graph");
+    let other = dir.join("g4.graph");
+    let ckpt = dir.join("other.bin");
+    let data = dir.join("t3.bin");
     assert!(fusec(&["export", "gpt2", "--preset", "tiny", "-o", graph.to_str().unwrap()]).status.success());
     let args = ["export", "gpt2", "--layers", "1", "--heads", "2", "--channels", "16", "--vocab", "50", "--max-seq", "16", "-o"];
     assert!(fusec(&[&args[..], &[other.to_str().unwrap()]].concat()).status.success());
@@ -168,7 +168,8 @@ fn checkpoint_that_does_not_fit_the_graph_is_refused() {
 
 #[test]
 fn cpu_target_trains_profiles_and_samples() {
-    let json = tmp("profile.json");
+    let dir = TempDir::new("cli-cpu_target_trains_profiles_and_samples");
+    let json = dir.join("profile.json");
     let o = fusec(&[
         "run",
         "models/gpt2-tiny.graph",
@@ -236,10 +237,11 @@ fn the_cpu_isa_is_detected_or_forced_and_a_bad_name_is_refused() {
 
 #[test]
 fn host_memory_beyond_the_cpu_arena_stays_under_half_the_parameters() {
+    let dir = TempDir::new("cli-host_memory_beyond_the_cpu_arena_stays_under_half_the_parameters");
     // 21M parameters (80 MiB): initialized and loaded one tensor at a time as f32, never as a
     // whole-model host copy (the f64 tensors of before held 3x the parameters beyond the arena).
-    let graph = tmp("mid.graph");
-    let ckpt = tmp("mid.bin");
+    let graph = dir.join("mid.graph");
+    let ckpt = dir.join("mid.bin");
     let args = ["export", "gpt2", "--layers", "4", "--heads", "8", "--channels", "512", "--vocab", "16384", "--max-seq", "64", "-o"];
     assert!(fusec(&[&args[..], &[graph.to_str().unwrap()]].concat()).status.success());
     let mib = |out: &str, before: &str| -> f64 {
