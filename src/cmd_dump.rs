@@ -51,6 +51,10 @@ pub struct DumpArgs {
     /// Include global-norm gradient clipping in the optimizer.
     #[arg(long)]
     grad_clip: bool,
+    /// Build one rank of a data-parallel run (`fusec run --ranks N`): the loss and the
+    /// gradients go through `all_reduce` (pass `data-parallel`).
+    #[arg(long)]
+    data_parallel: bool,
     /// Memory planning without reuse: every buffer gets its own range (for bisecting).
     #[arg(long)]
     no_reuse: bool,
@@ -93,6 +97,7 @@ pub fn dump(a: DumpArgs) -> CliResult {
         recompute: a.recompute.unwrap_or(Recompute::default_for(a.precision)),
         no_fusion: false,
         memplan: MemplanOptions { reuse: !a.no_reuse },
+        data_parallel: a.data_parallel,
     };
     let mode = match a.program {
         Program::Forward => Mode::Forward,

@@ -147,6 +147,10 @@ pub fn result_types(op: &Op, ins: &[&Type]) -> Result<SmallVec<[Type; 3]>, Strin
             same(ins[0], ins[1])?;
             one(ins[0].clone())
         }
+        AllReduce => {
+            float(ins[0], "operand")?;
+            one(ins[0].clone())
+        }
         Softmax => {
             float(ins[0], "operand")?;
             check(ins[0].shape.rank() >= 1, || "softmax needs rank >= 1".to_string())?;
@@ -264,7 +268,7 @@ pub fn expected_arity(op: &Op) -> Option<usize> {
     Some(match op {
         Param { .. } | Input { .. } | Const { .. } | Iota { .. } => 0,
         Unary(_) | Cast { .. } | Reshape { .. } | Broadcast { .. } | Permute { .. } | Slice { .. } | Reduce { .. } => 1,
-        Gelu | Softmax => 1,
+        Gelu | Softmax | AllReduce => 1,
         Binary(_) | Compare(_) | MatMul { .. } | Gather | ScatterAdd { .. } | GeluGrad | SoftmaxGrad => 2,
         CrossEntropy { .. } => 2,
         Attention { .. } => 1,

@@ -170,6 +170,10 @@ pub enum Op {
     /// operand is a low-precision copy of `p` (the bf16 weights the products read): then a fourth
     /// result is `p'` in the copy's dtype, written in the same pass (mixed precision's `amp`).
     AdamW { beta1: f64, beta2: f64, eps: f64, weight_decay: f64 },
+    /// The mean of `x` over the ranks of a data-parallel run: `(x: T[S]) -> T[S]`, the identity
+    /// on one rank (and in the interpreter, which is one rank). Made by `data-parallel` for the
+    /// loss and the gradients; backends run it as a collective (NCCL's all-reduce on CUDA).
+    AllReduce,
 
     // ---- fused ---------------------------------------------------------------------------
     /// A matmul with its epilogue folded in (`fuse-epilogue`, `fuse-grad-accum`):
@@ -277,6 +281,7 @@ impl Op {
             Attention { .. } => "attention",
             AttentionGrad { .. } => "attention_grad",
             AdamW { .. } => "adamw",
+            AllReduce => "all_reduce",
             Gemm(_) => "gemm",
             Kernel(_) => "kernel",
         }

@@ -264,6 +264,9 @@ fn backward_rule(e: &mut Emit, op: &Op, xs: &[ValueId], ys: &[ValueId], dys: &[O
             }
             vec![Some(e.op(Op::AttentionGrad { heads: *heads, scale: *scale }, &[xs[0], ys[0], ys[1], dy()?])?)]
         }
+        // Every rank's result is the mean of every rank's operand, so each operand's adjoint is
+        // the mean of the results' adjoints: the same collective.
+        Op::AllReduce => vec![Some(e.op(Op::AllReduce, &[dy()?])?)],
         Op::GeluGrad | Op::LayerNormGrad | Op::SoftmaxGrad | Op::CrossEntropyGrad { .. } | Op::AttentionGrad { .. } | Op::AdamW { .. } => {
             return Err("has no backward rule (second-order or optimizer op)".into())
         }

@@ -8,6 +8,7 @@
 pub mod amp;
 pub mod autodiff;
 pub mod canonicalize;
+pub mod data_parallel;
 pub mod explain;
 pub mod fuse_classifier;
 pub mod fuse_elementwise;

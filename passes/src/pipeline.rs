@@ -1,7 +1,7 @@
 //! The pass pipeline and its names, as accepted by `fusec dump --pass`.
 //!
 //! ```text
-//! parse → canonicalize → fuse-layernorm → autodiff → optimizer → amp → recompute
+//! parse → canonicalize → fuse-layernorm → autodiff → data-parallel → optimizer → amp → recompute
 //!       → fuse-classifier → fuse-epilogue → fuse-grad-accum → fuse-elementwise → schedule
 //!       → memplan
 //! ```
@@ -28,6 +28,7 @@ pub const PASSES: &[&str] = &[
     "canonicalize",
     "fuse-layernorm",
     "autodiff",
+    "data-parallel",
     "optimizer",
     "amp",
     "recompute",
@@ -64,6 +65,9 @@ pub struct PipelineOptions {
     pub no_fusion: bool,
     /// Memory planning options.
     pub memplan: MemplanOptions,
+    /// Build one rank of a data-parallel run (`data-parallel`: the loss and the gradients are
+    /// all-reduced); off skips the pass.
+    pub data_parallel: bool,
 }
 
 /// One pass's result and how long it took.
@@ -101,6 +105,7 @@ pub fn compile(g: &Graph, last: &str, mode: Mode, opts: &PipelineOptions, bind: 
         let skip = match name {
             "autodiff" => mode == Mode::Forward,
             "recompute" => mode == Mode::Forward || opts.recompute == Recompute::None,
+            "data-parallel" => !opts.data_parallel,
             "optimizer" => mode != Mode::Step,
             "fuse" => true,
             "canonicalize" | "fuse-layernorm" | "fuse-classifier" | "fuse-epilogue" | "fuse-grad-accum" | "fuse-elementwise" => {
@@ -112,7 +117,12 @@ pub fn compile(g: &Graph, last: &str, mode: Mode, opts: &PipelineOptions, bind: 
             continue;
         }
         let t0 = Instant::now();
-        let (graph, plan) = run_pass(name, &out.graph, opts, bind, &mut out.log)?;
+        let (graph, plan) = if name == "data-parallel" {
+            // Micro-steps reduce their loss only; the step reduces the gradients it applies.
+            (crate::data_parallel::data_parallel(&out.graph, mode == Mode::Step)?, None)
+        } else {
+            run_pass(name, &out.graph, opts, bind, &mut out.log)?
+        };
         out.graph = graph;
         if plan.is_some() {
             out.plan = plan;
@@ -140,6 +150,7 @@ pub fn run_pass(
         "canonicalize" => crate::canonicalize::canonicalize(g)?,
         "fuse-layernorm" => crate::fuse_layernorm::fuse_layernorm(g, log)?,
         "autodiff" => crate::autodiff::autodiff(g)?,
+        "data-parallel" => crate::data_parallel::data_parallel(g, true)?,
         "optimizer" => crate::optimizer::optimizer(g, &opts.adamw)?,
         "amp" => crate::amp::amp(g, opts.precision)?,
         "recompute" => crate::recompute::recompute(g, opts.recompute)?,

@@ -116,6 +116,7 @@ fn options(rng: &mut Rng) -> PipelineOptions {
         recompute: if rng.chance(0.3) { pick(rng, &[Recompute::Gelu, Recompute::GeluLayernorm]) } else { Recompute::None },
         no_fusion: rng.chance(0.2),
         memplan: MemplanOptions { reuse: !rng.chance(0.2) },
+        data_parallel: rng.chance(0.2),
     }
 }
 

@@ -138,6 +138,19 @@ pub struct Fill {
     pub out: u64,
 }
 
+/// The mean over the ranks of a data-parallel run of `n` elements (`all_reduce`).
+#[derive(Clone, Copy, Debug)]
+pub struct AllReduce {
+    /// The operand.
+    pub x: u64,
+    /// The result (the operand's bytes when the memory plan put it in place).
+    pub y: u64,
+    /// Elements.
+    pub n: usize,
+    /// f32 or bf16.
+    pub dtype: DType,
+}
+
 /// What one launch runs.
 #[derive(Clone, Debug)]
 pub enum LaunchOp<'g> {
@@ -155,6 +168,8 @@ pub enum LaunchOp<'g> {
     Iota(Iota),
     /// Constant fill.
     Fill(Fill),
+    /// Mean over the ranks.
+    AllReduce(AllReduce),
 }
 
 /// One launch of a program.
@@ -330,6 +345,11 @@ fn launches<'g>(g: &'g Graph, plan: &MemPlan, layout: &SharedLayout, bind: &Bind
             Op::Const { value, ty } => {
                 let cnt = dims(n.results[0])?.iter().product();
                 (LaunchOp::Fill(Fill { value: *value, dtype: ty.dtype, n: cnt, out: off(n.results[0])? }), "fill".into(), 0)
+            }
+            Op::AllReduce => {
+                let (x, y) = (off(n.inputs[0])?, off(n.results[0])?);
+                let r = AllReduce { x, y, n: dims(n.results[0])?.iter().product(), dtype: g.ty(n.results[0]).dtype };
+                (LaunchOp::AllReduce(r), "all_reduce".into(), 0)
             }
             other => return Err(err(format!("`{}` outside a fused kernel has no launch on a compiled target", other.mnemonic()))),
         };

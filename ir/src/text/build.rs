@@ -84,6 +84,7 @@ impl Parser<'_> {
             LayerNorm => Op::LayerNorm { eps: out.float("eps")? },
             LayerNormGrad => Op::LayerNormGrad,
             Softmax => Op::Softmax,
+            AllReduce => Op::AllReduce,
             SoftmaxGrad => Op::SoftmaxGrad,
             CrossEntropy => Op::CrossEntropy { vocab: out.int("vocab")? },
             CrossEntropyGrad => Op::CrossEntropyGrad { vocab: out.int("vocab")? },

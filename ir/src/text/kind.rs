@@ -35,6 +35,7 @@ pub(crate) enum Kind {
     Attention,
     AttentionGrad,
     AdamW,
+    AllReduce,
     Gemm,
     Kernel,
 }
@@ -86,6 +87,7 @@ pub(crate) fn kind_of(m: &str) -> Option<Kind> {
         "attention" => Attention,
         "attention_grad" => AttentionGrad,
         "adamw" => AdamW,
+        "all_reduce" => AllReduce,
         "gemm" => Gemm,
         "kernel" => Kernel,
         _ => return None,

@@ -234,7 +234,7 @@ impl InPlace {
 
 /// Elementwise ops and `adamw`: element `i` of every result from element `i` of the operands.
 fn is_pointwise(op: &Op) -> bool {
-    op.is_elementwise() || matches!(op, Op::AdamW { .. })
+    op.is_elementwise() || matches!(op, Op::AdamW { .. } | Op::AllReduce)
 }
 
 /// A `cross_entropy_grad` (or `cross_entropy_with_grad`) reached only through its logits:

@@ -9,7 +9,7 @@ use fusec_codegen_cpu::{CompiledKernel, KernelCompiler};
 use fusec_ir::{Bindings, DType};
 
 use super::attention::AttnStage;
-use crate::launches::{self, Attention, Fill, Gather, Iota, LaunchOp, Product, ScatterAdd};
+use crate::launches::{self, AllReduce, Attention, Fill, Gather, Iota, LaunchOp, Product, ScatterAdd};
 
 /// What one CPU launch does; offsets are bytes into the one allocation.
 pub enum Kind {
@@ -27,6 +27,8 @@ pub enum Kind {
     Iota(Iota),
     /// Constant fill.
     Fill(Fill),
+    /// Mean over the ranks (the executor's [`crate::dist::star::HostCollective`]).
+    AllReduce(AllReduce),
 }
 
 /// One launch: its kind, the name the profiler shows, and static byte and FLOP counts.
@@ -105,6 +107,7 @@ pub fn translate(plan: &[launches::Launch], bind: &Bindings, kc: &mut KernelComp
             }
             LaunchOp::Iota(i) => (Kind::Iota(i.clone()), 0),
             LaunchOp::Fill(f) => (Kind::Fill(*f), 0),
+            LaunchOp::AllReduce(r) => (Kind::AllReduce(*r), 0),
         };
         out.push(Launch { kind, name: l.name.clone(), bytes: l.bytes, flops, ops: l.ops.clone() });
     }

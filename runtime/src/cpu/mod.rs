@@ -11,6 +11,7 @@ mod peak;
 mod product;
 
 use std::collections::HashMap;
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use fusec_codegen_cpu::gemm::{bf16_bits, widen_bits};
@@ -20,8 +21,9 @@ use fusec_ir::interp::Tensor;
 use fusec_ir::DType;
 use fusec_passes::memplan::MemPlan;
 
+use crate::dist::star::HostCollective;
 use crate::executor::{Executor, StepOutputs};
-use crate::launches::{LaunchPlan, ProgramIo};
+use crate::launches::{AllReduce, LaunchPlan, ProgramIo};
 use crate::layout::SharedLayout;
 use crate::profile::{Profile, Timed};
 use crate::programs::{Program, RunPrograms};
@@ -63,6 +65,8 @@ pub struct CpuExecutor {
     attn: AttnScratch,
     /// Per-launch timings, when profiling.
     pub profile: Option<Profile>,
+    /// The other ranks of a data-parallel run (`None`: one rank, `all_reduce` is a copy).
+    collective: Option<Mutex<Box<dyn HostCollective>>>,
 }
 
 impl CpuExecutor {
@@ -102,8 +106,14 @@ impl CpuExecutor {
             isa,
             attn,
             profile: profile.then(Profile::default),
+            collective: None,
         };
         Ok((ex, build))
+    }
+
+    /// Makes this executor one rank of a data-parallel run: `all_reduce` launches go through `c`.
+    pub fn set_collective(&mut self, c: Box<dyn HostCollective>) {
+        self.collective = Some(Mutex::new(c));
     }
 
     /// Runs the launches of `program` whose name passes `keep`, calling `after(name)` after
@@ -165,8 +175,32 @@ impl CpuExecutor {
                 self.fill_with(it.out, it.dtype, n, |i| ((i / inner) % len) as f64);
             }
             Kind::Fill(fl) => self.fill_with(fl.out, fl.dtype, fl.n, |_| fl.value),
+            Kind::AllReduce(r) => self.all_reduce(r)?,
         }
         Ok(())
+    }
+
+    /// The mean over the ranks of `r.x` into `r.y` (bf16 through an f32 copy).
+    ///
+    /// # Safety
+    /// Both ranges must lie inside the arena.
+    unsafe fn all_reduce(&self, r: &AllReduce) -> Result<(), String> {
+        let width = if r.dtype == DType::BF16 { 2 } else { 4 };
+        if r.x != r.y {
+            std::ptr::copy_nonoverlapping(self.arena.base().add(r.x as usize), self.arena.base().add(r.y as usize), width * r.n);
+        }
+        let Some(c) = &self.collective else { return Ok(()) };
+        let mut c = c.lock().map_err(|_| "the collective was poisoned by an earlier panic".to_string())?;
+        match r.dtype {
+            DType::BF16 => {
+                let bits = self.slice::<u16>(r.y, r.n);
+                let mut wide: Vec<f32> = bits.iter().map(|&b| widen_bits(b)).collect();
+                c.all_reduce_mean(&mut wide)?;
+                bits.iter_mut().zip(wide).for_each(|(b, x)| *b = bf16_bits(x));
+                Ok(())
+            }
+            _ => c.all_reduce_mean(self.slice::<f32>(r.y, r.n)),
+        }
     }
 
     /// Writes `value(i)` to element `i` of the `n` elements of type `dt` at `off` (rounded to

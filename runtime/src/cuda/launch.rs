@@ -70,6 +70,8 @@ pub(crate) enum Step {
     Fill32 { dst: Addr, bits: u32, n: usize },
     /// A device-to-device copy.
     Copy { dst: Addr, src: Addr, bytes: u64 },
+    /// The mean over the ranks of `n` values of `dtype` (NCCL; a copy on one rank).
+    AllReduce { src: Addr, dst: Addr, n: usize, dtype: DType },
 }
 
 /// One launch: its steps, the name the profiler shows, static byte and FLOP counts.
@@ -221,7 +223,7 @@ impl Builder<'_> {
                 return Err(err(format!("a product of {} and {} operands", l.dtypes[0], l.dtypes[1])));
             }
             // Products and attention read and write bf16 themselves; other launches are f32/i32.
-            if !matches!(l.op, LaunchOp::Kernel { .. } | LaunchOp::Product(_) | LaunchOp::Attention(_)) {
+            if !matches!(l.op, LaunchOp::Kernel { .. } | LaunchOp::Product(_) | LaunchOp::Attention(_) | LaunchOp::AllReduce(_)) {
                 if let Some(dt) = l.dtypes.iter().find(|d| matches!(d, DType::BF16 | DType::F16)) {
                     return Err(err(format!(
                         "{dt} storage outside fused kernels is not supported by the CUDA target yet (use --precision fp32)"
@@ -293,6 +295,10 @@ impl Builder<'_> {
                         d => return Err(err(format!("a {d} constant outside a fused kernel"))),
                     };
                     push(vec![Step::Fill32 { dst, bits, n: fl.n }], "fill", 0);
+                }
+                LaunchOp::AllReduce(r) => {
+                    let step = Step::AllReduce { src: Addr::Plan(r.x), dst: Addr::Plan(r.y), n: r.n, dtype: r.dtype };
+                    push(vec![step], "all_reduce", 0);
                 }
             }
         }

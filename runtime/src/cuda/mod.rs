@@ -48,6 +48,8 @@ use fusec_ir::interp::{round_to, Tensor};
 use fusec_ir::DType;
 use fusec_passes::memplan::ALIGN;
 
+use crate::dist::launch_env::LaunchEnv;
+use crate::dist::nccl::NcclRank;
 use crate::executor::{Executor, StepOutputs};
 use crate::launches::{LaunchOp, LaunchPlan, ProgramIo};
 use crate::layout::SharedLayout;
@@ -88,6 +90,9 @@ pub struct CudaExecutor {
     round_bf16: sys::CUfunction,
     /// Whether f32 products run on TF32 tensor cores (the handle's math mode).
     tf32: bool,
+    /// The other ranks of a data-parallel run (`None`: one rank, `all_reduce` is a copy);
+    /// dropped before the device.
+    nccl: Option<NcclRank>,
     dev: Device,
 }
 
@@ -248,9 +253,21 @@ impl CudaExecutor {
             lt_plans,
             round_bf16: nf[13],
             tf32: opts.tf32,
+            nccl: None,
             dev,
         };
         Ok((ex, build))
+    }
+
+    /// Makes this executor one rank of the data-parallel run of `env` (on more than one rank,
+    /// `all_reduce` launches go through NCCL; `timeout` bounds the rendezvous). Call it before
+    /// the first run: CUDA graphs capture the collectives.
+    pub fn join_ranks(&mut self, env: &LaunchEnv, timeout: Duration) -> Result<(), String> {
+        if env.world_size > 1 {
+            self.dev.bind()?;
+            self.nccl = Some(NcclRank::join(env, timeout)?);
+        }
+        Ok(())
     }
 
     /// The most GPU memory seen in use (every process), sampled after the build and after each
@@ -398,6 +415,11 @@ impl CudaExecutor {
             Step::Copy { dst, src, bytes } => {
                 ck(sys::cuMemcpyDtoDAsync_v2(self.addr(*dst), self.addr(*src), *bytes as usize, d.stream), "copy")
             }
+            Step::AllReduce { src, dst, n, dtype } => match &self.nccl {
+                Some(c) => c.all_reduce_mean(self.addr(*src), self.addr(*dst), *n, *dtype, d.stream),
+                None if src == dst => Ok(()),
+                None => ck(sys::cuMemcpyDtoDAsync_v2(self.addr(*dst), self.addr(*src), n * dtype.size_bytes(), d.stream), "copy"),
+            },
         }
     }
 

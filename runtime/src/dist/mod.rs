@@ -18,6 +18,7 @@ pub mod launch_env;
 pub mod nccl;
 pub mod rendezvous;
 pub mod shard;
+pub mod star;
 
 /// Alignment in bytes of every gradient slot, bucket and shard offset: the memory plan's
 /// ([`fusec_passes::memplan::ALIGN`], 256 bytes), which is also more than any vectorized

@@ -80,3 +80,59 @@ fn run(elements: usize, iters: usize) -> Result<CheckReport, String> {
     let bus_gbps = if n > 1 { bytes * 2.0 * (n - 1) as f64 / n as f64 / (ms * 1e-3) / 1e9 } else { 0.0 };
     Ok(CheckReport { ranks: n, version, elements, ms, bus_gbps })
 }
+
+/// This process's rank of a data-parallel run on NCCL: one communicator over every rank's GPU,
+/// made from the unique id rank 0 serves over the rendezvous.
+pub struct NcclRank {
+    comm: cudarc::nccl::sys::ncclComm_t,
+    /// This rank.
+    pub rank: usize,
+    /// Number of ranks.
+    pub world: usize,
+}
+
+impl NcclRank {
+    /// Joins the run of `env` (the calling thread's CUDA context is the rank's GPU): rank 0
+    /// draws the unique id, every rank gets it through the rendezvous (`timeout` bounds the
+    /// wait), then all make the communicator together.
+    pub fn join(env: &super::launch_env::LaunchEnv, timeout: std::time::Duration) -> Result<NcclRank, String> {
+        crate::cuda::guard("NCCL (libnccl.so.2, loaded at run time: install NCCL or set LD_LIBRARY_PATH)", || {
+            let e = |what: &'static str| move |err: cudarc::nccl::result::NcclError| format!("NCCL {what}: {err:?}");
+            let id = if env.rank == 0 { Some(cudarc::nccl::result::get_uniqueid().map_err(e("unique id"))?) } else { None };
+            let blob = super::rendezvous::rendezvous(env, || id.map_or([0; 128], |id| id.internal.map(|c| c as u8)), timeout)?;
+            let id = cudarc::nccl::sys::ncclUniqueId { internal: blob.map(|b| b as std::ffi::c_char) };
+            let (rank, world) = (env.rank, env.world_size);
+            let mut comm = std::mem::MaybeUninit::uninit();
+            // SAFETY: every rank passes the same id and world size, and its own rank.
+            let comm = unsafe {
+                cudarc::nccl::result::comm_init_rank(comm.as_mut_ptr(), world as i32, id, rank as i32).map_err(e("communicator"))?;
+                comm.assume_init()
+            };
+            Ok(NcclRank { comm, rank, world })
+        })
+    }
+
+    /// Enqueues on `stream` the mean over the ranks of the `n` values (f32 or bf16) at device
+    /// address `src` into `dst` (the same address: in place).
+    ///
+    /// # Safety
+    /// Both ranges must be device memory of this rank's GPU, `n` values of `dtype` long.
+    pub unsafe fn all_reduce_mean(&self, src: u64, dst: u64, n: usize, dtype: fusec_ir::DType, stream: cudarc::driver::sys::CUstream) -> Result<(), String> {
+        use cudarc::nccl::sys::{ncclDataType_t, ncclRedOp_t};
+        let ty = match dtype {
+            fusec_ir::DType::F32 => ncclDataType_t::ncclFloat32,
+            fusec_ir::DType::BF16 => ncclDataType_t::ncclBfloat16,
+            d => return Err(format!("all_reduce of {d} values is not supported on the GPU (f32 and bf16 are)")),
+        };
+        cudarc::nccl::result::all_reduce(src as *const _, dst as *mut _, n, ty, ncclRedOp_t::ncclAvg, self.comm, stream as _)
+            .map(|_| ())
+            .map_err(|e| format!("NCCL all-reduce of {n} values: {e:?}"))
+    }
+}
+
+impl Drop for NcclRank {
+    fn drop(&mut self) {
+        // SAFETY: made by `join`, destroyed once.
+        let _ = unsafe { cudarc::nccl::result::comm_destroy(self.comm) };
+    }
+}
