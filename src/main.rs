@@ -76,6 +76,7 @@ fn main() -> ExitCode {
         // The reader of a pipe stopped reading (`| head`): not an error of the run.
         Err(e) if e == out::STDOUT_CLOSED => ExitCode::SUCCESS,
         Err(e) => {
+            out::set_quiet(false);
             errln!("error: {e}");
             ExitCode::from(2)
         }

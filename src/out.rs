@@ -5,12 +5,25 @@
 //! on [`STDOUT_CLOSED`]: the reader chose to stop reading.
 
 use std::io::Write;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+/// Set on the ranks of a data-parallel run other than rank 0: they print nothing but their
+/// final error ([`set_quiet`]).
+static QUIET: AtomicBool = AtomicBool::new(false);
+
+/// Silences standard output and standard error, or (`false`) gives them back.
+pub fn set_quiet(quiet: bool) {
+    QUIET.store(quiet, Ordering::Relaxed);
+}
 
 /// The error of a write to a closed standard output.
 pub const STDOUT_CLOSED: &str = "standard output was closed";
 
 /// Writes `s` to standard output and flushes it.
 pub fn write_stdout(s: &str) -> Result<(), String> {
+    if QUIET.load(Ordering::Relaxed) {
+        return Ok(());
+    }
     let mut out = std::io::stdout().lock();
     out.write_all(s.as_bytes()).and_then(|_| out.flush()).map_err(|e| match e.kind() {
         std::io::ErrorKind::BrokenPipe => STDOUT_CLOSED.to_string(),
@@ -20,6 +33,9 @@ pub fn write_stdout(s: &str) -> Result<(), String> {
 
 /// Writes `s` to standard error, ignoring errors.
 pub fn write_stderr(s: &str) {
+    if QUIET.load(Ordering::Relaxed) {
+        return;
+    }
     let mut err = std::io::stderr().lock();
     let _ = err.write_all(s.as_bytes()).and_then(|_| err.flush());
 }

@@ -215,8 +215,9 @@ fn written_back(g: &Graph) -> HashMap<String, Option<ValueId>> {
 }
 
 /// The products whose results become parameter gradients: those reached backwards from an
-/// `adamw`'s gradient operand or a `grad.P` output through adds, scales, views and casts (a
-/// gradient summed from several products, clipped, or fresh without an accumulator).
+/// `adamw`'s gradient operand or a `grad.P` output through adds, scales, views, casts and
+/// all-reduces (a gradient summed from several products, clipped, fresh without an
+/// accumulator, or averaged over the ranks).
 fn gradient_products(g: &Graph) -> HashSet<ValueId> {
     let mut stack: Vec<ValueId> = g.nodes.iter().filter(|n| matches!(n.op, Op::AdamW { .. })).map(|n| n.inputs[1]).collect();
     stack.extend(g.outputs.iter().filter(|(n, _)| n.starts_with("grad.")).map(|(_, v)| *v));
@@ -230,7 +231,11 @@ fn gradient_products(g: &Graph) -> HashSet<ValueId> {
             Op::MatMul { .. } => {
                 out.insert(v);
             }
-            Op::Binary(fusec_ir::BinaryOp::Add | fusec_ir::BinaryOp::Mul) | Op::Reshape { .. } | Op::Broadcast { .. } | Op::Cast { .. } => {
+            Op::Binary(fusec_ir::BinaryOp::Add | fusec_ir::BinaryOp::Mul)
+            | Op::Reshape { .. }
+            | Op::Broadcast { .. }
+            | Op::Cast { .. }
+            | Op::AllReduce => {
                 stack.extend(p.inputs.iter().copied())
             }
             _ => {}

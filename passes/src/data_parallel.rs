@@ -10,29 +10,51 @@
 //! Micro-steps that only accumulate (the `Grad` program) reduce their loss but not their
 //! gradients: the last micro-step reduces the sum, as PyTorch DDP's `no_sync` does.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 
-use fusec_ir::{Graph, Op};
+use fusec_ir::{Graph, Op, ValueId};
 
 use crate::autodiff::grad_name;
+use crate::rewrite::Copier;
 
 /// Wraps the `loss` output and, with `gradients`, every parameter's `grad.P` output in an
-/// `all_reduce`.
-/// An error (never a panic) when the graph has neither.
+/// `all_reduce`: the loss's right after the loss (the end of the forward, where `recompute`
+/// looks for it), the gradients' at the end (right after their producers they would close the
+/// producers' kernels to the fusions that follow; `schedule` places them). An error (never a
+/// panic) when the graph has neither.
 pub fn data_parallel(g: &Graph, gradients: bool) -> Result<Graph, String> {
     let grads: HashSet<String> = if gradients { g.params().into_iter().map(|(p, _)| grad_name(p)).collect() } else { HashSet::new() };
-    let mut out = g.clone();
-    let mut reduced = 0;
-    for i in 0..out.outputs.len() {
-        let (name, v) = out.outputs[i].clone();
-        if name == "loss" || grads.contains(&name) {
-            let r = out.try_add(Op::AllReduce, &[v]).map_err(|e| format!("data-parallel: output `{name}`: {e}"))?;
-            out.outputs[i].1 = r[0];
-            reduced += 1;
-        }
-    }
-    if reduced == 0 {
+    let loss = g.output_named("loss");
+    if loss.is_none() && grads.is_empty() {
         return Err("data-parallel: the graph has no `loss` or gradient output to reduce".to_string());
     }
+    let mut c = Copier::new(g, "data-parallel");
+    // Old value -> its all_reduce in the new graph.
+    let mut reduced = HashMap::new();
+    for n in &g.nodes {
+        let ins = c.get_all(&n.inputs)?;
+        c.copy(n, &ins);
+        if let Some(l) = loss.filter(|l| n.results.contains(l)) {
+            reduced.insert(l, all_reduce(&mut c, l)?);
+        }
+    }
+    for (_, v) in g.outputs.iter().filter(|(name, _)| grads.contains(name)) {
+        if !reduced.contains_key(v) {
+            reduced.insert(*v, all_reduce(&mut c, *v)?);
+        }
+    }
+    let mut out = c.finish()?;
+    for ((_, new), (name, old)) in out.outputs.iter_mut().zip(&g.outputs) {
+        if let Some(&r) = reduced.get(old).filter(|_| name == "loss" || grads.contains(name)) {
+            *new = r;
+        }
+    }
     Ok(out)
+}
+
+/// Appends `all_reduce` of old value `v` to the new graph.
+fn all_reduce(c: &mut Copier, v: ValueId) -> Result<ValueId, String> {
+    let x = c.get(v)?;
+    let ty = c.out.ty(x).clone();
+    Ok(c.out.push_unchecked(Op::AllReduce, &[x], vec![ty])[0])
 }

@@ -169,6 +169,17 @@ pub struct RunArgs {
     /// Write one JSON object per step (step, loss, lr, ms, val_loss).
     #[arg(long)]
     pub log_json: Option<PathBuf>,
+    /// Data parallelism on this host: start N ranks (1..=64), one process each (one GPU each on
+    /// --target cuda), every one training on its --batch rows of a global batch of N·B with
+    /// gradients averaged across ranks (NCCL on the GPU). Launched by `torchrun` instead (its
+    /// RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT set), a process is one rank and
+    /// this flag, if given, must equal WORLD_SIZE.
+    #[arg(long, visible_alias = "gpus", value_name = "N", value_parser = in_range(1, 64))]
+    pub ranks: Option<usize>,
+    /// How long a rank waits for the others, in seconds, at start-up and in each collective of
+    /// the CPU target, before it stops with an error naming the missing rank (1..=86400).
+    #[arg(long, value_name = "SECONDS", default_value_t = 300, value_parser = in_range(1, 86400))]
+    pub rank_timeout: usize,
 }
 
 /// An integer flag parser that accepts `lo..=hi` and says so otherwise.
@@ -198,6 +209,9 @@ impl RunArgs {
         finite("--temperature", self.temperature as f64, 0.0, 100.0, false)?;
         finite("--lr-decay-to", self.lr_decay_to as f64, 0.0, 1.0, false)?;
         finite("--divergence-factor", self.divergence_factor, 1.0, f64::INFINITY, true)?;
+        if self.ranks.is_some() && self.target == Target::Ref {
+            return Err("--ranks needs --target cpu or --target cuda (the reference interpreter is one process)".into());
+        }
         if self.val.is_some() && self.data.is_none() {
             return Err("--val needs --data (the embedded corpus brings its own validation split)".into());
         }

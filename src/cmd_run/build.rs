@@ -1,7 +1,10 @@
 //! Building the executor of `fusec run` for its target, and the summary rows that describe the
 //! build (kernels, device, memory).
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
+
+use fusec_runtime::dist::launch_env::LaunchEnv;
+use fusec_runtime::dist::star::TcpStar;
 
 use fusec_runtime::cpu::CpuExecutor;
 use fusec_runtime::cuda::{CudaExecutor, CudaOptions};
@@ -33,8 +36,9 @@ fn profile(a: &RunArgs) -> Option<Profile> {
 }
 
 /// Builds the executor for `a.target` (memory planning, code generation, the one allocation,
-/// refused with both numbers when it does not fit the free memory).
-pub fn executor(a: &RunArgs, run: &RunPrograms, threads: usize) -> Result<Built, String> {
+/// refused with both numbers when it does not fit the free memory); in a data-parallel run
+/// (`dist`), connected to the other ranks.
+pub fn executor(a: &RunArgs, run: &RunPrograms, threads: usize, dist: Option<&LaunchEnv>) -> Result<Built, String> {
     let profile = profile(a);
     let mut summary: Vec<(String, String)> = vec![];
     let mut phases = vec![];
@@ -44,6 +48,12 @@ pub fn executor(a: &RunArgs, run: &RunPrograms, threads: usize) -> Result<Built,
             let (mut ex, build) = CpuExecutor::new(run, threads, profile.is_some())?;
             ex.profile = profile;
             phases.push(("memory plans, launch lists, Cranelift".to_string(), build.compile_time));
+            if let Some(env) = dist {
+                let t = Instant::now();
+                ex.set_collective(Box::new(TcpStar::connect(env, super::ranks::timeout(a))?));
+                phases.push(("rendezvous".to_string(), t.elapsed()));
+                summary.push(("ranks".into(), format!("{} (gradients averaged through rank 0 over TCP)", env.world_size)));
+            }
             summary.push(("cpu isa".into(), build.isa.describe()));
             let plan = &build.step_plan;
             let (compiled, hits) = build.kernels;
@@ -72,6 +82,12 @@ pub fn executor(a: &RunArgs, run: &RunPrograms, threads: usize) -> Result<Built,
             let (mut ex, build) = CudaExecutor::new(run, &opts)?;
             ex.profile = profile;
             phases = build.phases.iter().map(|(n, d)| (n.to_string(), *d)).collect();
+            if let Some(env) = dist {
+                let t = Instant::now();
+                ex.join_ranks(env, super::ranks::timeout(a))?;
+                phases.push(("rendezvous, NCCL".to_string(), t.elapsed()));
+                summary.push(("ranks".into(), format!("{} (gradients averaged by NCCL)", env.world_size)));
+            }
             let k = &build.kernels;
             let math = if a.no_tf32 { ", exact fp32" } else { ", TF32" };
             summary.push(("device".into(), format!("{} (NVRTC {}.{}){math}", build.device, build.nvrtc.0, build.nvrtc.1)));

@@ -10,6 +10,7 @@
 
 mod args;
 mod build;
+mod ranks;
 mod resume;
 mod roof;
 mod summary;
@@ -27,6 +28,7 @@ use fusec_runtime::checkpoint::Checkpoint;
 use fusec_runtime::corpus::markov_tokens;
 use fusec_runtime::cuda::CudaOptions;
 use fusec_runtime::data::DataLoader;
+use fusec_runtime::dist::launch_env::LaunchEnv;
 use fusec_runtime::params::{prefetch, ParamSource};
 use fusec_runtime::programs::RunPrograms;
 use fusec_runtime::savedir;
@@ -38,16 +40,25 @@ use crate::{load_graph, CliResult};
 use summary::{Phases, Summary};
 
 /// Runs `fusec run`.
-pub fn run(a: RunArgs) -> CliResult {
+pub fn run(mut a: RunArgs) -> CliResult {
     let t_start = Instant::now();
     a.validate()?;
+    let dist = LaunchEnv::from_process_env()?;
+    match (&dist, a.ranks) {
+        (None, Some(n)) => return ranks::launch(n, a.target),
+        (Some(env), _) => ranks::become_rank(&mut a, env)?,
+        (None, None) => {}
+    }
+    let world = dist.as_ref().map_or(1, |e| e.world_size);
     if a.target == Target::Cuda {
         // The driver's start-up (and the NVRTC workers') overlaps parsing, initialization and
         // compiling.
         fusec_runtime::cuda::start_driver();
         fusec_codegen_cuda::nvrtc::workers::prestart();
     }
-    let threads = a.threads.unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)).max(1);
+    // Ranks on one host share its cores.
+    let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    let threads = a.threads.unwrap_or(cores / world).max(1);
     rayon::ThreadPoolBuilder::new().num_threads(threads).build_global().map_err(|e| format!("thread pool: {e}"))?;
     let g = load_graph(&a.file)?;
     let model = Gpt2Config::from_graph(&g).map_err(|e| format!("{}: {e}", a.file.display()))?;
@@ -61,7 +72,7 @@ pub fn run(a: RunArgs) -> CliResult {
     if let Some(dir) = &a.resume {
         resume::check(&a, dir, &model, &savedir::read_meta(dir)?)?;
     }
-    let (train_data, val_data, val_batches) = load_data(&a, &model)?;
+    let (train_data, val_data, val_batches) = load_data(&a, &model, dist.as_ref())?;
     // Drawn (or read) on another thread while the programs compile.
     let params = a.resume.is_none().then(|| {
         let src = if a.init == "random" { ParamSource::Random(a.seed) } else { ParamSource::File(a.init.clone().into()) };
@@ -80,13 +91,14 @@ pub fn run(a: RunArgs) -> CliResult {
         no_fusion: a.target == Target::Ref,
         precision: a.precision,
         recompute: a.recompute.unwrap_or(Recompute::default_for(a.precision)),
+        data_parallel: dist.is_some(),
         ..PipelineOptions::default()
     };
     let mut phases = Phases { init: t_start.elapsed().as_secs_f64(), ..Phases::default() };
     let t_compile = Instant::now();
     let run = RunPrograms::compile(&g, &opts, &RunPrograms::bindings(a.batch, a.seq), false)?;
     let t_build = Instant::now();
-    let mut built = build::executor(&a, &run, threads)?;
+    let mut built = build::executor(&a, &run, threads, dist.as_ref())?;
     let ex = built.ex.as_mut();
     phases.compile = t_compile.elapsed().as_secs_f64();
 
@@ -139,7 +151,7 @@ pub fn run(a: RunArgs) -> CliResult {
         start_step: start,
         first_loss,
     };
-    let tokens_per_step = a.batch * a.seq * a.grad_accum;
+    let tokens_per_step = a.batch * a.seq * a.grad_accum * world;
     let mut progress = Progress::new(start, a.steps, tokens_per_step, !cfg.schedule().is_constant());
     let mut first_done = None;
     let mut first = first_loss;
@@ -197,6 +209,7 @@ pub fn run(a: RunArgs) -> CliResult {
         first_done: first_done.unwrap_or_default(),
         phases: &phases,
         param_bytes: 4 * model.num_params() as u64,
+        ranks: world,
     };
     let mut rows = summary.rows(ex, &built.summary, t_start.elapsed().as_secs_f64());
     // After the summary's rows: a measurement's buffers stay out of its host memory peak.
@@ -240,9 +253,11 @@ fn check_same_config(path: &str, ckpt: &Gpt2Config, graph: &Gpt2Config) -> Resul
 
 /// Training and validation data (the given token files, or the embedded corpus) and the
 /// validation batches per evaluation; refuses more than the validation data holds.
-fn load_data(a: &RunArgs, model: &Gpt2Config) -> Result<(DataLoader, Option<DataLoader>, usize), String> {
+fn load_data(a: &RunArgs, model: &Gpt2Config, dist: Option<&LaunchEnv>) -> Result<(DataLoader, Option<DataLoader>, usize), String> {
+    let (rank, world) = dist.map_or((0, 1), |e| (e.rank, e.world_size));
+    let slice = |tokens: Vec<u16>| DataLoader::for_rank(tokens, a.batch, a.seq, rank, world);
     let loader = |p: &std::path::PathBuf| -> Result<DataLoader, String> {
-        let l = DataLoader::new(read_tokens(p).map_err(|e| e.to_string())?, a.batch, a.seq).map_err(|e| format!("{}: {e}", p.display()))?;
+        let l = slice(read_tokens(p).map_err(|e| e.to_string())?).map_err(|e| format!("{}: {e}", p.display()))?;
         l.check_vocab(model.vocab).map_err(|e| format!("{}: {e}", p.display()))?;
         Ok(l)
     };
@@ -250,14 +265,14 @@ fn load_data(a: &RunArgs, model: &Gpt2Config) -> Result<(DataLoader, Option<Data
         Some(p) => (loader(p)?, a.val.as_ref().map(loader).transpose()?),
         None => {
             errln!("no --data: training on the embedded corpus (a generated Markov chain over {} tokens)", model.vocab);
-            let corpus = |seed| DataLoader::new(markov_tokens(model.vocab, 200_000, 42, seed), a.batch, a.seq);
+            let corpus = |seed| slice(markov_tokens(model.vocab, 200_000, 42, seed));
             (corpus(1)?, Some(corpus(2)?))
         }
     };
     let held = val.as_ref().map_or(usize::MAX, |v| v.batches());
     let val_batches = match a.val_batches {
         Some(n) if n > held => {
-            return Err(format!("--val-batches {n} exceeds the {held} batches of B={} T={} the validation data holds", a.batch, a.seq))
+            return Err(format!("--val-batches {n} exceeds the {held} batches of B={} T={} the validation data holds", a.batch * world, a.seq))
         }
         Some(n) => n,
         None => held.clamp(1, 4),

@@ -1,0 +1,121 @@
+//! Data-parallel runs: `--ranks N` starts N copies of this command on this host, each with
+//! torchrun's variables (so a process that finds them, from this launcher or from `torchrun`
+//! itself, is one rank), and stops them all when one fails. Rank 0 prints, saves and logs;
+//! the other ranks train quietly and report only their errors, prefixed with their rank.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use fusec_runtime::dist::launch_env::{local_spawn_plan, LaunchEnv};
+
+use super::args::{RunArgs, Target};
+use crate::CliResult;
+
+/// Starts `n` ranks of this very command line and waits for all of them; the first that fails
+/// stops the others, and the error names it.
+pub fn launch(n: usize, target: Target) -> CliResult {
+    let plan = local_spawn_plan(n)?;
+    let exe = std::env::current_exe().map_err(|e| format!("--ranks: cannot find this program to start its ranks: {e}"))?;
+    let args: Vec<std::ffi::OsString> = std::env::args_os().skip(1).collect();
+    let gpus = visible_gpus();
+    let mut children: Vec<Option<Child>> = vec![];
+    for env in &plan {
+        let mut cmd = Command::new(&exe);
+        cmd.args(&args).envs(env.to_vars());
+        if target == Target::Cuda {
+            cmd.env("CUDA_VISIBLE_DEVICES", gpu_of(&gpus, env.local_rank));
+        }
+        if env.rank > 0 {
+            cmd.stdout(Stdio::null()).stderr(Stdio::piped());
+        }
+        let mut child = match cmd.spawn() {
+            Ok(c) => c,
+            Err(e) => {
+                stop(&mut children);
+                return Err(format!("--ranks: cannot start rank {}: {e}", env.rank));
+            }
+        };
+        if let Some(err) = child.stderr.take() {
+            let rank = env.rank;
+            std::thread::spawn(move || BufReader::new(err).lines().map_while(Result::ok).for_each(|l| errln!("[rank {rank}] {l}")));
+        }
+        children.push(Some(child));
+    }
+    loop {
+        let mut running = 0;
+        for (rank, slot) in children.iter_mut().enumerate() {
+            let Some(child) = slot else { continue };
+            match child.try_wait() {
+                Ok(None) => running += 1,
+                Ok(Some(status)) if status.success() => *slot = None,
+                Ok(Some(status)) => {
+                    *slot = None;
+                    stop(&mut children);
+                    let how = status.code().map_or_else(|| "was killed by a signal".to_string(), |c| format!("exited with code {c}"));
+                    return Err(format!("rank {rank} of {n} {how}; the other ranks were stopped"));
+                }
+                Err(e) => {
+                    stop(&mut children);
+                    return Err(format!("--ranks: cannot watch rank {rank}: {e}"));
+                }
+            }
+        }
+        if running == 0 {
+            return Ok(());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Kills and reaps every rank still running.
+fn stop(children: &mut [Option<Child>]) {
+    for c in children.iter_mut().flatten() {
+        let _ = c.kill();
+        let _ = c.wait();
+    }
+}
+
+/// The GPUs this process may use: `CUDA_VISIBLE_DEVICES`'s entries, or none said.
+fn visible_gpus() -> Option<Vec<String>> {
+    std::env::var("CUDA_VISIBLE_DEVICES").ok().map(|v| v.split(',').map(|s| s.trim().to_string()).filter(|s| !s.is_empty()).collect())
+}
+
+/// The GPU of local rank `i`: the i-th visible one (ranks past the list get none and fail with
+/// the driver's "no GPU" error), or GPU `i` when nothing restricts them.
+fn gpu_of(gpus: &Option<Vec<String>>, i: usize) -> String {
+    match gpus {
+        Some(list) => list.get(i).cloned().unwrap_or_default(),
+        None => i.to_string(),
+    }
+}
+
+/// Makes this process rank `env.rank`: on CUDA it keeps only its GPU visible (the launcher
+/// did so already; under `torchrun` the LOCAL_RANK-th of those visible); other ranks than 0
+/// write no files and print nothing but their error. Refuses `--ranks` other than WORLD_SIZE
+/// and the reference target. Call before any CUDA call or thread.
+pub fn become_rank(a: &mut RunArgs, env: &LaunchEnv) -> CliResult {
+    if let Some(n) = a.ranks.filter(|&n| n != env.world_size) {
+        return Err(format!("--ranks {n} but WORLD_SIZE={} (launched by torchrun, leave out --ranks or give the same number)", env.world_size));
+    }
+    if a.target == Target::Ref {
+        return Err("data-parallel runs need --target cpu or --target cuda (the reference interpreter is one process)".into());
+    }
+    if a.target == Target::Cuda {
+        let gpus = visible_gpus();
+        if gpus.as_ref().is_none_or(|g| g.len() != 1) {
+            // At the start of `run`, before the driver reads it and before any other thread.
+            std::env::set_var("CUDA_VISIBLE_DEVICES", gpu_of(&gpus, env.local_rank));
+        }
+    }
+    if env.rank > 0 {
+        (a.save, a.save_every, a.log_json, a.trace, a.profile_json, a.sample) = (None, None, None, None, None, 0);
+        crate::out::set_quiet(true);
+    }
+    Ok(())
+}
+
+/// How long ranks wait for each other.
+pub fn timeout(a: &RunArgs) -> Duration {
+    Duration::from_secs(a.rank_timeout as u64)
+}

@@ -1,0 +1,199 @@
+//! Data-parallel runs through the `fusec` binary on the CPU target (CUDA with `--ignored` on
+//! GPUs): one rank computes exactly what a plain run does; N ranks of batch B train like one
+//! process of batch N·B (the same global batches, gradients averaged); rank 0 alone prints and
+//! saves; a rank that never comes, or dies mid-run, stops the others with an error naming it,
+//! within the timeout; bad combinations of flags and torchrun's variables are refused.
+//!
+//! `FUSEC_BIN` may name the binary to test (the device runs a prebuilt one).
+
+use fusec_ir::testkit::TempDir;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+fn bin() -> PathBuf {
+    std::env::var_os("FUSEC_BIN").map(PathBuf::from).unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_fusec")))
+}
+
+fn tiny() -> String {
+    let p = concat!(env!("CARGO_MANIFEST_DIR"), "/models/gpt2-tiny.graph");
+    if Path::new(p).exists() {
+        p.to_string()
+    } else {
+        "models/gpt2-tiny.graph".to_string()
+    }
+}
+
+fn command(args: &[&str], env: &[(&str, String)]) -> Command {
+    let mut c = Command::new(bin());
+    c.args(args).stdin(Stdio::null());
+    for (k, v) in env {
+        c.env(k, v);
+    }
+    c
+}
+
+fn fusec(args: &[&str], env: &[(&str, String)]) -> Output {
+    command(args, env).output().unwrap()
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+/// (step, loss) and (step, val_loss) from a `--log-json` file.
+fn losses(path: &Path) -> Vec<(String, f64)> {
+    let s = std::fs::read_to_string(path).unwrap();
+    s.lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            let key = if v.get("loss").is_some() { "loss" } else { "val_loss" };
+            (format!("{key}@{}", v["step"]), v[key].as_f64().unwrap())
+        })
+        .collect()
+}
+
+/// Trains the tiny model for 6 steps with `extra` flags, logging to `log`; returns stdout.
+fn train(target: &str, log: &Path, extra: &[&str]) -> String {
+    let g = tiny();
+    let mut args = vec!["run", &g, "--target", target, "--steps", "6", "--seq", "32", "--val-every", "3", "--val-batches", "2"];
+    args.extend(["--log-json", log.to_str().unwrap()]);
+    args.extend(extra);
+    let o = fusec(&args, &[]);
+    assert!(o.status.success(), "{args:?}: {}", text(&o.stderr));
+    text(&o.stdout)
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+/// torchrun's variables for rank `rank` of `world` on this host.
+fn torchrun(rank: usize, world: usize, port: u16) -> Vec<(&'static str, String)> {
+    vec![
+        ("RANK", rank.to_string()),
+        ("WORLD_SIZE", world.to_string()),
+        ("LOCAL_RANK", rank.to_string()),
+        ("MASTER_ADDR", "127.0.0.1".to_string()),
+        ("MASTER_PORT", port.to_string()),
+    ]
+}
+
+fn one_rank_is_bit_identical(target: &str) {
+    let d = TempDir::new(&format!("ranks-one-{target}"));
+    for extra in [&["--batch", "2"][..], &["--batch", "2", "--precision", "bf16"], &["--batch", "1", "--grad-accum", "2", "--grad-clip", "1"]] {
+        let (plain, ranked) = (d.join("plain.jsonl"), d.join("ranked.jsonl"));
+        train(target, &plain, extra);
+        train(target, &ranked, &[extra, &["--ranks", "1"]].concat());
+        assert_eq!(losses(&plain), losses(&ranked), "{extra:?}");
+    }
+}
+
+fn ranks_train_like_one_process_of_the_global_batch(target: &str, ranks: usize) {
+    let d = TempDir::new(&format!("ranks-{ranks}-{target}"));
+    let n = ranks.to_string();
+    let global = (2 * ranks).to_string();
+    for extra in [&[][..], &["--grad-clip", "0.5"], &["--grad-accum", "2"], &["--precision", "bf16"]] {
+        let (one, many) = (d.join("one.jsonl"), d.join("many.jsonl"));
+        train(target, &one, &[extra, &["--batch", &global]].concat());
+        let save = d.join("ckpt");
+        let out = train(target, &many, &[extra, &["--batch", "2", "--ranks", &n, "--save", save.to_str().unwrap()]].concat());
+        let (a, b) = (losses(&one), losses(&many));
+        assert_eq!(a.len(), b.len(), "{extra:?}");
+        for ((ka, va), (kb, vb)) in a.iter().zip(&b) {
+            assert_eq!(ka, kb);
+            // The same sums in another order (per-rank means, then the mean over ranks): f32
+            // rounding apart, and bf16's products round per rank.
+            let tol = if extra.contains(&"bf16") { 2e-3 } else { 2e-5 };
+            assert!((va - vb).abs() <= tol * va.abs(), "{extra:?} {ka}: one process {va}, {ranks} ranks {vb}");
+        }
+        // Rank 0 alone printed and saved.
+        assert_eq!(out.matches("── summary").count(), 1, "{out}");
+        assert!(out.contains(&format!("ranks        {ranks} ")), "{out}");
+        assert!(save.join("model.bin").is_file() && save.join("state.bin").is_file());
+    }
+}
+
+#[test]
+fn one_cpu_rank_is_bit_identical_to_a_plain_run() {
+    one_rank_is_bit_identical("cpu");
+}
+
+#[test]
+fn two_cpu_ranks_train_like_one_process_of_the_global_batch() {
+    ranks_train_like_one_process_of_the_global_batch("cpu", 2);
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn one_cuda_rank_is_bit_identical_to_a_plain_run() {
+    one_rank_is_bit_identical("cuda");
+}
+
+#[test]
+#[ignore = "needs 2 NVIDIA GPUs and NCCL"]
+fn two_cuda_ranks_train_like_one_gpu_of_the_global_batch() {
+    ranks_train_like_one_process_of_the_global_batch("cuda", 2);
+}
+
+#[test]
+fn a_rank_that_never_comes_is_named_within_the_timeout() {
+    let t0 = Instant::now();
+    let o = fusec(&["run", &tiny(), "--steps", "3", "--rank-timeout", "1"], &torchrun(0, 2, free_port()));
+    assert_eq!(o.status.code(), Some(2));
+    let err = text(&o.stderr);
+    assert!(err.contains("rank 1 never arrived"), "{err}");
+    assert!(t0.elapsed() < Duration::from_secs(20), "{:?}", t0.elapsed());
+}
+
+#[test]
+fn a_rank_that_dies_mid_run_stops_the_others_with_its_name() {
+    let port = free_port();
+    let g = tiny();
+    let args = ["run", &g, "--steps", "1000000", "--batch", "1", "--seq", "16", "--rank-timeout", "30"];
+    let mut root = command(&args, &torchrun(0, 2, port)).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
+    let mut peer = command(&args, &torchrun(1, 2, port)).stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
+    // Both train (rank 0's first step line shows the rendezvous is done), then rank 1 is killed.
+    std::thread::sleep(Duration::from_secs(2));
+    peer.kill().unwrap();
+    peer.wait().unwrap();
+    let t0 = Instant::now();
+    let o = root.wait_with_output().unwrap();
+    assert_eq!(o.status.code(), Some(2));
+    let err = text(&o.stderr);
+    assert!(err.contains("rank 1 closed its connection"), "{err}");
+    assert!(t0.elapsed() < Duration::from_secs(20), "{:?}", t0.elapsed());
+}
+
+#[test]
+fn the_launcher_names_the_rank_that_failed() {
+    // Every rank fails on a missing token file only after the launcher started it: the error
+    // names a rank and says the others were stopped.
+    let d = TempDir::new("ranks-launcher");
+    let bad = d.join("bad.bin");
+    std::fs::write(&bad, [0u8; 64]).unwrap();
+    let o = fusec(&["run", &tiny(), "--steps", "2", "--ranks", "2", "--data", bad.to_str().unwrap()], &[]);
+    assert_eq!(o.status.code(), Some(2));
+    let err = text(&o.stderr);
+    assert!(err.contains("exited with code 2; the other ranks were stopped"), "{err}");
+    assert!(err.contains("truncated header"), "the rank's own error is shown: {err}");
+}
+
+#[test]
+fn bad_combinations_are_refused_before_any_rank_starts() {
+    let g = tiny();
+    let o = fusec(&["run", &g, "--target", "ref", "--ranks", "2"], &[]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(text(&o.stderr).contains("--ranks needs --target cpu or --target cuda"), "{}", text(&o.stderr));
+    let o = fusec(&["run", &g, "--ranks", "0"], &[]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(text(&o.stderr).contains("1..=64"), "{}", text(&o.stderr));
+    let o = fusec(&["run", &g, "--ranks", "3"], &torchrun(0, 2, free_port()));
+    assert!(text(&o.stderr).contains("--ranks 3 but WORLD_SIZE=2"), "{}", text(&o.stderr));
+    let o = fusec(&["run", &g, "--target", "ref"], &torchrun(0, 1, free_port()));
+    assert!(text(&o.stderr).contains("data-parallel runs need --target cpu"), "{}", text(&o.stderr));
+    let mut half = torchrun(0, 2, 1);
+    half.truncate(2);
+    let o = fusec(&["run", &g], &half);
+    assert!(text(&o.stderr).contains("LOCAL_RANK, MASTER_ADDR, MASTER_PORT missing"), "{}", text(&o.stderr));
+}
