@@ -52,9 +52,10 @@ pub fn data_parallel(g: &Graph, gradients: bool) -> Result<Graph, String> {
     Ok(out)
 }
 
-/// Appends `all_reduce` of old value `v` to the new graph.
+/// Appends `all_reduce` of old value `v` to the new graph (an error for a value that is not a
+/// float tensor).
 fn all_reduce(c: &mut Copier, v: ValueId) -> Result<ValueId, String> {
     let x = c.get(v)?;
     let ty = c.out.ty(x).clone();
-    Ok(c.out.push_unchecked(Op::AllReduce, &[x], vec![ty])[0])
+    Ok(c.out.try_add(Op::AllReduce, &[x]).map_err(|e| format!("data-parallel: cannot average {ty} over the ranks: {e}"))?[0])
 }

@@ -52,7 +52,7 @@ pub fn executor(a: &RunArgs, run: &RunPrograms, threads: usize, dist: Option<&La
                 let t = Instant::now();
                 ex.set_collective(Box::new(TcpStar::connect(env, super::ranks::timeout(a))?));
                 phases.push(("rendezvous".to_string(), t.elapsed()));
-                summary.push(("ranks".into(), format!("{} (gradients averaged through rank 0 over TCP)", env.world_size)));
+                summary.push(("ranks".into(), ranks_row(env, run, "through rank 0 over TCP")?));
             }
             summary.push(("cpu isa".into(), build.isa.describe()));
             let plan = &build.step_plan;
@@ -86,7 +86,7 @@ pub fn executor(a: &RunArgs, run: &RunPrograms, threads: usize, dist: Option<&La
                 let t = Instant::now();
                 ex.join_ranks(env, super::ranks::timeout(a))?;
                 phases.push(("rendezvous, NCCL".to_string(), t.elapsed()));
-                summary.push(("ranks".into(), format!("{} (gradients averaged by NCCL)", env.world_size)));
+                summary.push(("ranks".into(), ranks_row(env, run, "by NCCL")?));
             }
             let k = &build.kernels;
             let math = if a.no_tf32 { ", exact fp32" } else { ", TF32" };
@@ -123,4 +123,18 @@ pub fn executor(a: &RunArgs, run: &RunPrograms, threads: usize, dist: Option<&La
         }
     };
     Ok(Built { ex, summary, phases })
+}
+
+/// The summary row of a data-parallel run: ranks, and what each step averages across them.
+fn ranks_row(env: &LaunchEnv, run: &RunPrograms, how: &str) -> Result<String, String> {
+    let step = run.step()?;
+    let reduces: Vec<_> = step.nodes.iter().filter(|n| n.op == fusec_ir::Op::AllReduce).collect();
+    let bytes = reduces.iter().map(|n| step.ty(n.inputs[0]).bytes(&run.bind)).sum::<Result<usize, String>>()?;
+    Ok(format!(
+        "{} (this is rank {}); each step averages {} in {} all-reduces {how}",
+        env.world_size,
+        env.rank,
+        mib(bytes as u64),
+        reduces.len()
+    ))
 }

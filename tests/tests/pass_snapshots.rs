@@ -25,13 +25,21 @@ fn dump(pass: &str, opts: &PipelineOptions) -> String {
 #[test]
 fn every_pass_on_one_block() {
     // `amp` and `recompute` at their default policies change nothing: their snapshots would
-    // repeat `optimizer`'s.
-    for pass in PASSES.iter().filter(|p| !["parse", "fuse", "amp", "recompute"].contains(p)) {
+    // repeat `optimizer`'s; `data-parallel` runs only in data-parallel runs.
+    for pass in PASSES.iter().filter(|p| !["parse", "fuse", "amp", "recompute", "data-parallel"].contains(p)) {
         insta::assert_snapshot!(format!("block_{pass}"), dump(pass, &PipelineOptions::default()));
     }
     for pass in ["amp", "recompute"] {
         assert_eq!(dump(pass, &PipelineOptions::default()), dump("optimizer", &PipelineOptions::default()));
     }
+    assert_eq!(dump("data-parallel", &PipelineOptions::default()), dump("autodiff", &PipelineOptions::default()));
+}
+
+#[test]
+fn data_parallel_on_one_block() {
+    let opts = PipelineOptions { data_parallel: true, ..PipelineOptions::default() };
+    insta::assert_snapshot!("block_data_parallel", dump("data-parallel", &opts));
+    insta::assert_snapshot!("block_schedule_data_parallel", dump("schedule", &opts));
 }
 
 #[test]

@@ -259,14 +259,13 @@ impl CudaExecutor {
         Ok((ex, build))
     }
 
-    /// Makes this executor one rank of the data-parallel run of `env` (on more than one rank,
-    /// `all_reduce` launches go through NCCL; `timeout` bounds the rendezvous). Call it before
-    /// the first run: CUDA graphs capture the collectives.
+    /// Makes this executor one rank of the data-parallel run of `env`: `all_reduce` launches
+    /// go through NCCL (on one rank too, so that a one-rank run exercises the whole path;
+    /// `timeout` bounds the rendezvous). Call it before the first run: CUDA graphs capture the
+    /// collectives.
     pub fn join_ranks(&mut self, env: &LaunchEnv, timeout: Duration) -> Result<(), String> {
-        if env.world_size > 1 {
-            self.dev.bind()?;
-            self.nccl = Some(NcclRank::join(env, timeout)?);
-        }
+        self.dev.bind()?;
+        self.nccl = Some(NcclRank::join(env, timeout)?);
         Ok(())
     }
 
