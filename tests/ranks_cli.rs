@@ -151,7 +151,7 @@ fn a_rank_that_dies_mid_run_stops_the_others_with_its_name() {
     let port = free_port();
     let g = tiny();
     let args = ["run", &g, "--steps", "1000000", "--batch", "1", "--seq", "16", "--rank-timeout", "30"];
-    let mut root = command(&args, &torchrun(0, 2, port)).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
+    let root = command(&args, &torchrun(0, 2, port)).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
     let mut peer = command(&args, &torchrun(1, 2, port)).stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
     // Both train (rank 0's first step line shows the rendezvous is done), then rank 1 is killed.
     std::thread::sleep(Duration::from_secs(2));

@@ -148,8 +148,13 @@ pub fn result_types(op: &Op, ins: &[&Type]) -> Result<SmallVec<[Type; 3]>, Strin
             one(ins[0].clone())
         }
         AllReduce => {
-            float(ins[0], "operand")?;
-            one(ins[0].clone())
+            check(!ins.is_empty(), || "all_reduce needs at least one operand".to_string())?;
+            let mut out = SmallVec::new();
+            for x in ins {
+                float(x, "operand")?;
+                out.push((*x).clone());
+            }
+            Ok(out)
         }
         Softmax => {
             float(ins[0], "operand")?;
@@ -268,14 +273,14 @@ pub fn expected_arity(op: &Op) -> Option<usize> {
     Some(match op {
         Param { .. } | Input { .. } | Const { .. } | Iota { .. } => 0,
         Unary(_) | Cast { .. } | Reshape { .. } | Broadcast { .. } | Permute { .. } | Slice { .. } | Reduce { .. } => 1,
-        Gelu | Softmax | AllReduce => 1,
+        Gelu | Softmax => 1,
         Binary(_) | Compare(_) | MatMul { .. } | Gather | ScatterAdd { .. } | GeluGrad | SoftmaxGrad => 2,
         CrossEntropy { .. } => 2,
         Attention { .. } => 1,
         Select | LayerNorm { .. } | CrossEntropyGrad { .. } | CrossEntropyWithGrad { .. } => 3,
         AttentionGrad { .. } => 4,
         LayerNormGrad => 5,
-        Concat { .. } | Kernel(_) | AdamW { .. } => return None,
+        Concat { .. } | Kernel(_) | AdamW { .. } | AllReduce => return None,
         Gemm(g) => 2 + g.bias as usize + g.accumulate as usize,
     })
 }

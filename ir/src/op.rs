@@ -170,9 +170,11 @@ pub enum Op {
     /// operand is a low-precision copy of `p` (the bf16 weights the products read): then a fourth
     /// result is `p'` in the copy's dtype, written in the same pass (mixed precision's `amp`).
     AdamW { beta1: f64, beta2: f64, eps: f64, weight_decay: f64 },
-    /// The mean of `x` over the ranks of a data-parallel run: `(x: T[S]) -> T[S]`, the identity
-    /// on one rank (and in the interpreter, which is one rank). Made by `data-parallel` for the
-    /// loss and the gradients; backends run it as a collective (NCCL's all-reduce on CUDA).
+    /// The mean of each operand over the ranks of a data-parallel run:
+    /// `(x0: T0[S0], x1: T1[S1], ..) -> (T0[S0], T1[S1], ..)`, the identity on one rank (and in
+    /// the interpreter, which is one rank). Made by `data-parallel` for the loss and for buckets
+    /// of gradients; backends run one node as one collective (a group of NCCL all-reduces on
+    /// CUDA), result `i` in place over operand `i` or elsewhere.
     AllReduce,
 
     // ---- fused ---------------------------------------------------------------------------

@@ -12,16 +12,22 @@
 
 use std::collections::{HashMap, HashSet};
 
-use fusec_ir::{Graph, Op, ValueId};
+use fusec_ir::{Bindings, Graph, Op, ValueId};
 
 use crate::autodiff::grad_name;
 use crate::rewrite::Copier;
 
-/// Wraps the `loss` output and, with `gradients`, every parameter's `grad.P` output in an
-/// `all_reduce`: the loss's right after the loss (the end of the forward, where `recompute`
-/// looks for it), the gradients' at the end (right after their producers they would close the
-/// producers' kernels to the fusions that follow; `schedule` places them). An error (never a
-/// panic) when the graph has neither.
+/// The most gradient bytes one `all_reduce` averages (PyTorch DDP's `bucket_cap_mb` default):
+/// fewer, larger collectives pay NCCL's fixed cost less often; a gradient larger than this gets
+/// a bucket of its own.
+pub const BUCKET_BYTES: u64 = 25 << 20;
+
+/// Wraps the `loss` output in an `all_reduce` right after the loss (the end of the forward,
+/// where `recompute` looks for it) and, with `gradients`, the parameters' `grad.P` outputs in
+/// buckets of at most [`BUCKET_BYTES`], in the order the backward produces them, one
+/// `all_reduce` a bucket at the end of the graph (right after their producers they would close
+/// the producers' kernels to the fusions that follow; `schedule` places them). An error (never
+/// a panic) when the graph has neither, or a value to average is not a float tensor.
 pub fn data_parallel(g: &Graph, gradients: bool) -> Result<Graph, String> {
     let grads: HashSet<String> = if gradients { g.params().into_iter().map(|(p, _)| grad_name(p)).collect() } else { HashSet::new() };
     let loss = g.output_named("loss");
@@ -29,18 +35,26 @@ pub fn data_parallel(g: &Graph, gradients: bool) -> Result<Graph, String> {
         return Err("data-parallel: the graph has no `loss` or gradient output to reduce".to_string());
     }
     let mut c = Copier::new(g, "data-parallel");
-    // Old value -> its all_reduce in the new graph.
+    // Old value -> its average in the new graph.
     let mut reduced = HashMap::new();
     for n in &g.nodes {
         let ins = c.get_all(&n.inputs)?;
         c.copy(n, &ins);
         if let Some(l) = loss.filter(|l| n.results.contains(l)) {
-            reduced.insert(l, all_reduce(&mut c, l)?);
+            reduced.insert(l, all_reduce(&mut c, &[l])?[0]);
         }
     }
+    let mut order: Vec<ValueId> = vec![];
     for (_, v) in g.outputs.iter().filter(|(name, _)| grads.contains(name)) {
-        if !reduced.contains_key(v) {
-            reduced.insert(*v, all_reduce(&mut c, *v)?);
+        if !reduced.contains_key(v) && !order.contains(v) {
+            order.push(*v);
+        }
+    }
+    // Production order: the position of each gradient's producer.
+    order.sort_by_key(|v| g.values[v.0 as usize].node.0);
+    for bucket in buckets(g, &order)? {
+        for (old, new) in bucket.iter().zip(all_reduce(&mut c, &bucket)?) {
+            reduced.insert(*old, new);
         }
     }
     let mut out = c.finish()?;
@@ -52,10 +66,30 @@ pub fn data_parallel(g: &Graph, gradients: bool) -> Result<Graph, String> {
     Ok(out)
 }
 
-/// Appends `all_reduce` of old value `v` to the new graph (an error for a value that is not a
-/// float tensor).
-fn all_reduce(c: &mut Copier, v: ValueId) -> Result<ValueId, String> {
-    let x = c.get(v)?;
-    let ty = c.out.ty(x).clone();
-    Ok(c.out.try_add(Op::AllReduce, &[x]).map_err(|e| format!("data-parallel: cannot average {ty} over the ranks: {e}"))?[0])
+/// `values` (in production order) cut into runs of at most [`BUCKET_BYTES`].
+fn buckets(g: &Graph, values: &[ValueId]) -> Result<Vec<Vec<ValueId>>, String> {
+    let mut out: Vec<Vec<ValueId>> = vec![];
+    let mut filled = 0;
+    for &v in values {
+        let ty = g.ty(v);
+        // Gradients of parameters have concrete shapes.
+        let bytes = ty.bytes(&Bindings::default()).map_err(|e| format!("data-parallel: gradient {ty}: {e}"))? as u64;
+        match out.last_mut() {
+            Some(b) if filled + bytes <= BUCKET_BYTES => b.push(v),
+            _ => {
+                out.push(vec![v]);
+                filled = 0;
+            }
+        }
+        filled += bytes;
+    }
+    Ok(out)
+}
+
+/// Appends one `all_reduce` of old values `vs` to the new graph (an error for a value that is
+/// not a float tensor).
+fn all_reduce(c: &mut Copier, vs: &[ValueId]) -> Result<Vec<ValueId>, String> {
+    let xs = c.get_all(vs)?;
+    let r = c.out.try_add(Op::AllReduce, &xs).map_err(|e| format!("data-parallel: cannot average over the ranks: {e}"))?;
+    Ok(r.to_vec())
 }

@@ -138,7 +138,8 @@ pub struct Fill {
     pub out: u64,
 }
 
-/// The mean over the ranks of a data-parallel run of `n` elements (`all_reduce`).
+/// The mean over the ranks of a data-parallel run of `n` elements: one operand of an
+/// `all_reduce`.
 #[derive(Clone, Copy, Debug)]
 pub struct AllReduce {
     /// The operand.
@@ -168,8 +169,8 @@ pub enum LaunchOp<'g> {
     Iota(Iota),
     /// Constant fill.
     Fill(Fill),
-    /// Mean over the ranks.
-    AllReduce(AllReduce),
+    /// Mean over the ranks: one collective over every operand.
+    AllReduce(Vec<AllReduce>),
 }
 
 /// One launch of a program.
@@ -347,9 +348,11 @@ fn launches<'g>(g: &'g Graph, plan: &MemPlan, layout: &SharedLayout, bind: &Bind
                 (LaunchOp::Fill(Fill { value: *value, dtype: ty.dtype, n: cnt, out: off(n.results[0])? }), "fill".into(), 0)
             }
             Op::AllReduce => {
-                let (x, y) = (off(n.inputs[0])?, off(n.results[0])?);
-                let r = AllReduce { x, y, n: dims(n.results[0])?.iter().product(), dtype: g.ty(n.results[0]).dtype };
-                (LaunchOp::AllReduce(r), "all_reduce".into(), 0)
+                let mut parts = vec![];
+                for (&x, &y) in n.inputs.iter().zip(&n.results) {
+                    parts.push(AllReduce { x: off(x)?, y: off(y)?, n: dims(y)?.iter().product(), dtype: g.ty(y).dtype });
+                }
+                (LaunchOp::AllReduce(parts), "all_reduce".into(), 0)
             }
             other => return Err(err(format!("`{}` outside a fused kernel has no launch on a compiled target", other.mnemonic()))),
         };

@@ -234,7 +234,7 @@ impl InPlace {
 
 /// Elementwise ops and `adamw`: element `i` of every result from element `i` of the operands.
 fn is_pointwise(op: &Op) -> bool {
-    op.is_elementwise() || matches!(op, Op::AdamW { .. } | Op::AllReduce)
+    op.is_elementwise() || matches!(op, Op::AdamW { .. })
 }
 
 /// A `cross_entropy_grad` (or `cross_entropy_with_grad`) reached only through its logits:
@@ -274,6 +274,16 @@ pub(crate) fn in_place_options(node: &fusec_ir::Node, g: &Graph) -> InPlace {
             }
         }
         Op::Gemm(gm) if gm.accumulate && ni > 0 => o.reach[ni - 1] = Some(SmallVec::from_slice(&[0])),
+        // A collective reads all of one operand and writes its result: result `k` may overwrite
+        // operand `k` (NCCL in place), never another operand (not single-phase).
+        Op::AllReduce => {
+            for k in 0..ni.min(nr) {
+                o.reach[k] = Some(SmallVec::from_slice(&[k]));
+                if same_shape(k, k) {
+                    o.candidates[k].push(k);
+                }
+            }
+        }
         Op::Kernel(kernel) => {
             let body = &kernel.body;
             o.single_phase = body.nodes.iter().all(|n| {

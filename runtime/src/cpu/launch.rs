@@ -27,8 +27,9 @@ pub enum Kind {
     Iota(Iota),
     /// Constant fill.
     Fill(Fill),
-    /// Mean over the ranks (the executor's [`crate::dist::star::HostCollective`]).
-    AllReduce(AllReduce),
+    /// Mean over the ranks of every operand, in one collective (the executor's
+    /// [`crate::dist::star::HostCollective`]).
+    AllReduce(Vec<AllReduce>),
 }
 
 /// One launch: its kind, the name the profiler shows, and static byte and FLOP counts.
@@ -107,7 +108,7 @@ pub fn translate(plan: &[launches::Launch], bind: &Bindings, kc: &mut KernelComp
             }
             LaunchOp::Iota(i) => (Kind::Iota(i.clone()), 0),
             LaunchOp::Fill(f) => (Kind::Fill(*f), 0),
-            LaunchOp::AllReduce(r) => (Kind::AllReduce(*r), 0),
+            LaunchOp::AllReduce(parts) => (Kind::AllReduce(parts.clone()), 0),
         };
         out.push(Launch { kind, name: l.name.clone(), bytes: l.bytes, flops, ops: l.ops.clone() });
     }

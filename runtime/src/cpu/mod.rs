@@ -175,32 +175,42 @@ impl CpuExecutor {
                 self.fill_with(it.out, it.dtype, n, |i| ((i / inner) % len) as f64);
             }
             Kind::Fill(fl) => self.fill_with(fl.out, fl.dtype, fl.n, |_| fl.value),
-            Kind::AllReduce(r) => self.all_reduce(r)?,
+            Kind::AllReduce(parts) => self.all_reduce(parts)?,
         }
         Ok(())
     }
 
-    /// The mean over the ranks of `r.x` into `r.y` (bf16 through an f32 copy).
+    /// The mean over the ranks of each part's `x` into its `y`, in one collective over the
+    /// parts laid end to end as f32 (bf16 widened and rounded back).
     ///
     /// # Safety
-    /// Both ranges must lie inside the arena.
-    unsafe fn all_reduce(&self, r: &AllReduce) -> Result<(), String> {
-        let width = if r.dtype == DType::BF16 { 2 } else { 4 };
-        if r.x != r.y {
-            std::ptr::copy_nonoverlapping(self.arena.base().add(r.x as usize), self.arena.base().add(r.y as usize), width * r.n);
-        }
-        let Some(c) = &self.collective else { return Ok(()) };
-        let mut c = c.lock().map_err(|_| "the collective was poisoned by an earlier panic".to_string())?;
-        match r.dtype {
-            DType::BF16 => {
-                let bits = self.slice::<u16>(r.y, r.n);
-                let mut wide: Vec<f32> = bits.iter().map(|&b| widen_bits(b)).collect();
-                c.all_reduce_mean(&mut wide)?;
-                bits.iter_mut().zip(wide).for_each(|(b, x)| *b = bf16_bits(x));
-                Ok(())
+    /// Every range must lie inside the arena.
+    unsafe fn all_reduce(&self, parts: &[AllReduce]) -> Result<(), String> {
+        let Some(c) = &self.collective else {
+            for r in parts.iter().filter(|r| r.x != r.y) {
+                let bytes = r.n * r.dtype.size_bytes();
+                std::ptr::copy_nonoverlapping(self.arena.base().add(r.x as usize), self.arena.base().add(r.y as usize), bytes);
             }
-            _ => c.all_reduce_mean(self.slice::<f32>(r.y, r.n)),
+            return Ok(());
+        };
+        let mut flat: Vec<f32> = Vec::with_capacity(parts.iter().map(|r| r.n).sum());
+        for r in parts {
+            match r.dtype {
+                DType::BF16 => flat.extend(self.slice::<u16>(r.x, r.n).iter().map(|&b| widen_bits(b))),
+                _ => flat.extend_from_slice(self.slice::<f32>(r.x, r.n)),
+            }
         }
+        c.lock().map_err(|_| "the collective was poisoned by an earlier panic".to_string())?.all_reduce_mean(&mut flat)?;
+        let mut at = 0;
+        for r in parts {
+            let mean = &flat[at..at + r.n];
+            match r.dtype {
+                DType::BF16 => self.slice::<u16>(r.y, r.n).iter_mut().zip(mean).for_each(|(b, &x)| *b = bf16_bits(x)),
+                _ => self.slice::<f32>(r.y, r.n).copy_from_slice(mean),
+            }
+            at += r.n;
+        }
+        Ok(())
     }
 
     /// Writes `value(i)` to element `i` of the `n` elements of type `dt` at `off` (rounded to

@@ -70,8 +70,9 @@ pub(crate) enum Step {
     Fill32 { dst: Addr, bits: u32, n: usize },
     /// A device-to-device copy.
     Copy { dst: Addr, src: Addr, bytes: u64 },
-    /// The mean over the ranks of `n` values of `dtype` (NCCL; a copy on one rank).
-    AllReduce { src: Addr, dst: Addr, n: usize, dtype: DType },
+    /// The mean over the ranks of `n` values of `dtype` at each `src` into its `dst`, one NCCL
+    /// group (copies without a communicator).
+    AllReduce { parts: Vec<(Addr, Addr, usize, DType)> },
 }
 
 /// One launch: its steps, the name the profiler shows, static byte and FLOP counts.
@@ -296,9 +297,9 @@ impl Builder<'_> {
                     };
                     push(vec![Step::Fill32 { dst, bits, n: fl.n }], "fill", 0);
                 }
-                LaunchOp::AllReduce(r) => {
-                    let step = Step::AllReduce { src: Addr::Plan(r.x), dst: Addr::Plan(r.y), n: r.n, dtype: r.dtype };
-                    push(vec![step], "all_reduce", 0);
+                LaunchOp::AllReduce(parts) => {
+                    let parts = parts.iter().map(|r| (Addr::Plan(r.x), Addr::Plan(r.y), r.n, r.dtype)).collect();
+                    push(vec![Step::AllReduce { parts }], "all_reduce", 0);
                 }
             }
         }

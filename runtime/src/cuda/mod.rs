@@ -414,10 +414,14 @@ impl CudaExecutor {
             Step::Copy { dst, src, bytes } => {
                 ck(sys::cuMemcpyDtoDAsync_v2(self.addr(*dst), self.addr(*src), *bytes as usize, d.stream), "copy")
             }
-            Step::AllReduce { src, dst, n, dtype } => match &self.nccl {
-                Some(c) => c.all_reduce_mean(self.addr(*src), self.addr(*dst), *n, *dtype, d.stream),
-                None if src == dst => Ok(()),
-                None => ck(sys::cuMemcpyDtoDAsync_v2(self.addr(*dst), self.addr(*src), n * dtype.size_bytes(), d.stream), "copy"),
+            Step::AllReduce { parts } => match &self.nccl {
+                Some(c) => c.all_reduce_mean(parts.iter().map(|&(s, t, n, dt)| (self.addr(s), self.addr(t), n, dt)), d.stream),
+                None => {
+                    for &(src, dst, n, dtype) in parts.iter().filter(|(s, t, _, _)| s != t) {
+                        ck(sys::cuMemcpyDtoDAsync_v2(self.addr(dst), self.addr(src), n * dtype.size_bytes(), d.stream), "copy")?;
+                    }
+                    Ok(())
+                }
             },
         }
     }

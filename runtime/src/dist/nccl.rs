@@ -112,21 +112,38 @@ impl NcclRank {
         })
     }
 
-    /// Enqueues on `stream` the mean over the ranks of the `n` values (f32 or bf16) at device
-    /// address `src` into `dst` (the same address: in place).
+    /// Enqueues on `stream` one NCCL group: for each part `(src, dst, n, dtype)`, the mean over
+    /// the ranks of the `n` values (f32 or bf16) at device address `src` into `dst` (the same
+    /// address: in place). NCCL runs a group's collectives as one launch.
     ///
     /// # Safety
-    /// Both ranges must be device memory of this rank's GPU, `n` values of `dtype` long.
-    pub unsafe fn all_reduce_mean(&self, src: u64, dst: u64, n: usize, dtype: fusec_ir::DType, stream: cudarc::driver::sys::CUstream) -> Result<(), String> {
+    /// Every range must be device memory of this rank's GPU, `n` values of `dtype` long.
+    pub unsafe fn all_reduce_mean(
+        &self,
+        parts: impl Iterator<Item = (u64, u64, usize, fusec_ir::DType)>,
+        stream: cudarc::driver::sys::CUstream,
+    ) -> Result<(), String> {
         use cudarc::nccl::sys::{ncclDataType_t, ncclRedOp_t};
-        let ty = match dtype {
-            fusec_ir::DType::F32 => ncclDataType_t::ncclFloat32,
-            fusec_ir::DType::BF16 => ncclDataType_t::ncclBfloat16,
-            d => return Err(format!("all_reduce of {d} values is not supported on the GPU (f32 and bf16 are)")),
-        };
-        cudarc::nccl::result::all_reduce(src as *const _, dst as *mut _, n, ty, ncclRedOp_t::ncclAvg, self.comm, stream as _)
-            .map(|_| ())
-            .map_err(|e| format!("NCCL all-reduce of {n} values: {e:?}"))
+        let e = |what: &'static str| move |err: cudarc::nccl::result::NcclError| format!("NCCL {what}: {err:?}");
+        cudarc::nccl::result::group_start().map_err(e("group"))?;
+        let mut result = Ok(());
+        for (src, dst, n, dtype) in parts {
+            let ty = match dtype {
+                fusec_ir::DType::F32 => ncclDataType_t::ncclFloat32,
+                fusec_ir::DType::BF16 => ncclDataType_t::ncclBfloat16,
+                d => {
+                    result = Err(format!("all_reduce of {d} values is not supported on the GPU (f32 and bf16 are)"));
+                    break;
+                }
+            };
+            if let Err(err) = cudarc::nccl::result::all_reduce(src as *const _, dst as *mut _, n, ty, ncclRedOp_t::ncclAvg, self.comm, stream as _) {
+                result = Err(format!("NCCL all-reduce of {n} values: {err:?}"));
+                break;
+            }
+        }
+        // The group is closed whatever happened inside it.
+        cudarc::nccl::result::group_end().map_err(e("group"))?;
+        result
     }
 }
 
