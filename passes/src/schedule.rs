@@ -94,7 +94,22 @@ fn schedule_for(g: &Graph, probes: &[Bindings]) -> Result<Graph, String> {
     for m in &models {
         consider(m.list_order(true), true);
     }
-    Ok(reorder(g, &best))
+    Ok(reorder(g, &collectives_early(g, &best)))
+}
+
+/// `order` with every `all_reduce` moved up to right after the last producer of its operands:
+/// a bucket's collective starts as soon as its gradients are complete and overlaps the rest of
+/// the backward. The memory model sees no difference when the result overwrites its operand
+/// (`memplan` decides that: the operand is read by nothing else).
+fn collectives_early(g: &Graph, order: &[usize]) -> Vec<usize> {
+    let is_collective = |i: &usize| g.nodes[*i].op == Op::AllReduce;
+    let mut out: Vec<usize> = order.iter().copied().filter(|i| !is_collective(i)).collect();
+    for &i in order.iter().filter(|i| is_collective(i)) {
+        let producers: Vec<usize> = g.nodes[i].inputs.iter().map(|v| g.values[v.0 as usize].node.0 as usize).collect();
+        let at = out.iter().rposition(|j| producers.contains(j)).map_or(0, |p| p + 1);
+        out.insert(at, i);
+    }
+    out
 }
 
 /// The peak live transient bytes of `g`'s own node order under the module's memory model.

@@ -191,6 +191,10 @@ pub struct Launch<'g> {
     /// The IR ops it runs, in order: a fused kernel's body, a product's epilogues
     /// ([`fused_ops`]); what timelines show.
     pub ops: Vec<&'static str>,
+    /// The `all_reduce` launches (indices in this list) whose results it reads, directly or
+    /// through views: a target that runs collectives beside the other launches waits for them
+    /// here.
+    pub waits: Vec<usize>,
 }
 
 impl Launch<'_> {
@@ -289,7 +293,14 @@ fn concrete(g: &Graph, v: ValueId, bind: &Bindings) -> Result<Vec<usize>, String
 /// The launches of `g` under `plan`: every node but parameters, inputs and views.
 fn launches<'g>(g: &'g Graph, plan: &MemPlan, layout: &SharedLayout, bind: &Bindings) -> Result<Vec<Launch<'g>>, String> {
     let mut out = vec![];
+    // The `all_reduce` launch each value is a result (or a view of a result) of.
+    let mut reduced_by: HashMap<ValueId, usize> = HashMap::new();
     for (i, n) in g.nodes.iter().enumerate() {
+        if let Op::Reshape { .. } = n.op {
+            if let Some(&by) = n.inputs.first().and_then(|v| reduced_by.get(v)) {
+                reduced_by.insert(n.results[0], by);
+            }
+        }
         if matches!(n.op, Op::Param { .. } | Op::Input { .. } | Op::Reshape { .. }) {
             continue;
         }
@@ -356,7 +367,13 @@ fn launches<'g>(g: &'g Graph, plan: &MemPlan, layout: &SharedLayout, bind: &Bind
             }
             other => return Err(err(format!("`{}` outside a fused kernel has no launch on a compiled target", other.mnemonic()))),
         };
-        out.push(Launch { node: i, name, op, dtypes, bytes, flops, ops: fused_ops(g, n) });
+        let mut waits: Vec<usize> = n.inputs.iter().filter_map(|v| reduced_by.get(v).copied()).collect();
+        waits.sort_unstable();
+        waits.dedup();
+        if n.op == Op::AllReduce {
+            n.results.iter().for_each(|r| _ = reduced_by.insert(*r, out.len()));
+        }
+        out.push(Launch { node: i, name, op, dtypes, bytes, flops, ops: fused_ops(g, n), waits });
     }
     Ok(out)
 }

@@ -110,3 +110,33 @@ fn attention_launches_carry_the_storage_of_qkv() {
     let run = RunPrograms { graphs: HashMap::from([(Program::Step, step)]), bind, opts, pass_runs: vec![] };
     assert_eq!(plan_dtypes(&run), [DType::BF16, DType::BF16]);
 }
+
+#[test]
+fn collectives_start_after_their_last_gradient_and_their_readers_wait_for_them() {
+    let fwd = build_gpt2(&Gpt2Config::preset("tiny").unwrap(), "tiny");
+    let opts = PipelineOptions { data_parallel: true, ..PipelineOptions::default() };
+    let run = RunPrograms::compile(&fwd, &opts, &RunPrograms::bindings(2, 16), false).unwrap();
+    let plan = LaunchPlan::new(&run).unwrap();
+    let (_, launches, _) = plan.programs.iter().find(|(p, _, _)| *p == Program::Step).unwrap();
+    let g = run.step().unwrap();
+    let collectives: Vec<usize> = (0..launches.len()).filter(|&i| matches!(launches[i].op, LaunchOp::AllReduce(_))).collect();
+    // The loss and at least one bucket of gradients; every parameter's gradient averaged once.
+    assert!(collectives.len() >= 2, "{collectives:?}");
+    let averaged: usize = collectives.iter().map(|&i| g.nodes[launches[i].node].inputs.len()).sum();
+    assert_eq!(averaged, g.params().len() + 1);
+    for &j in &collectives {
+        let node = &g.nodes[launches[j].node];
+        // Right after the launch of its last operand's producer (views have no launch).
+        let producers: Vec<usize> = node.inputs.iter().map(|v| g.values[v.0 as usize].node.0 as usize).collect();
+        let last = (0..j).rev().find(|&i| producers.contains(&launches[i].node));
+        assert_eq!(last.map(|i| i + 1), Some(j), "all_reduce launch {j} is not right after its last gradient");
+        // Whoever reads a result waits for it; nobody before it does.
+        for (i, l) in launches.iter().enumerate() {
+            let reads = g.nodes[l.node].inputs.iter().any(|v| node.results.contains(v));
+            assert_eq!(l.waits.contains(&j), reads && i > j, "launch {i} ({}) and all_reduce {j}", l.name);
+        }
+    }
+    // The AdamW kernel waits for every gradient bucket.
+    let adamw = launches.iter().find(|l| l.ops.contains(&"adamw")).unwrap();
+    assert_eq!(adamw.waits.len(), collectives.len() - 1);
+}

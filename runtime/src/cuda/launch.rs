@@ -83,6 +83,11 @@ pub(crate) struct Launch {
     pub flops: u64,
     /// The IR ops it runs ([`launches::fused_ops`]).
     pub ops: Vec<&'static str>,
+    /// The collectives (indices in this list) whose results it reads (`overlap.rs`).
+    pub waits: Vec<usize>,
+    /// A collective whose every result overwrites its operand: it may run beside the launches
+    /// that follow (nothing else touches its buffers until a reader waits for it).
+    pub side: bool,
 }
 
 /// The hand-written kernels' entries.
@@ -216,8 +221,12 @@ impl Builder<'_> {
     /// launch `i`.
     pub fn translate(&mut self, plan: &[launches::Launch], kernels: &dyn Fn(usize) -> Option<Loaded>) -> Result<Vec<Launch>, String> {
         let err_flag = Addr::Static(0);
-        let mut out = vec![];
+        let mut out: Vec<Launch> = vec![];
+        // Each plan launch's first launch here (attention becomes several).
+        let mut index_of = Vec::with_capacity(plan.len());
         for (i, l) in plan.iter().enumerate() {
+            let first = out.len();
+            index_of.push(first);
             let err = |m: String| l.err(m);
             let product = matches!(l.op, LaunchOp::Product(_));
             if product && l.dtypes[1] != l.dtypes[0] {
@@ -232,7 +241,8 @@ impl Builder<'_> {
                 }
             }
             let mut push = |steps: Vec<Step>, name: &str, flops: u64| {
-                out.push(Launch { steps, name: name.to_string(), bytes: l.bytes, flops, ops: l.ops.clone() });
+                let (waits, side) = (vec![], false);
+                out.push(Launch { steps, name: name.to_string(), bytes: l.bytes, flops, ops: l.ops.clone(), waits, side });
             };
             let p = |o: u64| Arg::Ptr(Addr::Plan(o));
             match &l.op {
@@ -298,9 +308,14 @@ impl Builder<'_> {
                     push(vec![Step::Fill32 { dst, bits, n: fl.n }], "fill", 0);
                 }
                 LaunchOp::AllReduce(parts) => {
+                    let in_place = parts.iter().all(|r| r.x == r.y);
                     let parts = parts.iter().map(|r| (Addr::Plan(r.x), Addr::Plan(r.y), r.n, r.dtype)).collect();
                     push(vec![Step::AllReduce { parts }], "all_reduce", 0);
+                    out[first].side = in_place;
                 }
+            }
+            if let Some(f) = out.get_mut(first) {
+                f.waits = l.waits.iter().map(|&j| index_of[j]).collect();
             }
         }
         Ok(out)

@@ -29,6 +29,7 @@ mod attention;
 mod device;
 mod launch;
 mod lt;
+mod overlap;
 mod peak;
 mod summary;
 
@@ -93,6 +94,8 @@ pub struct CudaExecutor {
     /// The other ranks of a data-parallel run (`None`: one rank, `all_reduce` is a copy);
     /// dropped before the device.
     nccl: Option<NcclRank>,
+    /// The stream the collectives run on beside the backward (with `nccl`).
+    side: Option<overlap::SideStream>,
     dev: Device,
 }
 
@@ -254,6 +257,7 @@ impl CudaExecutor {
             round_bf16: nf[13],
             tf32: opts.tf32,
             nccl: None,
+            side: None,
             dev,
         };
         Ok((ex, build))
@@ -266,6 +270,7 @@ impl CudaExecutor {
     pub fn join_ranks(&mut self, env: &LaunchEnv, timeout: Duration) -> Result<(), String> {
         self.dev.bind()?;
         self.nccl = Some(NcclRank::join(env, timeout)?);
+        self.side = Some(overlap::SideStream::new(self.programs.iter().map(|(p, c)| (*p, c.launches.as_slice())))?);
         Ok(())
     }
 
@@ -434,15 +439,15 @@ impl CudaExecutor {
         unsafe {
             ck(sys::cuStreamBeginCapture_v2(stream, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL), "CUDA graph capture")?;
             let mut res = Ok(());
-            'launches: for (i, l) in prog.launches.iter().enumerate() {
-                for st in &l.steps {
-                    if let Err(e) = self.exec(st) {
-                        res =
-                            Err(format!("{} ({program:?} launch {i}, capturing a CUDA graph; --no-cuda-graph runs without): {e}", l.name));
-                        break 'launches;
-                    }
+            let mut pending = vec![];
+            for (i, l) in prog.launches.iter().enumerate() {
+                if let Err(e) = self.launch(program, i, l, &mut pending, true) {
+                    res = Err(format!("{} ({program:?} launch {i}, capturing a CUDA graph; --no-cuda-graph runs without): {e}", l.name));
+                    break;
                 }
             }
+            // The side stream joins the step's stream before the capture ends.
+            res = res.and_then(|_| self.join_side(program, &mut pending));
             let mut graph: sys::CUgraph = std::ptr::null_mut();
             let end = ck(sys::cuStreamEndCapture(stream, &mut graph), "CUDA graph capture");
             res?;
@@ -588,6 +593,7 @@ impl Executor for CudaExecutor {
             unsafe { ck(sys::cuGraphLaunch(exec, self.dev.stream), "CUDA graph launch")? };
         }
         let prog = self.programs.get(&program).ok_or_else(|| format!("program {program:?} was not compiled"))?;
+        let mut pending = vec![];
         for (i, l) in prog.launches.iter().enumerate().filter(|_| direct) {
             let named = |e: String| format!("{} ({program:?} launch {i}): {e}", l.name);
             // SAFETY: events were created for at least this many launches; steps were built
@@ -596,9 +602,7 @@ impl Executor for CudaExecutor {
                 if timed {
                     ck(sys::cuEventRecord(self.events[i].0, self.dev.stream), "event").map_err(named)?;
                 }
-                for st in &l.steps {
-                    self.exec(st).map_err(named)?;
-                }
+                self.launch(program, i, l, &mut pending, !timed && !self.sync_each).map_err(named)?;
                 if timed {
                     ck(sys::cuEventRecord(self.events[i].1, self.dev.stream), "event").map_err(named)?;
                 }
@@ -607,6 +611,8 @@ impl Executor for CudaExecutor {
                 self.dev.sync("kernel").map_err(named)?;
             }
         }
+        // SAFETY: `pending` holds this run's side collectives.
+        unsafe { self.join_side(program, &mut pending)? };
         self.dev.sync(&format!("{program:?} program (set FUSEC_CUDA_SYNC=1 to find the failing launch)"))?;
         if let Some(mut p) = self.profile.take() {
             // Starts from the run's first event, which is the run's zero.

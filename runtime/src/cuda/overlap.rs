@@ -1,0 +1,101 @@
+//! Collectives beside the backward. `schedule` places each bucket's `all_reduce` right after its
+//! last gradient; here an in-place one runs on a second stream: the step's stream records an
+//! event, the side stream waits for it, runs the NCCL group and records a second event, and
+//! the step's stream goes on with the backward. The first launch that reads the averaged
+//! gradients (AdamW, the clipping norm) waits for that second event, and the end of every
+//! program waits for any still running (the host reads the loss; a CUDA graph's capture must
+//! join its streams). Captured into the step's CUDA graph as fork and join edges. Timed and
+//! synchronized runs (`--profile`, `FUSEC_CUDA_SYNC`) keep every launch on the step's stream.
+
+use std::collections::HashMap;
+
+use cudarc::driver::sys;
+
+use super::device::ck;
+use super::launch::{Launch, Step};
+use super::CudaExecutor;
+use crate::programs::Program;
+
+/// The second stream and the two events of each side collective.
+pub(super) struct SideStream {
+    stream: sys::CUstream,
+    /// (program, launch index) -> (step's stream reached it, the collective is done).
+    events: HashMap<(Program, usize), [sys::CUevent; 2]>,
+}
+
+impl SideStream {
+    /// A stream and events for every side collective of `programs`.
+    pub(super) fn new<'a>(programs: impl Iterator<Item = (Program, &'a [Launch])>) -> Result<SideStream, String> {
+        let mut stream = std::ptr::null_mut();
+        // SAFETY: a new stream of the current context.
+        unsafe { ck(sys::cuStreamCreate(&mut stream, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32), "side stream")? };
+        let mut side = SideStream { stream, events: HashMap::new() };
+        let event = || cudarc::driver::result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING).map_err(|e| format!("event: {e:?}"));
+        for (p, launches) in programs {
+            for (i, _) in launches.iter().enumerate().filter(|(_, l)| l.side) {
+                side.events.insert((p, i), [event()?, event()?]);
+            }
+        }
+        Ok(side)
+    }
+}
+
+impl Drop for SideStream {
+    fn drop(&mut self) {
+        // SAFETY: created in `new`; the executor synchronizes after every run.
+        unsafe {
+            for [a, b] in self.events.values() {
+                let _ = sys::cuEventDestroy_v2(*a);
+                let _ = sys::cuEventDestroy_v2(*b);
+            }
+            let _ = sys::cuStreamDestroy_v2(self.stream);
+        }
+    }
+}
+
+impl CudaExecutor {
+    /// Runs launch `i` of `program`: first makes the step's stream wait for the side collectives
+    /// it reads (removing them from `pending`), then runs it on the step's stream, or, when it is
+    /// a side collective and `beside` allows, on the side stream (adding it to `pending`).
+    ///
+    /// # Safety
+    /// The launch was built against this allocation; `pending` holds this run's side collectives.
+    pub(super) unsafe fn launch(&self, program: Program, i: usize, l: &Launch, pending: &mut Vec<usize>, beside: bool) -> Result<(), String> {
+        let main = self.dev.stream;
+        if let Some(side) = &self.side {
+            for j in &l.waits {
+                if let Some(at) = pending.iter().position(|p| p == j) {
+                    pending.swap_remove(at);
+                    ck(sys::cuStreamWaitEvent(main, side.events[&(program, *j)][1], 0), "stream wait")?;
+                }
+            }
+            if let (true, Some(ev), Some(nccl), [Step::AllReduce { parts }]) =
+                (beside && l.side, side.events.get(&(program, i)), &self.nccl, l.steps.as_slice())
+            {
+                ck(sys::cuEventRecord(ev[0], main), "event")?;
+                ck(sys::cuStreamWaitEvent(side.stream, ev[0], 0), "stream wait")?;
+                nccl.all_reduce_mean(parts.iter().map(|&(s, t, n, dt)| (self.addr(s), self.addr(t), n, dt)), side.stream)?;
+                ck(sys::cuEventRecord(ev[1], side.stream), "event")?;
+                pending.push(i);
+                return Ok(());
+            }
+        }
+        for st in &l.steps {
+            self.exec(st)?;
+        }
+        Ok(())
+    }
+
+    /// Makes the step's stream wait for every side collective of this run still in `pending`.
+    ///
+    /// # Safety
+    /// `pending` holds side collectives launched by [`CudaExecutor::launch`] in this run.
+    pub(super) unsafe fn join_side(&self, program: Program, pending: &mut Vec<usize>) -> Result<(), String> {
+        if let Some(side) = &self.side {
+            for j in pending.drain(..) {
+                ck(sys::cuStreamWaitEvent(self.dev.stream, side.events[&(program, j)][1], 0), "stream wait")?;
+            }
+        }
+        Ok(())
+    }
+}
