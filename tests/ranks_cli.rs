@@ -185,6 +185,8 @@ fn bad_combinations_are_refused_before_any_rank_starts() {
     let o = fusec(&["run", &g, "--target", "ref", "--ranks", "2"], &[]);
     assert_eq!(o.status.code(), Some(2));
     assert!(text(&o.stderr).contains("--ranks needs --target cpu or --target cuda"), "{}", text(&o.stderr));
+    let o = fusec(&["run", &g, "--ranks", "2", "--no-comm-overlap"], &[]);
+    assert!(text(&o.stderr).contains("--no-comm-overlap applies to --target cuda only"), "{}", text(&o.stderr));
     let o = fusec(&["run", &g, "--ranks", "0"], &[]);
     assert_eq!(o.status.code(), Some(2));
     assert!(text(&o.stderr).contains("1..=64"), "{}", text(&o.stderr));

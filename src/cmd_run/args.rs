@@ -176,6 +176,10 @@ pub struct RunArgs {
     /// this flag, if given, must equal WORLD_SIZE.
     #[arg(long, visible_alias = "gpus", value_name = "N", value_parser = in_range(1, 64))]
     pub ranks: Option<usize>,
+    /// On CUDA, run each bucket's all-reduce on the step's stream, in line with the backward,
+    /// instead of on a second stream beside it.
+    #[arg(long)]
+    pub no_comm_overlap: bool,
     /// How long a rank waits for the others, in seconds, at start-up and in each collective of
     /// the CPU target, before it stops with an error naming the missing rank (1..=86400).
     #[arg(long, value_name = "SECONDS", default_value_t = 300, value_parser = in_range(1, 86400))]
@@ -220,6 +224,7 @@ impl RunArgs {
             ("--no-flash-attention", self.no_flash_attention),
             ("--no-cublaslt", self.no_cublaslt),
             ("--no-cuda-graph", self.no_cuda_graph),
+            ("--no-comm-overlap", self.no_comm_overlap),
             ("--timings", self.timings),
         ];
         if let Some((flag, _)) = cuda_only.iter().find(|(_, on)| *on).filter(|_| self.target != Target::Cuda) {

@@ -84,9 +84,10 @@ pub fn executor(a: &RunArgs, run: &RunPrograms, threads: usize, dist: Option<&La
             phases = build.phases.iter().map(|(n, d)| (n.to_string(), *d)).collect();
             if let Some(env) = dist {
                 let t = Instant::now();
-                ex.join_ranks(env, super::ranks::timeout(a))?;
+                ex.join_ranks(env, super::ranks::timeout(a), !a.no_comm_overlap)?;
                 phases.push(("rendezvous, NCCL".to_string(), t.elapsed()));
-                summary.push(("ranks".into(), ranks_row(env, run, "by NCCL")?));
+                let how = if a.no_comm_overlap { "by NCCL on the step's stream" } else { "by NCCL on a second stream, beside the backward" };
+                summary.push(("ranks".into(), ranks_row(env, run, how)?));
             }
             let k = &build.kernels;
             let math = if a.no_tf32 { ", exact fp32" } else { ", TF32" };

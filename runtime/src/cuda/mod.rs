@@ -265,12 +265,14 @@ impl CudaExecutor {
 
     /// Makes this executor one rank of the data-parallel run of `env`: `all_reduce` launches
     /// go through NCCL (on one rank too, so that a one-rank run exercises the whole path;
-    /// `timeout` bounds the rendezvous). Call it before the first run: CUDA graphs capture the
-    /// collectives.
-    pub fn join_ranks(&mut self, env: &LaunchEnv, timeout: Duration) -> Result<(), String> {
+    /// `timeout` bounds the rendezvous), beside the backward on a second stream when `overlap`
+    /// (`overlap.rs`). Call it before the first run: CUDA graphs capture the collectives.
+    pub fn join_ranks(&mut self, env: &LaunchEnv, timeout: Duration, overlap: bool) -> Result<(), String> {
         self.dev.bind()?;
         self.nccl = Some(NcclRank::join(env, timeout)?);
-        self.side = Some(overlap::SideStream::new(self.programs.iter().map(|(p, c)| (*p, c.launches.as_slice())))?);
+        if overlap {
+            self.side = Some(overlap::SideStream::new(self.programs.iter().map(|(p, c)| (*p, c.launches.as_slice())))?);
+        }
         Ok(())
     }
 
