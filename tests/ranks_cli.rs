@@ -6,23 +6,14 @@
 //!
 //! `FUSEC_BIN` may name the binary to test (the device runs a prebuilt one).
 
+mod common;
+
+use common::{bin, tiny};
 use fusec_ir::testkit::TempDir;
-use std::path::{Path, PathBuf};
+use std::io::{BufRead, BufReader};
+use std::path::Path;
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
-
-fn bin() -> PathBuf {
-    std::env::var_os("FUSEC_BIN").map(PathBuf::from).unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_fusec")))
-}
-
-fn tiny() -> String {
-    let p = concat!(env!("CARGO_MANIFEST_DIR"), "/models/gpt2-tiny.graph");
-    if Path::new(p).exists() {
-        p.to_string()
-    } else {
-        "models/gpt2-tiny.graph".to_string()
-    }
-}
 
 fn command(args: &[&str], env: &[(&str, String)]) -> Command {
     let mut c = Command::new(bin());
@@ -140,9 +131,13 @@ fn two_cuda_ranks_train_like_one_gpu_of_the_global_batch() {
 fn a_rank_that_never_comes_is_named_within_the_timeout() {
     let t0 = Instant::now();
     let o = fusec(&["run", &tiny(), "--steps", "3", "--rank-timeout", "1"], &torchrun(0, 2, free_port()));
-    assert_eq!(o.status.code(), Some(2));
-    let err = text(&o.stderr);
-    assert!(err.contains("rank 1 never arrived"), "{err}");
+    stopped_soon_with(&text(&o.stderr), o.status.code(), t0, "rank 1 never arrived");
+}
+
+/// A run that stopped with exit code 2, `want` in its error, within 20 s of `t0`.
+fn stopped_soon_with(err: &str, code: Option<i32>, t0: Instant, want: &str) {
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains(want), "{err}");
     assert!(t0.elapsed() < Duration::from_secs(20), "{:?}", t0.elapsed());
 }
 
@@ -151,18 +146,17 @@ fn a_rank_that_dies_mid_run_stops_the_others_with_its_name() {
     let port = free_port();
     let g = tiny();
     let args = ["run", &g, "--steps", "1000000", "--batch", "1", "--seq", "16", "--rank-timeout", "30"];
-    let root = command(&args, &torchrun(0, 2, port)).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
+    let mut root = command(&args, &torchrun(0, 2, port)).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
     let mut peer = command(&args, &torchrun(1, 2, port)).stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
-    // Both train (rank 0's first step line shows the rendezvous is done), then rank 1 is killed.
-    std::thread::sleep(Duration::from_secs(2));
+    // Rank 0's first step line: both ranks are training. Then rank 1 is killed.
+    let mut lines = BufReader::new(root.stderr.take().unwrap()).lines().map_while(Result::ok);
+    let mut err: Vec<String> = lines.by_ref().take_while(|l| !l.starts_with("step")).collect();
     peer.kill().unwrap();
     peer.wait().unwrap();
     let t0 = Instant::now();
-    let o = root.wait_with_output().unwrap();
-    assert_eq!(o.status.code(), Some(2));
-    let err = text(&o.stderr);
-    assert!(err.contains("rank 1 closed its connection"), "{err}");
-    assert!(t0.elapsed() < Duration::from_secs(20), "{:?}", t0.elapsed());
+    err.extend(lines);
+    let code = root.wait().unwrap().code();
+    stopped_soon_with(&err.join("\n"), code, t0, "rank 1 closed its connection");
 }
 
 #[test]

@@ -8,23 +8,13 @@
 //!
 //! `FUSEC_BIN` may name the binary to test (the device runs a prebuilt one).
 
+mod common;
+
+use common::{bin, tiny};
 use fusec_ir::testkit::TempDir;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::Duration;
-
-fn bin() -> PathBuf {
-    std::env::var_os("FUSEC_BIN").map(PathBuf::from).unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_fusec")))
-}
-
-fn tiny() -> String {
-    let p = concat!(env!("CARGO_MANIFEST_DIR"), "/models/gpt2-tiny.graph");
-    if Path::new(p).exists() {
-        p.to_string()
-    } else {
-        "models/gpt2-tiny.graph".to_string()
-    }
-}
 
 fn fusec(args: &[&str], env: &[(&str, &str)]) -> Output {
     let mut c = Command::new(bin());
