@@ -101,6 +101,8 @@ fn ranks_train_like_one_process_of_the_global_batch(target: &str, ranks: usize) 
         // Rank 0 alone printed and saved.
         assert_eq!(out.matches("── summary").count(), 1, "{out}");
         assert!(out.contains(&format!("ranks        {ranks} ")), "{out}");
+        // Every rank's step time, gathered at rank 0.
+        assert!(out.contains("per rank     rank 0 ") && out.contains(&format!(" · rank {} ", ranks - 1)), "{out}");
         assert!(save.join("model.bin").is_file() && save.join("state.bin").is_file());
     }
 }

@@ -50,6 +50,13 @@ pub trait Executor {
     fn run(&mut self, program: Program) -> Result<StepOutputs, String>;
     /// The output `name` of the latest run of `program`.
     fn output(&self, program: Program, name: &str) -> Result<Tensor, String>;
+    /// Replaces each of `values` by its mean over the ranks of a data-parallel run, through the
+    /// executor's collective (unchanged on one rank): the run's figures that rank 0 reports for
+    /// every rank. Every rank must call it, in the same order.
+    fn all_reduce_host(&mut self, values: &mut [f32]) -> Result<(), String> {
+        let _ = values;
+        Ok(())
+    }
     /// Peak device memory in bytes, for GPU executors.
     fn peak_device_bytes(&self) -> Option<u64> {
         None

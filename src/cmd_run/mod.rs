@@ -171,6 +171,10 @@ pub fn run(mut a: RunArgs) -> CliResult {
         }
         Ok(())
     })?;
+    let rank_ms = match &dist {
+        Some(env) => Some(ranks::step_times(ex, env, summary::steady_ms(&outcome.logs).unwrap_or(0.0))?),
+        None => None,
+    };
     phases.validation = outcome.val_secs;
     phases.train = t_train.elapsed().as_secs_f64() - outcome.val_secs - phases.saving;
     if let Some(v) = outcome.final_val {
@@ -210,6 +214,7 @@ pub fn run(mut a: RunArgs) -> CliResult {
         phases: &phases,
         param_bytes: 4 * model.num_params() as u64,
         ranks: world,
+        rank_ms,
     };
     let mut rows = summary.rows(ex, &built.summary, t_start.elapsed().as_secs_f64());
     // After the summary's rows: a measurement's buffers stay out of its host memory peak.

@@ -119,3 +119,13 @@ pub fn become_rank(a: &mut RunArgs, env: &LaunchEnv) -> CliResult {
 pub fn timeout(a: &RunArgs) -> Duration {
     Duration::from_secs(a.rank_timeout as u64)
 }
+
+/// Every rank's mean step time (`ms`, this rank's), gathered through the executor's collective
+/// as a mean of vectors that are zero but for each rank's own slot: a collective every rank
+/// calls at the same point.
+pub fn step_times(ex: &mut dyn fusec_runtime::executor::Executor, env: &LaunchEnv, ms: f64) -> Result<Vec<f32>, String> {
+    let mut v = vec![0f32; env.world_size];
+    v[env.rank] = ms as f32 * env.world_size as f32;
+    ex.all_reduce_host(&mut v)?;
+    Ok(v)
+}

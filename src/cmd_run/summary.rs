@@ -68,9 +68,25 @@ pub struct Summary<'a> {
     pub param_bytes: u64,
     /// Ranks of a data-parallel run (1 otherwise).
     pub ranks: usize,
+    /// Every rank's mean step time in a data-parallel run ([`super::ranks::step_times`]).
+    pub rank_ms: Option<Vec<f32>>,
+}
+
+/// The mean step time of the steps after the first (`None` with one step or none).
+pub fn steady_ms(logs: &[StepLog]) -> Option<f64> {
+    (logs.len() > 1).then(|| logs[1..].iter().map(|l| l.ms).sum::<f64>() / (logs.len() - 1) as f64)
 }
 
 impl Summary<'_> {
+    /// `rank 0 33.4 · rank 1 33.6 ms/step, the slowest 0.6% above the fastest` in a
+    /// data-parallel run.
+    fn rank_row(&self) -> Option<String> {
+        let ms = self.rank_ms.as_ref().filter(|m| !m.is_empty())?;
+        let each: Vec<String> = ms.iter().enumerate().map(|(r, m)| format!("rank {r} {m:.1}")).collect();
+        let (lo, hi) = ms.iter().fold((f32::INFINITY, 0f32), |(lo, hi), &m| (lo.min(m), hi.max(m)));
+        Some(format!("{} ms/step, the slowest {:.1}% above the fastest", each.join(" · "), (hi / lo - 1.0) * 100.0))
+    }
+
     /// The rows: (label, value); `build` (the executor's rows) go after the timing rows.
     pub fn rows(&self, ex: &dyn Executor, build: &[(String, String)], wall: f64) -> Vec<(String, String)> {
         let (a, logs) = (self.args, &self.outcome.logs);
@@ -92,8 +108,7 @@ impl Summary<'_> {
     fn step_rows(&self, first_log: &StepLog, last_log: &StepLog, compile: (String, String), compile_ms: f64) -> Vec<(String, String)> {
         let (a, logs) = (self.args, &self.outcome.logs);
         let (first, last) = (first_log.loss, last_log.loss);
-        let steady: Vec<f64> = logs.iter().skip(1).map(|l| l.ms).collect();
-        let ms = if steady.is_empty() { first_log.ms } else { steady.iter().sum::<f64>() / steady.len() as f64 };
+        let ms = steady_ms(logs).unwrap_or(first_log.ms);
         let val = match self.outcome.final_val {
             Some(v) => format!(" (val {v:.4} after step {})", a.steps),
             None => logs.iter().rev().find_map(|l| l.val_loss).map(|v| format!(" (last val {v:.4})")).unwrap_or_default(),
@@ -102,7 +117,7 @@ impl Summary<'_> {
             Some(dir) => format!(", steps {}..={} resumed from {}", self.start + 1, a.steps, dir.display()),
             None => String::new(),
         };
-        vec![
+        let mut rows = vec![
             ("loss".into(), format!("{first:.4} → {last:.4} over {} steps{val}{resumed}", logs.len())),
             ("step time".into(), format!("{ms:.1} ms/step (first step {:.1} ms)", first_log.ms)),
             ("throughput".into(), format!("{:.0} tok/s", self.tokens_per_step as f64 / ms * 1e3)),
@@ -116,7 +131,11 @@ impl Summary<'_> {
                     self.first_done.as_secs_f64()
                 ),
             ),
-        ]
+        ];
+        if let Some(row) = self.rank_row() {
+            rows.insert(3, ("per rank".into(), row));
+        }
+        rows
     }
 
     /// The executor's rows, then memory and phases.

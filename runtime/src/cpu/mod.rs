@@ -291,6 +291,13 @@ impl Executor for CpuExecutor {
         self.profile.clone()
     }
 
+    fn all_reduce_host(&mut self, values: &mut [f32]) -> Result<(), String> {
+        match &self.collective {
+            Some(c) => c.lock().map_err(|_| "the collective was poisoned by an earlier panic".to_string())?.all_reduce_mean(values),
+            None => Ok(()),
+        }
+    }
+
     fn roof_key(&self, operands: DType) -> Option<String> {
         Some(format!("cpu {} · {} threads · {} · {operands} products", peak::cpu_model(), self.threads, self.isa.name()))
     }

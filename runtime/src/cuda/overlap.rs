@@ -86,6 +86,26 @@ impl CudaExecutor {
         Ok(())
     }
 
+    /// The mean over the ranks of host `values`, through a small buffer of its own (nothing of
+    /// the plan is touched), on the step's stream; unchanged without a communicator.
+    pub(super) fn host_mean(&self, values: &mut [f32]) -> Result<(), String> {
+        let Some(nccl) = &self.nccl else { return Ok(()) };
+        self.dev.bind()?;
+        let bytes = (4 * values.len()).max(4);
+        // SAFETY: a fresh allocation of `bytes`, freed below after the stream is idle.
+        unsafe {
+            let buf = cudarc::driver::result::malloc_sync(bytes).map_err(|e| format!("CUDA allocation: {e:?}"))?;
+            let r = self
+                .dev
+                .upload(buf, values)
+                .and_then(|_| nccl.all_reduce_mean(std::iter::once((buf, buf, values.len(), fusec_ir::DType::F32)), self.dev.stream))
+                .and_then(|_| self.dev.sync("all-reduce of host values"))
+                .and_then(|_| self.dev.download(values, buf));
+            let _ = cudarc::driver::result::free_sync(buf);
+            r
+        }
+    }
+
     /// Makes the step's stream wait for every side collective of this run still in `pending`.
     ///
     /// # Safety
