@@ -3,7 +3,7 @@
 /// `sqrt(2 / pi)` as llm.c computes it: `sqrtf(2.0f / M_PI)` (the quotient in double,
 /// rounded to f32, then an f32 square root).
 #[inline(always)]
-fn gelu_scale() -> f32 {
+pub(crate) fn gelu_scale() -> f32 {
     ((2.0f64 / std::f64::consts::PI) as f32).sqrt()
 }
 
@@ -76,13 +76,5 @@ pub(super) fn bias_gelu(pre: &mut [f32], y: &mut [f32], bias: Option<&[f32]>, ac
     if let Some(bias) = bias {
         add_bias(pre, bias);
     }
-    if accumulate {
-        for (v, t) in y.iter_mut().zip(pre.iter()) {
-            *v += gelu(*t);
-        }
-    } else {
-        for (v, t) in y.iter_mut().zip(pre.iter()) {
-            *v = gelu(*t);
-        }
-    }
+    crate::vmath::gelu_rows(y, pre, accumulate);
 }

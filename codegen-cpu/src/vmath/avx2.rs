@@ -258,3 +258,24 @@ unsafe fn max_avx2<L: Load8>(src: *const u8, n: u64, n4: u64) -> f32 {
 }
 
 super::x86::max_fns!(max_row, max_row_bf16, max_avx2);
+
+/// `y[i] (= or +=) gelu(t[i])` on 8 lanes, with the operations of the scalar
+/// [`crate::gemm::gelu`] in its order (the same bits); the last `len % 8` in scalar code.
+#[target_feature(enable = "avx2")]
+pub(super) unsafe fn gelu_rows(y: &mut [f32], t: &[f32], accumulate: bool) {
+    let n = y.len().min(t.len());
+    let (c, s) = (splat(0.044715), splat(crate::gemm::gelu_scale()));
+    let mut i = 0;
+    while i + 8 <= n {
+        let x = _mm256_loadu_ps(t.as_ptr().add(i));
+        let cube = _mm256_mul_ps(_mm256_mul_ps(_mm256_mul_ps(c, x), x), x);
+        let th = tanh8(_mm256_mul_ps(s, _mm256_add_ps(x, cube)));
+        let mut g = _mm256_mul_ps(_mm256_mul_ps(splat(0.5), x), _mm256_add_ps(splat(1.0), th));
+        if accumulate {
+            g = _mm256_add_ps(_mm256_loadu_ps(y.as_ptr().add(i)), g);
+        }
+        _mm256_storeu_ps(y.as_mut_ptr().add(i), g);
+        i += 8;
+    }
+    super::x86::gelu_tail(&mut y[i..n], &t[i..n], accumulate);
+}

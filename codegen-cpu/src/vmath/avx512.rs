@@ -228,3 +228,24 @@ unsafe fn max_avx512<L: Load16>(src: *const u8, n: u64, n4: u64) -> f32 {
 }
 
 super::x86::max_fns!(max_row, max_row_bf16, max_avx512);
+
+/// `y[i] (= or +=) gelu(t[i])` on 16 lanes, with the operations of the scalar
+/// [`crate::gemm::gelu`] in its order (the same bits); the last `len % 16` in scalar code.
+#[target_feature(enable = "avx512f")]
+pub(super) unsafe fn gelu_rows(y: &mut [f32], t: &[f32], accumulate: bool) {
+    let n = y.len().min(t.len());
+    let (c, s) = (splat(0.044715), splat(crate::gemm::gelu_scale()));
+    let mut i = 0;
+    while i + 16 <= n {
+        let x = _mm512_loadu_ps(t.as_ptr().add(i));
+        let cube = _mm512_mul_ps(_mm512_mul_ps(_mm512_mul_ps(c, x), x), x);
+        let th = tanh16(_mm512_mul_ps(s, _mm512_add_ps(x, cube)));
+        let mut g = _mm512_mul_ps(_mm512_mul_ps(splat(0.5), x), _mm512_add_ps(splat(1.0), th));
+        if accumulate {
+            g = _mm512_add_ps(_mm512_loadu_ps(y.as_ptr().add(i)), g);
+        }
+        _mm512_storeu_ps(y.as_mut_ptr().add(i), g);
+        i += 16;
+    }
+    super::x86::gelu_tail(&mut y[i..n], &t[i..n], accumulate);
+}

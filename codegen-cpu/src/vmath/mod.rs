@@ -35,6 +35,26 @@ mod avx512;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 
+/// `y[i] = gelu(t[i])`, or `y[i] += gelu(t[i])` when `accumulate`, in the widest vectors this
+/// host has (AVX-512, AVX2, else scalar): the GEMMs' GELU epilogue. Every path computes
+/// [`crate::gemm::gelu`]'s operations in its order, so all give the same bits.
+pub(crate) fn gelu_rows(y: &mut [f32], t: &[f32], accumulate: bool) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            // SAFETY: the host has AVX-512F.
+            return unsafe { avx512::gelu_rows(y, t, accumulate) };
+        }
+        if std::arch::is_x86_feature_detected!("avx2") {
+            // SAFETY: the host has AVX2.
+            return unsafe { avx2::gelu_rows(y, t, accumulate) };
+        }
+    }
+    for (v, x) in y.iter_mut().zip(t) {
+        *v = if accumulate { *v + crate::gemm::gelu(*x) } else { crate::gemm::gelu(*x) };
+    }
+}
+
 /// `fn(dst, n, src, shift, a, a_bytes, b, b_bytes, c, c_bytes) -> sum`: `dst[i] = f(src[i] -
 /// shift)` for `i < n` (`src` may be `dst`, with `shift` 0: in place; `dst` null: the results
 /// are not stored), returning the sum of

@@ -132,3 +132,32 @@ fn avx2_and_avx512_row_maxima_agree_bit_for_bit() {
         }
     }
 }
+
+#[test]
+fn gelu_rows_give_the_scalar_epilogue_bits_on_every_path() {
+    let mut rng = fusec_ir::rng::Rng::new(7);
+    for len in [0, 1, 7, 8, 15, 16, 17, 33, 1000] {
+        let t: Vec<f32> = (0..len).map(|i| if i % 5 == 0 { (i as f32 - 50.0) * 0.5 } else { rng.normal() as f32 * 3.0 }).collect();
+        let acc: Vec<f32> = (0..len).map(|_| rng.normal() as f32).collect();
+        for accumulate in [false, true] {
+            let want: Vec<u32> =
+                t.iter().zip(&acc).map(|(x, a)| if accumulate { a + crate::gemm::gelu(*x) } else { crate::gemm::gelu(*x) }.to_bits()).collect();
+            let mut paths: Vec<(&str, fn(&mut [f32], &[f32], bool))> = vec![("dispatch", super::gelu_rows)];
+            #[cfg(target_arch = "x86_64")]
+            {
+                if std::arch::is_x86_feature_detected!("avx512f") {
+                    paths.push(("avx512", |y, t, a| unsafe { super::avx512::gelu_rows(y, t, a) }));
+                }
+                if std::arch::is_x86_feature_detected!("avx2") {
+                    paths.push(("avx2", |y, t, a| unsafe { super::avx2::gelu_rows(y, t, a) }));
+                }
+            }
+            for (name, f) in paths {
+                let mut y = acc.clone();
+                f(&mut y, &t, accumulate);
+                let got: Vec<u32> = y.iter().map(|v| v.to_bits()).collect();
+                assert_eq!(got, want, "{name}, len {len}, accumulate {accumulate}");
+            }
+        }
+    }
+}

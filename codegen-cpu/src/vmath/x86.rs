@@ -187,3 +187,10 @@ macro_rules! max_fns {
     };
 }
 pub(super) use max_fns;
+
+/// The scalar end of a GELU row: [`crate::gemm::gelu`] element by element.
+pub(super) fn gelu_tail(y: &mut [f32], t: &[f32], accumulate: bool) {
+    for (v, x) in y.iter_mut().zip(t) {
+        *v = if accumulate { *v + crate::gemm::gelu(*x) } else { crate::gemm::gelu(*x) };
+    }
+}
