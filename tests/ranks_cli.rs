@@ -130,6 +130,30 @@ fn two_cuda_ranks_train_like_one_gpu_of_the_global_batch() {
 }
 
 #[test]
+fn zero_1_trains_exactly_like_zero_0_with_less_state_per_rank() {
+    let d = TempDir::new("ranks-zero");
+    for extra in [&[][..], &["--precision", "bf16"], &["--grad-accum", "2", "--grad-clip", "0.5"]] {
+        let (z0, z1) = (d.join("z0.jsonl"), d.join("z1.jsonl"));
+        let base = [extra, &["--batch", "2", "--ranks", "2"]].concat();
+        let out0 = train("cpu", &z0, &[&base[..], &["--zero", "0"]].concat());
+        let out1 = train("cpu", &z1, &[&base[..], &["--zero", "1", "--save", d.join("m.bin").to_str().unwrap()]].concat());
+        // Each owner applies the update every rank applied before: the same bits.
+        assert_eq!(losses(&z0), losses(&z1), "{extra:?}");
+        assert!(out1.contains("ZeRO-1: AdamW state of ") && !out0.contains("ZeRO-1"), "{out1}");
+        let persistent = |out: &str| -> f64 {
+            let at = out.find("persistent ").unwrap() + "persistent ".len();
+            out[at..].split_whitespace().next().unwrap().parse().unwrap()
+        };
+        assert!(persistent(&out1) < persistent(&out0), "{out0}\n{out1}");
+        assert!(d.join("m.bin").is_file());
+    }
+    let o = fusec(&["run", &tiny(), "--zero", "1"], &[]);
+    assert!(text(&o.stderr).contains("--zero 1 shards the AdamW state across the ranks"), "{}", text(&o.stderr));
+    let o = fusec(&["run", &tiny(), "--zero", "1", "--ranks", "2", "--save", d.to_str().unwrap()], &[]);
+    assert!(text(&o.stderr).contains("--save DIR and --resume (which hold them) do not support it yet"), "{}", text(&o.stderr));
+}
+
+#[test]
 fn a_rank_that_never_comes_is_named_within_the_timeout() {
     let t0 = Instant::now();
     let o = fusec(&["run", &tiny(), "--steps", "3", "--rank-timeout", "1"], &torchrun(0, 2, free_port()));

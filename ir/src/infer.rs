@@ -147,6 +147,10 @@ pub fn result_types(op: &Op, ins: &[&Type]) -> Result<SmallVec<[Type; 3]>, Strin
             same(ins[0], ins[1])?;
             one(ins[0].clone())
         }
+        FromOwners { owners } => {
+            check(owners.len() == ins.len(), || format!("from_owners has {} operands but {} owners", ins.len(), owners.len()))?;
+            Ok(ins.iter().map(|x| (*x).clone()).collect())
+        }
         AllReduce => {
             check(!ins.is_empty(), || "all_reduce needs at least one operand".to_string())?;
             let mut out = SmallVec::new();
@@ -280,7 +284,7 @@ pub fn expected_arity(op: &Op) -> Option<usize> {
         Select | LayerNorm { .. } | CrossEntropyGrad { .. } | CrossEntropyWithGrad { .. } => 3,
         AttentionGrad { .. } => 4,
         LayerNormGrad => 5,
-        Concat { .. } | Kernel(_) | AdamW { .. } | AllReduce => return None,
+        Concat { .. } | Kernel(_) | AdamW { .. } | AllReduce | FromOwners { .. } => return None,
         Gemm(g) => 2 + g.bias as usize + g.accumulate as usize,
     })
 }

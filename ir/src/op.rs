@@ -176,6 +176,12 @@ pub enum Op {
     /// of gradients; backends run one node as one collective (a group of NCCL all-reduces on
     /// CUDA), result `i` in place over operand `i` or elsewhere.
     AllReduce,
+    /// Each operand as its owner rank holds it: `(x0, x1, ..) -> (x0, x1, ..)` where result `i`
+    /// is operand `i` of rank `owners[i]` (ZeRO-1's parameter all-gather, per tensor: each
+    /// rank updates the parameters it owns, then every rank takes every parameter from its
+    /// owner); the identity on one rank and in the interpreter. Made by `optimizer` with
+    /// sharded state; backends run one NCCL broadcast per operand, in one group.
+    FromOwners { owners: Vec<usize> },
 
     // ---- fused ---------------------------------------------------------------------------
     /// A matmul with its epilogue folded in (`fuse-epilogue`, `fuse-grad-accum`):
@@ -284,6 +290,7 @@ impl Op {
             AttentionGrad { .. } => "attention_grad",
             AdamW { .. } => "adamw",
             AllReduce => "all_reduce",
+            FromOwners { .. } => "from_owners",
             Gemm(_) => "gemm",
             Kernel(_) => "kernel",
         }

@@ -267,7 +267,7 @@ fn backward_rule(e: &mut Emit, op: &Op, xs: &[ValueId], ys: &[ValueId], dys: &[O
         // Every rank's result is the mean of every rank's operand, so each operand's adjoint is
         // the mean of the results' adjoints: the same collective.
         Op::AllReduce => dys.iter().map(|d| d.map(|d| e.op(Op::AllReduce, &[d])).transpose()).collect::<Result<_, _>>()?,
-        Op::GeluGrad | Op::LayerNormGrad | Op::SoftmaxGrad | Op::CrossEntropyGrad { .. } | Op::AttentionGrad { .. } | Op::AdamW { .. } => {
+        Op::GeluGrad | Op::LayerNormGrad | Op::SoftmaxGrad | Op::CrossEntropyGrad { .. } | Op::AttentionGrad { .. } | Op::AdamW { .. } | Op::FromOwners { .. } => {
             return Err("has no backward rule (second-order or optimizer op)".into())
         }
         Op::Gemm(_) | Op::Kernel(_) | Op::CrossEntropyWithGrad { .. } => {

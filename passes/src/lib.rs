@@ -23,3 +23,4 @@ pub mod pipeline;
 pub mod recompute;
 mod rewrite;
 pub mod schedule;
+pub mod zero;

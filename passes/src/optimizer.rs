@@ -35,12 +35,15 @@ pub struct AdamWConfig {
     pub clip: bool,
     /// Start from zero gradients: no `grad.P` accumulators (see the module docs).
     pub fresh_grads: bool,
+    /// ZeRO-1: this rank updates (and keeps `m.P`, `v.P` for) only the parameters it owns
+    /// ([`crate::zero::owners`]), then a `from_owners` gives every rank every parameter.
+    pub shard: Option<crate::zero::Shard>,
 }
 
 impl Default for AdamWConfig {
     /// llm.c's and PyTorch's defaults, with llm.c's zero weight decay and no clipping.
     fn default() -> Self {
-        AdamWConfig { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0, clip: false, fresh_grads: false }
+        AdamWConfig { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0, clip: false, fresh_grads: false, shard: None }
     }
 }
 
@@ -123,8 +126,19 @@ fn optimizer_inner(g: &Graph, cfg: &AdamWConfig) -> Result<Graph, String> {
         norm = Some(n);
     }
     let op = Op::AdamW { beta1: cfg.beta1, beta2: cfg.beta2, eps: cfg.eps, weight_decay: cfg.weight_decay };
+    let owners = match cfg.shard {
+        Some(s) => {
+            let bytes = params.iter().map(|(_, p)| e.g.ty(*p).bytes(&fusec_ir::Bindings::default()).map(|b| b as u64)).collect::<Result<Vec<_>, _>>()?;
+            Some(crate::zero::owners(&bytes, s.world))
+        }
+        None => None,
+    };
+    let mine = |i: usize| match (&owners, cfg.shard) {
+        (Some(o), Some(s)) => o[i] == s.rank,
+        _ => true,
+    };
     let mut news = vec![];
-    for ((name, p), gr) in params.iter().zip(&grads) {
+    for (_, ((name, p), gr)) in params.iter().zip(&grads).enumerate().filter(|(i, _)| mine(*i)) {
         let ty = e.g.ty(*p).clone();
         let [mn, vn] = state_names(name);
         let m = e.input(&mn, &ty)?;
@@ -132,10 +146,26 @@ fn optimizer_inner(g: &Graph, cfg: &AdamWConfig) -> Result<Graph, String> {
         let r = e.ops(op.clone(), &[*p, *gr, m, v, lr, bc1, bc2]).map_err(|err| format!("the update of {}: {err}", quote(name)))?;
         news.push((name.clone(), r));
     }
+    // With sharded state every rank takes every parameter from its owner: the parameters'
+    // outputs are those of `from_owners`.
+    let mut shared: Vec<ValueId> = vec![];
+    if let Some(o) = &owners {
+        let mut at = news.iter();
+        let mut xs = vec![];
+        for (i, (_, p)) in params.iter().enumerate() {
+            xs.push(if mine(i) { at.next().map(|(_, r)| r[0]).ok_or("internal: an update is missing")? } else { *p });
+        }
+        shared = e.ops(Op::FromOwners { owners: o.clone() }, &xs)?.to_vec();
+    }
     let mut taken: HashSet<String> = out.outputs.iter().map(|(n, _)| n.clone()).collect();
-    for (name, r) in news {
-        let [mn, vn] = state_names(&name);
-        output_unique(&mut out, &mut taken, &name, r[0])?;
+    for ((name, _), v) in params.iter().zip(&shared) {
+        output_unique(&mut out, &mut taken, name, *v)?;
+    }
+    for (name, r) in &news {
+        let [mn, vn] = state_names(name);
+        if shared.is_empty() {
+            output_unique(&mut out, &mut taken, name, r[0])?;
+        }
         output_unique(&mut out, &mut taken, &mn, r[1])?;
         output_unique(&mut out, &mut taken, &vn, r[2])?;
     }

@@ -171,7 +171,7 @@ fn adamw_with_weight_decay() {
 #[test]
 fn adamw_with_other_constants() {
     // Distinct betas and a large eps, so that swapping or dropping one shows.
-    let cfg = AdamWConfig { beta1: 0.8, beta2: 0.95, eps: 1e-3, weight_decay: 0.1, clip: false, fresh_grads: false };
+    let cfg = AdamWConfig { beta1: 0.8, beta2: 0.95, eps: 1e-3, weight_decay: 0.1, clip: false, fresh_grads: false, shard: None };
     check_step(&cfg, Step { lr: 2e-2, t: 3, clip_factor: 0.0 }, 5);
 }
 

@@ -152,6 +152,21 @@ pub struct AllReduce {
     pub dtype: DType,
 }
 
+/// One operand of a `from_owners`: `n` elements at `x` of rank `owner` into `y` on every rank.
+#[derive(Clone, Copy, Debug)]
+pub struct FromOwner {
+    /// The operand.
+    pub x: u64,
+    /// The result (the operand's bytes when the memory plan put it in place).
+    pub y: u64,
+    /// Elements.
+    pub n: usize,
+    /// f32 or bf16.
+    pub dtype: DType,
+    /// The rank whose values every rank takes.
+    pub owner: usize,
+}
+
 /// What one launch runs.
 #[derive(Clone, Debug)]
 pub enum LaunchOp<'g> {
@@ -171,6 +186,8 @@ pub enum LaunchOp<'g> {
     Fill(Fill),
     /// Mean over the ranks: one collective over every operand.
     AllReduce(Vec<AllReduce>),
+    /// Every operand from its owner rank: one collective over every operand.
+    FromOwners(Vec<FromOwner>),
 }
 
 /// One launch of a program.
@@ -364,6 +381,13 @@ fn launches<'g>(g: &'g Graph, plan: &MemPlan, layout: &SharedLayout, bind: &Bind
                     parts.push(AllReduce { x: off(x)?, y: off(y)?, n: dims(y)?.iter().product(), dtype: g.ty(y).dtype });
                 }
                 (LaunchOp::AllReduce(parts), "all_reduce".into(), 0)
+            }
+            Op::FromOwners { owners } => {
+                let mut parts = vec![];
+                for ((&x, &y), &owner) in n.inputs.iter().zip(&n.results).zip(owners) {
+                    parts.push(FromOwner { x: off(x)?, y: off(y)?, n: dims(y)?.iter().product(), dtype: g.ty(y).dtype, owner });
+                }
+                (LaunchOp::FromOwners(parts), "from_owners".into(), 0)
             }
             other => return Err(err(format!("`{}` outside a fused kernel has no launch on a compiled target", other.mnemonic()))),
         };

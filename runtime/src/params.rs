@@ -221,8 +221,10 @@ pub fn set_param(ex: &mut dyn Executor, inputs: &HashSet<String>, name: &str, sh
     }
     for prefix in ["m.", "v.", "grad."] {
         let state = format!("{prefix}{name}");
-        // A step without accumulation has no `grad.P` (the gradients are its transients).
-        if prefix != "grad." || inputs.contains(&state) {
+        // A step without accumulation has no `grad.P` (the gradients are its transients), and
+        // one with sharded optimizer state has `m.P` and `v.P` only for the parameters this
+        // rank owns.
+        if inputs.contains(&state) {
             ex.set_zeros(&state, DType::F32, shape.to_vec())?;
         }
     }

@@ -44,6 +44,7 @@ fn one_launch_per_running_node_with_offsets_inside_the_plan() {
                 LaunchOp::Iota(i) => vec![i.out],
                 LaunchOp::Fill(f) => vec![f.out],
                 LaunchOp::AllReduce(parts) => parts.iter().flat_map(|r| [r.x, r.y]).collect(),
+                LaunchOp::FromOwners(parts) => parts.iter().flat_map(|r| [r.x, r.y]).collect(),
             };
             for o in offsets {
                 assert!(o < plan.planned_bytes && o % 4 == 0, "{p:?} {}: offset {o} of {}", l.name, plan.planned_bytes);

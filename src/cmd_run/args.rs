@@ -180,6 +180,11 @@ pub struct RunArgs {
     /// instead of on a second stream beside it.
     #[arg(long)]
     pub no_comm_overlap: bool,
+    /// ZeRO stage (llm.c's `-z`): 0 keeps the whole AdamW state on every rank; 1 shards it by
+    /// parameters (each rank keeps the moments of, and updates, the parameters it owns, then
+    /// every rank takes every parameter from its owner). Needs a data-parallel run.
+    #[arg(long, default_value_t = 0, value_parser = in_range(0, 1))]
+    pub zero: usize,
     /// How long a rank waits for the others, in seconds, at start-up and in each collective of
     /// the CPU target, before it stops with an error naming the missing rank (1..=86400).
     #[arg(long, value_name = "SECONDS", default_value_t = 300, value_parser = in_range(1, 86400))]
@@ -215,6 +220,11 @@ impl RunArgs {
         finite("--divergence-factor", self.divergence_factor, 1.0, f64::INFINITY, true)?;
         if self.ranks.is_some() && self.target == Target::Ref {
             return Err("--ranks needs --target cpu or --target cuda (the reference interpreter is one process)".into());
+        }
+        if self.zero == 1 && (self.resume.is_some() || self.save.as_ref().is_some_and(|p| !saves_model_only(p))) {
+            return Err(
+                "--zero 1 keeps each rank's AdamW moments on that rank: --save DIR and --resume (which hold them) do not support it yet; --save FILE.bin saves the model".into(),
+            );
         }
         if self.val.is_some() && self.data.is_none() {
             return Err("--val needs --data (the embedded corpus brings its own validation split)".into());

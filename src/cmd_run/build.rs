@@ -131,8 +131,16 @@ fn ranks_row(env: &LaunchEnv, run: &RunPrograms, how: &str) -> Result<String, St
     let step = run.step()?;
     let reduces: Vec<_> = step.nodes.iter().filter(|n| n.op == fusec_ir::Op::AllReduce).collect();
     let bytes = reduces.iter().map(|n| step.ty(n.inputs[0]).bytes(&run.bind)).sum::<Result<usize, String>>()?;
+    let moments: Vec<_> = step.inputs().into_iter().filter(|(n, _)| n.starts_with("m.")).collect();
+    let moment_bytes = moments.iter().map(|(_, v)| step.ty(*v).bytes(&run.bind)).sum::<Result<usize, String>>()?;
+    let params = step.params().len();
+    let state = if moments.len() < params {
+        format!("; ZeRO-1: AdamW state of {} of the {params} parameters here ({})", moments.len(), mib(2 * moment_bytes as u64))
+    } else {
+        String::new()
+    };
     Ok(format!(
-        "{} (this is rank {}); each step averages {} in {} all-reduces {how}",
+        "{} (this is rank {}); each step averages {} in {} all-reduces {how}{state}",
         env.world_size,
         env.rank,
         mib(bytes as u64),

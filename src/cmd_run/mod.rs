@@ -24,6 +24,7 @@ use fusec_models::Gpt2Config;
 use fusec_passes::optimizer::AdamWConfig;
 use fusec_passes::pipeline::PipelineOptions;
 use fusec_passes::recompute::Recompute;
+use fusec_passes::zero::Shard;
 use fusec_runtime::checkpoint::Checkpoint;
 use fusec_runtime::corpus::markov_tokens;
 use fusec_runtime::cuda::CudaOptions;
@@ -50,6 +51,9 @@ pub fn run(mut a: RunArgs) -> CliResult {
         (None, None) => {}
     }
     let world = dist.as_ref().map_or(1, |e| e.world_size);
+    if a.zero == 1 && dist.is_none() {
+        return Err("--zero 1 shards the AdamW state across the ranks of a data-parallel run: give --ranks N (or launch with torchrun)".into());
+    }
     if a.target == Target::Cuda {
         // The driver's start-up (and the NVRTC workers') overlaps parsing, initialization and
         // compiling.
@@ -85,6 +89,7 @@ pub fn run(mut a: RunArgs) -> CliResult {
             weight_decay: a.weight_decay,
             clip: a.grad_clip.is_some(),
             fresh_grads: a.grad_accum <= 1,
+            shard: dist.as_ref().filter(|_| a.zero == 1).map(|e| Shard { rank: e.rank, world: e.world_size }),
             ..AdamWConfig::default()
         },
         // The reference target runs the unfused programs: it is the oracle.

@@ -43,6 +43,18 @@ fn data_parallel_on_one_block() {
 }
 
 #[test]
+fn zero_1_on_one_block() {
+    // Rank 1 of 2: AdamW for the parameters it owns, `from_owners` for all of them.
+    let shard = Some(fusec_passes::zero::Shard { rank: 1, world: 2 });
+    let adamw = fusec_passes::optimizer::AdamWConfig { shard, ..Default::default() };
+    let opts = PipelineOptions { data_parallel: true, adamw, ..PipelineOptions::default() };
+    let text = dump("optimizer", &opts);
+    // The text parses back to the same graph.
+    assert_eq!(fusec_ir::text::print(&fusec_ir::text::parse(&text, "zero").unwrap()), text);
+    insta::assert_snapshot!("block_optimizer_zero_rank1", text);
+}
+
+#[test]
 fn recompute_gelu_on_one_block() {
     let opts = PipelineOptions { recompute: Recompute::Gelu, ..PipelineOptions::default() };
     insta::assert_snapshot!("block_recompute_gelu", dump("recompute", &opts));

@@ -85,6 +85,7 @@ impl Parser<'_> {
             LayerNormGrad => Op::LayerNormGrad,
             Softmax => Op::Softmax,
             AllReduce => Op::AllReduce,
+            FromOwners => Op::FromOwners { owners: out.list("owners")? },
             SoftmaxGrad => Op::SoftmaxGrad,
             CrossEntropy => Op::CrossEntropy { vocab: out.int("vocab")? },
             CrossEntropyGrad => Op::CrossEntropyGrad { vocab: out.int("vocab")? },

@@ -36,6 +36,7 @@ pub(crate) enum Kind {
     AttentionGrad,
     AdamW,
     AllReduce,
+    FromOwners,
     Gemm,
     Kernel,
 }
@@ -88,6 +89,7 @@ pub(crate) fn kind_of(m: &str) -> Option<Kind> {
         "attention_grad" => AttentionGrad,
         "adamw" => AdamW,
         "all_reduce" => AllReduce,
+        "from_owners" => FromOwners,
         "gemm" => Gemm,
         "kernel" => Kernel,
         _ => return None,
@@ -103,6 +105,7 @@ pub(crate) fn attr_names(k: Kind) -> &'static [&'static str] {
         Permute => &["perm"],
         Slice => &["axis", "start", "end"],
         Reduce(_) => &["axes"],
+        FromOwners => &["owners"],
         MatMul => &["trans_a", "trans_b"],
         LayerNorm => &["eps"],
         CrossEntropy | CrossEntropyGrad | CrossEntropyWithGrad => &["vocab"],

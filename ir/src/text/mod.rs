@@ -230,6 +230,7 @@ fn print_attrs(out: &mut String, op: &Op) {
         }
         Op::Concat { axis } => vec![("axis", axis.to_string())],
         Op::Reduce { op: ReduceOp::Sum | ReduceOp::Max, axes } => vec![("axes", list(axes))],
+        Op::FromOwners { owners } => vec![("owners", list(owners))],
         Op::MatMul { trans_a, trans_b } => vec![("trans_a", trans_a.to_string()), ("trans_b", trans_b.to_string())],
         Op::Gemm(gm) => vec![
             ("trans_a", gm.trans_a.to_string()),

@@ -276,7 +276,7 @@ pub(crate) fn in_place_options(node: &fusec_ir::Node, g: &Graph) -> InPlace {
         Op::Gemm(gm) if gm.accumulate && ni > 0 => o.reach[ni - 1] = Some(SmallVec::from_slice(&[0])),
         // A collective reads all of one operand and writes its result: result `k` may overwrite
         // operand `k` (NCCL in place), never another operand (not single-phase).
-        Op::AllReduce => {
+        Op::AllReduce | Op::FromOwners { .. } => {
             for k in 0..ni.min(nr) {
                 o.reach[k] = Some(SmallVec::from_slice(&[k]));
                 if same_shape(k, k) {

@@ -23,7 +23,7 @@ use fusec_passes::memplan::MemPlan;
 
 use crate::dist::star::HostCollective;
 use crate::executor::{Executor, StepOutputs};
-use crate::launches::{AllReduce, LaunchPlan, ProgramIo};
+use crate::launches::{LaunchPlan, ProgramIo};
 use crate::layout::SharedLayout;
 use crate::profile::{Profile, Timed};
 use crate::programs::{Program, RunPrograms};
@@ -175,40 +175,53 @@ impl CpuExecutor {
                 self.fill_with(it.out, it.dtype, n, |i| ((i / inner) % len) as f64);
             }
             Kind::Fill(fl) => self.fill_with(fl.out, fl.dtype, fl.n, |_| fl.value),
-            Kind::AllReduce(parts) => self.all_reduce(parts)?,
+            Kind::AllReduce(parts) => {
+                let parts: Vec<_> = parts.iter().map(|r| (r.x, r.y, r.n, r.dtype)).collect();
+                self.host_collective(&parts, |c, flat| c.all_reduce_mean(flat))?
+            }
+            Kind::FromOwners(parts) => {
+                let segments: Vec<(usize, usize)> = parts.iter().map(|r| (r.n, r.owner)).collect();
+                let parts: Vec<_> = parts.iter().map(|r| (r.x, r.y, r.n, r.dtype)).collect();
+                self.host_collective(&parts, |c, flat| c.from_owners(flat, &segments))?
+            }
         }
         Ok(())
     }
 
-    /// The mean over the ranks of each part's `x` into its `y`, in one collective over the
-    /// parts laid end to end as f32 (bf16 widened and rounded back).
+    /// One collective over `parts` (`(x, y, n, dtype)`: `n` values at `x` into `y`), laid end to
+    /// end as f32 (bf16 widened and rounded back) and handed to `run`; without a collective
+    /// (one rank) a copy from each `x` to its `y`.
     ///
     /// # Safety
     /// Every range must lie inside the arena.
-    unsafe fn all_reduce(&self, parts: &[AllReduce]) -> Result<(), String> {
+    unsafe fn host_collective(
+        &self,
+        parts: &[(u64, u64, usize, DType)],
+        run: impl FnOnce(&mut dyn HostCollective, &mut [f32]) -> Result<(), String>,
+    ) -> Result<(), String> {
         let Some(c) = &self.collective else {
-            for r in parts.iter().filter(|r| r.x != r.y) {
-                let bytes = r.n * r.dtype.size_bytes();
-                std::ptr::copy_nonoverlapping(self.arena.base().add(r.x as usize), self.arena.base().add(r.y as usize), bytes);
+            for &(x, y, n, dt) in parts.iter().filter(|p| p.0 != p.1) {
+                std::ptr::copy_nonoverlapping(self.arena.base().add(x as usize), self.arena.base().add(y as usize), n * dt.size_bytes());
             }
             return Ok(());
         };
-        let mut flat: Vec<f32> = Vec::with_capacity(parts.iter().map(|r| r.n).sum());
-        for r in parts {
-            match r.dtype {
-                DType::BF16 => flat.extend(self.slice::<u16>(r.x, r.n).iter().map(|&b| widen_bits(b))),
-                _ => flat.extend_from_slice(self.slice::<f32>(r.x, r.n)),
+        let mut flat: Vec<f32> = Vec::with_capacity(parts.iter().map(|p| p.2).sum());
+        for &(x, _, n, dt) in parts {
+            match dt {
+                DType::BF16 => flat.extend(self.slice::<u16>(x, n).iter().map(|&b| widen_bits(b))),
+                _ => flat.extend_from_slice(self.slice::<f32>(x, n)),
             }
         }
-        c.lock().map_err(|_| "the collective was poisoned by an earlier panic".to_string())?.all_reduce_mean(&mut flat)?;
+        let mut c = c.lock().map_err(|_| "the collective was poisoned by an earlier panic".to_string())?;
+        run(&mut **c, &mut flat)?;
         let mut at = 0;
-        for r in parts {
-            let mean = &flat[at..at + r.n];
-            match r.dtype {
-                DType::BF16 => self.slice::<u16>(r.y, r.n).iter_mut().zip(mean).for_each(|(b, &x)| *b = bf16_bits(x)),
-                _ => self.slice::<f32>(r.y, r.n).copy_from_slice(mean),
+        for &(_, y, n, dt) in parts {
+            let vals = &flat[at..at + n];
+            match dt {
+                DType::BF16 => self.slice::<u16>(y, n).iter_mut().zip(vals).for_each(|(b, &v)| *b = bf16_bits(v)),
+                _ => self.slice::<f32>(y, n).copy_from_slice(vals),
             }
-            at += r.n;
+            at += n;
         }
         Ok(())
     }

@@ -73,6 +73,9 @@ pub(crate) enum Step {
     /// The mean over the ranks of `n` values of `dtype` at each `src` into its `dst`, one NCCL
     /// group (copies without a communicator).
     AllReduce { parts: Vec<(Addr, Addr, usize, DType)> },
+    /// Each part's `n` values of `dtype` at `src` of its owner rank into every rank's `dst`,
+    /// one NCCL group of broadcasts (copies without a communicator).
+    FromOwners { parts: Vec<(Addr, Addr, usize, DType, usize)> },
 }
 
 /// One launch: its steps, the name the profiler shows, static byte and FLOP counts.
@@ -233,7 +236,8 @@ impl Builder<'_> {
                 return Err(err(format!("a product of {} and {} operands", l.dtypes[0], l.dtypes[1])));
             }
             // Products and attention read and write bf16 themselves; other launches are f32/i32.
-            if !matches!(l.op, LaunchOp::Kernel { .. } | LaunchOp::Product(_) | LaunchOp::Attention(_) | LaunchOp::AllReduce(_)) {
+            let collective = matches!(l.op, LaunchOp::AllReduce(_) | LaunchOp::FromOwners(_));
+            if !collective && !matches!(l.op, LaunchOp::Kernel { .. } | LaunchOp::Product(_) | LaunchOp::Attention(_)) {
                 if let Some(dt) = l.dtypes.iter().find(|d| matches!(d, DType::BF16 | DType::F16)) {
                     return Err(err(format!(
                         "{dt} storage outside fused kernels is not supported by the CUDA target yet (use --precision fp32)"
@@ -312,6 +316,10 @@ impl Builder<'_> {
                     let parts = parts.iter().map(|r| (Addr::Plan(r.x), Addr::Plan(r.y), r.n, r.dtype)).collect();
                     push(vec![Step::AllReduce { parts }], "all_reduce", 0);
                     out[first].side = in_place;
+                }
+                LaunchOp::FromOwners(parts) => {
+                    let parts = parts.iter().map(|r| (Addr::Plan(r.x), Addr::Plan(r.y), r.n, r.dtype, r.owner)).collect();
+                    push(vec![Step::FromOwners { parts }], "from_owners", 0);
                 }
             }
             if let Some(f) = out.get_mut(first) {

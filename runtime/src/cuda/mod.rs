@@ -421,6 +421,15 @@ impl CudaExecutor {
             Step::Copy { dst, src, bytes } => {
                 ck(sys::cuMemcpyDtoDAsync_v2(self.addr(*dst), self.addr(*src), *bytes as usize, d.stream), "copy")
             }
+            Step::FromOwners { parts } => match &self.nccl {
+                Some(c) => c.from_owners(parts.iter().map(|&(s, t, n, dt, o)| (self.addr(s), self.addr(t), n, dt, o)), d.stream),
+                None => {
+                    for &(src, dst, n, dtype, _) in parts.iter().filter(|p| p.0 != p.1) {
+                        ck(sys::cuMemcpyDtoDAsync_v2(self.addr(dst), self.addr(src), n * dtype.size_bytes(), d.stream), "copy")?;
+                    }
+                    Ok(())
+                }
+            },
             Step::AllReduce { parts } => match &self.nccl {
                 Some(c) => c.all_reduce_mean(parts.iter().map(|&(s, t, n, dt)| (self.addr(s), self.addr(t), n, dt)), d.stream),
                 None => {

@@ -123,26 +123,54 @@ impl NcclRank {
         parts: impl Iterator<Item = (u64, u64, usize, fusec_ir::DType)>,
         stream: cudarc::driver::sys::CUstream,
     ) -> Result<(), String> {
+        self.group(parts.map(|(s, d, n, t)| (s, d, n, t, None)), stream)
+    }
+
+    /// Enqueues on `stream` one NCCL group: for each part `(src, dst, n, dtype, owner)`, a
+    /// broadcast of rank `owner`'s `n` values at `src` into every rank's `dst`.
+    ///
+    /// # Safety
+    /// As [`NcclRank::all_reduce_mean`].
+    pub unsafe fn from_owners(
+        &self,
+        parts: impl Iterator<Item = (u64, u64, usize, fusec_ir::DType, usize)>,
+        stream: cudarc::driver::sys::CUstream,
+    ) -> Result<(), String> {
+        self.group(parts.map(|(s, d, n, t, o)| (s, d, n, t, Some(o))), stream)
+    }
+
+    /// One group of all-reduces (mean; `None`) or broadcasts from a root (`Some`).
+    unsafe fn group(
+        &self,
+        parts: impl Iterator<Item = (u64, u64, usize, fusec_ir::DType, Option<usize>)>,
+        stream: cudarc::driver::sys::CUstream,
+    ) -> Result<(), String> {
+        use cudarc::nccl::result as nccl;
         use cudarc::nccl::sys::{ncclDataType_t, ncclRedOp_t};
-        let e = |what: &'static str| move |err: cudarc::nccl::result::NcclError| format!("NCCL {what}: {err:?}");
-        cudarc::nccl::result::group_start().map_err(e("group"))?;
+        let e = |what: &'static str| move |err: nccl::NcclError| format!("NCCL {what}: {err:?}");
+        nccl::group_start().map_err(e("group"))?;
         let mut result = Ok(());
-        for (src, dst, n, dtype) in parts {
+        for (src, dst, n, dtype, root) in parts {
             let ty = match dtype {
                 fusec_ir::DType::F32 => ncclDataType_t::ncclFloat32,
                 fusec_ir::DType::BF16 => ncclDataType_t::ncclBfloat16,
                 d => {
-                    result = Err(format!("all_reduce of {d} values is not supported on the GPU (f32 and bf16 are)"));
+                    result = Err(format!("collectives over {d} values are not supported on the GPU (f32 and bf16 are)"));
                     break;
                 }
             };
-            if let Err(err) = cudarc::nccl::result::all_reduce(src as *const _, dst as *mut _, n, ty, ncclRedOp_t::ncclAvg, self.comm, stream as _) {
-                result = Err(format!("NCCL all-reduce of {n} values: {err:?}"));
+            let (s, d, st) = (src as *const _, dst as *mut _, stream as _);
+            let r = match root {
+                None => nccl::all_reduce(s, d, n, ty, ncclRedOp_t::ncclAvg, self.comm, st),
+                Some(root) => nccl::broadcast(s, d, n, ty, root as i32, self.comm, st),
+            };
+            if let Err(err) = r {
+                result = Err(format!("NCCL {} of {n} values: {err:?}", if root.is_some() { "broadcast" } else { "all-reduce" }));
                 break;
             }
         }
         // The group is closed whatever happened inside it.
-        cudarc::nccl::result::group_end().map_err(e("group"))?;
+        nccl::group_end().map_err(e("group"))?;
         result
     }
 }

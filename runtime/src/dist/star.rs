@@ -26,6 +26,9 @@ pub trait HostCollective: Send {
     fn world(&self) -> usize;
     /// Replaces `buf` by the mean over the ranks of every rank's `buf` (equal lengths).
     fn all_reduce_mean(&mut self, buf: &mut [f32]) -> Result<(), String>;
+    /// `buf` is consecutive segments of `(length, owner)`: replaces each segment by the owner
+    /// rank's values of it (equal layouts on every rank).
+    fn from_owners(&mut self, buf: &mut [f32], segments: &[(usize, usize)]) -> Result<(), String>;
 }
 
 const BLOB_MAGIC: &[u8; 8] = b"fusecTCP";
@@ -89,21 +92,51 @@ impl HostCollective for TcpStar {
     }
 
     fn all_reduce_mean(&mut self, buf: &mut [f32]) -> Result<(), String> {
+        let w = self.world as f32;
+        self.exchange(
+            buf,
+            |acc, _, theirs| acc.iter_mut().zip(theirs).for_each(|(x, y)| *x += y),
+            |acc| acc.iter_mut().for_each(|x| *x /= w),
+        )
+    }
+
+    fn from_owners(&mut self, buf: &mut [f32], segments: &[(usize, usize)]) -> Result<(), String> {
+        if segments.iter().map(|(len, _)| len).sum::<usize>() != buf.len() {
+            return Err(format!("from_owners: segments of {} values over a buffer of {}", segments.iter().map(|s| s.0).sum::<usize>(), buf.len()));
+        }
+        let take = |acc: &mut [f32], rank: usize, theirs: &[f32]| {
+            let mut at = 0;
+            for &(len, owner) in segments {
+                if owner == rank {
+                    acc[at..at + len].copy_from_slice(&theirs[at..at + len]);
+                }
+                at += len;
+            }
+        };
+        self.exchange(buf, take, |_| {})
+    }
+}
+
+impl TcpStar {
+    /// Rank 0 receives every peer's `buf` in rank order and folds each into its own with
+    /// `combine(acc, rank, theirs)`, applies `finish`, and sends the result back: every rank
+    /// ends with it.
+    fn exchange(&mut self, buf: &mut [f32], combine: impl Fn(&mut [f32], usize, &[f32]), finish: impl Fn(&mut [f32])) -> Result<(), String> {
         let (seq, n) = (self.seq, buf.len() as u64);
         self.seq += 1;
-        let world = self.world;
         match &mut self.links {
             Links::Alone => Ok(()),
             Links::Root(peers) => {
+                let mut theirs = vec![0f32; buf.len()];
                 for (i, s) in peers.iter_mut().enumerate() {
                     let r = i + 1;
                     read_frame(s, r, seq, n, &mut self.scratch)?;
-                    for (x, b) in buf.iter_mut().zip(self.scratch.chunks_exact(4)) {
-                        *x += f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+                    for (x, b) in theirs.iter_mut().zip(self.scratch.chunks_exact(4)) {
+                        *x = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
                     }
+                    combine(buf, r, &theirs);
                 }
-                let w = world as f32;
-                buf.iter_mut().for_each(|x| *x /= w);
+                finish(buf);
                 let frame = frame(seq, buf);
                 for (i, s) in peers.iter_mut().enumerate() {
                     s.write_all(&frame).map_err(|e| lost(i + 1, seq, &e))?;
