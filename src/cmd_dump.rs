@@ -9,6 +9,7 @@ use fusec_passes::memplan::MemplanOptions;
 use fusec_passes::optimizer::AdamWConfig;
 use fusec_passes::pipeline::{compile, launches, Mode, PipelineOptions, PASSES};
 use fusec_passes::recompute::Recompute;
+use fusec_passes::zero::Shard;
 
 use crate::{load_graph, CliResult};
 
@@ -55,6 +56,10 @@ pub struct DumpArgs {
     /// gradients go through `all_reduce` (pass `data-parallel`).
     #[arg(long)]
     data_parallel: bool,
+    /// ZeRO-1 as rank R of N (`R/N`, e.g. `0/2`; implies --data-parallel): AdamW state only for
+    /// the parameters this rank owns, then `from_owners` (`--pass memplan` shows the rank's bytes).
+    #[arg(long, value_name = "R/N", value_parser = shard_parser)]
+    zero_shard: Option<Shard>,
     /// Memory planning without reuse: every buffer gets its own range (for bisecting).
     #[arg(long)]
     no_reuse: bool,
@@ -64,6 +69,17 @@ pub struct DumpArgs {
     /// Print per-pass compile time and launch counts on standard error.
     #[arg(long)]
     timings: bool,
+}
+
+/// Parses `--zero-shard R/N`: a rank below a world of 1..=64 ranks.
+fn shard_parser(s: &str) -> Result<Shard, String> {
+    let err = || format!("`{s}`: expected RANK/RANKS with RANKS in 1..=64 and RANK below it, e.g. 0/2");
+    let (r, n) = s.split_once('/').ok_or_else(err)?;
+    let (rank, world): (usize, usize) = (r.trim().parse().map_err(|_| err())?, n.trim().parse().map_err(|_| err())?);
+    if !(1..=64).contains(&world) || rank >= world {
+        return Err(err());
+    }
+    Ok(Shard { rank, world })
 }
 
 /// Parses `--recompute` (none, gelu, gelu+layernorm) into the `recompute` pass's policy.
@@ -92,12 +108,12 @@ pub fn dump(a: DumpArgs) -> CliResult {
     let parse_time = t0.elapsed();
     let opts = PipelineOptions {
         // As `fusec run` builds its step without `--grad-accum`: gradients are transients.
-        adamw: AdamWConfig { clip: a.grad_clip, fresh_grads: true, ..AdamWConfig::default() },
+        adamw: AdamWConfig { clip: a.grad_clip, fresh_grads: true, shard: a.zero_shard, ..AdamWConfig::default() },
         precision: a.precision,
         recompute: a.recompute.unwrap_or(Recompute::default_for(a.precision)),
         no_fusion: false,
         memplan: MemplanOptions { reuse: !a.no_reuse },
-        data_parallel: a.data_parallel,
+        data_parallel: a.data_parallel || a.zero_shard.is_some(),
     };
     let mode = match a.program {
         Program::Forward => Mode::Forward,

@@ -147,6 +147,17 @@ fn zero_1_trains_exactly_like_zero_0_with_less_state_per_rank() {
         assert!(persistent(&out1) < persistent(&out0), "{out0}\n{out1}");
         assert!(d.join("m.bin").is_file());
     }
+    // `dump` shows a rank's share of the AdamW state.
+    let adam_m = |extra: &[&str]| -> u64 {
+        let o = fusec(&[&["dump", &tiny(), "--pass", "memplan"][..], extra].concat(), &[]);
+        let out = text(&o.stdout);
+        let line = out.lines().find(|l| l.starts_with("#   adam_m")).unwrap_or_else(|| panic!("{out}{}", text(&o.stderr)));
+        line.split_whitespace().nth(5).unwrap().parse().unwrap()
+    };
+    let (whole, r0, r1) = (adam_m(&[]), adam_m(&["--zero-shard", "0/2"]), adam_m(&["--zero-shard", "1/2"]));
+    assert!(r0 < whole && r1 < whole && r0 + r1 >= whole, "{whole} {r0} {r1}");
+    let o = fusec(&["dump", &tiny(), "--zero-shard", "2/2"], &[]);
+    assert!(text(&o.stderr).contains("RANK below it"), "{}", text(&o.stderr));
     let o = fusec(&["run", &tiny(), "--zero", "1"], &[]);
     assert!(text(&o.stderr).contains("--zero 1 shards the AdamW state across the ranks"), "{}", text(&o.stderr));
     let o = fusec(&["run", &tiny(), "--zero", "1", "--ranks", "2", "--save", d.to_str().unwrap()], &[]);
