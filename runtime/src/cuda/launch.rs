@@ -86,7 +86,7 @@ pub(crate) struct Launch {
     pub flops: u64,
     /// The IR ops it runs ([`launches::fused_ops`]).
     pub ops: Vec<&'static str>,
-    /// The collectives (indices in this list) whose results it reads (`overlap.rs`).
+    /// The collectives (indices in this list) whose results it reads (`collectives.rs`).
     pub waits: Vec<usize>,
     /// A collective whose every result overwrites its operand: it may run beside the launches
     /// that follow (nothing else touches its buffers until a reader waits for it).

@@ -29,7 +29,7 @@ mod attention;
 mod device;
 mod launch;
 mod lt;
-mod overlap;
+mod collectives;
 mod peak;
 mod summary;
 
@@ -49,7 +49,6 @@ use fusec_ir::interp::{round_to, Tensor};
 use fusec_ir::DType;
 use fusec_passes::memplan::ALIGN;
 
-use crate::dist::launch_env::LaunchEnv;
 use crate::dist::nccl::NcclRank;
 use crate::executor::{Executor, StepOutputs};
 use crate::launches::{LaunchOp, LaunchPlan, ProgramIo};
@@ -95,7 +94,7 @@ pub struct CudaExecutor {
     /// dropped before the device.
     nccl: Option<NcclRank>,
     /// The stream the collectives run on beside the backward (with `nccl`).
-    side: Option<overlap::SideStream>,
+    side: Option<collectives::SideStream>,
     dev: Device,
 }
 
@@ -263,19 +262,6 @@ impl CudaExecutor {
         Ok((ex, build))
     }
 
-    /// Makes this executor one rank of the data-parallel run of `env`: `all_reduce` launches
-    /// go through NCCL (on one rank too, so that a one-rank run exercises the whole path;
-    /// `timeout` bounds the rendezvous), beside the backward on a second stream when `overlap`
-    /// (`overlap.rs`). Call it before the first run: CUDA graphs capture the collectives.
-    pub fn join_ranks(&mut self, env: &LaunchEnv, timeout: Duration, overlap: bool) -> Result<(), String> {
-        self.dev.bind()?;
-        self.nccl = Some(NcclRank::join(env, timeout)?);
-        if overlap {
-            self.side = Some(overlap::SideStream::new(self.programs.iter().map(|(p, c)| (*p, c.launches.as_slice())))?);
-        }
-        Ok(())
-    }
-
     /// The most GPU memory seen in use (every process), sampled after the build and after each
     /// profiled run.
     pub fn peak_device_bytes(&self) -> u64 {
@@ -421,24 +407,7 @@ impl CudaExecutor {
             Step::Copy { dst, src, bytes } => {
                 ck(sys::cuMemcpyDtoDAsync_v2(self.addr(*dst), self.addr(*src), *bytes as usize, d.stream), "copy")
             }
-            Step::FromOwners { parts } => match &self.nccl {
-                Some(c) => c.from_owners(parts.iter().map(|&(s, t, n, dt, o)| (self.addr(s), self.addr(t), n, dt, o)), d.stream),
-                None => {
-                    for &(src, dst, n, dtype, _) in parts.iter().filter(|p| p.0 != p.1) {
-                        ck(sys::cuMemcpyDtoDAsync_v2(self.addr(dst), self.addr(src), n * dtype.size_bytes(), d.stream), "copy")?;
-                    }
-                    Ok(())
-                }
-            },
-            Step::AllReduce { parts } => match &self.nccl {
-                Some(c) => c.all_reduce_mean(parts.iter().map(|&(s, t, n, dt)| (self.addr(s), self.addr(t), n, dt)), d.stream),
-                None => {
-                    for &(src, dst, n, dtype) in parts.iter().filter(|(s, t, _, _)| s != t) {
-                        ck(sys::cuMemcpyDtoDAsync_v2(self.addr(dst), self.addr(src), n * dtype.size_bytes(), d.stream), "copy")?;
-                    }
-                    Ok(())
-                }
-            },
+            Step::AllReduce { .. } | Step::FromOwners { .. } => self.collective(st),
         }
     }
 

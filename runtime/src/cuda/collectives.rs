@@ -1,5 +1,8 @@
-//! Collectives beside the backward. `schedule` places each bucket's `all_reduce` right after its
-//! last gradient; here an in-place one runs on a second stream: the step's stream records an
+//! Collectives on the GPU: the NCCL rank of a data-parallel run, its steps (`all_reduce`,
+//! `from_owners`; copies without a communicator), and running them beside the backward.
+//!
+//! `schedule` places each bucket's `all_reduce` right after its last gradient; here an
+//! in-place one runs on a second stream: the step's stream records an
 //! event, the side stream waits for it, runs the NCCL group and records a second event, and
 //! the step's stream goes on with the backward. The first launch that reads the averaged
 //! gradients (AdamW, the clipping norm) waits for that second event, and the end of every
@@ -8,12 +11,15 @@
 //! synchronized runs (`--profile`, `FUSEC_CUDA_SYNC`) keep every launch on the step's stream.
 
 use std::collections::HashMap;
+use std::time::Duration;
 
 use cudarc::driver::sys;
 
 use super::device::ck;
-use super::launch::{Launch, Step};
+use super::launch::{Addr, Launch, Step};
 use super::CudaExecutor;
+use crate::dist::launch_env::LaunchEnv;
+use crate::dist::nccl::NcclRank;
 use crate::programs::Program;
 
 /// The second stream and the two events of each side collective.
@@ -54,6 +60,41 @@ impl Drop for SideStream {
 }
 
 impl CudaExecutor {
+    /// Makes this executor one rank of the data-parallel run of `env`: `all_reduce` launches
+    /// go through NCCL (on one rank too, so that a one-rank run exercises the whole path;
+    /// `timeout` bounds the rendezvous), beside the backward on a second stream when `overlap`
+    /// (this module). Call it before the first run: CUDA graphs capture the collectives.
+    pub fn join_ranks(&mut self, env: &LaunchEnv, timeout: Duration, overlap: bool) -> Result<(), String> {
+        self.dev.bind()?;
+        self.nccl = Some(NcclRank::join(env, timeout)?);
+        if overlap {
+            self.side = Some(SideStream::new(self.programs.iter().map(|(p, c)| (*p, c.launches.as_slice())))?);
+        }
+        Ok(())
+    }
+
+    /// Runs a collective step on the step's stream: through NCCL, or copies on one rank
+    /// without a communicator.
+    ///
+    /// # Safety
+    /// The step's addresses were built against this allocation.
+    pub(super) unsafe fn collective(&self, st: &Step) -> Result<(), String> {
+        let stream = self.dev.stream;
+        let copy = |src: Addr, dst: Addr, bytes: usize| -> Result<(), String> {
+            if src == dst {
+                return Ok(());
+            }
+            ck(sys::cuMemcpyDtoDAsync_v2(self.addr(dst), self.addr(src), bytes, stream), "copy")
+        };
+        match (st, &self.nccl) {
+            (Step::AllReduce { parts }, Some(c)) => c.all_reduce_mean(parts.iter().map(|&(s, t, n, dt)| (self.addr(s), self.addr(t), n, dt)), stream),
+            (Step::FromOwners { parts }, Some(c)) => c.from_owners(parts.iter().map(|&(s, t, n, dt, o)| (self.addr(s), self.addr(t), n, dt, o)), stream),
+            (Step::AllReduce { parts }, None) => parts.iter().try_for_each(|&(s, t, n, dt)| copy(s, t, n * dt.size_bytes())),
+            (Step::FromOwners { parts }, None) => parts.iter().try_for_each(|&(s, t, n, dt, _)| copy(s, t, n * dt.size_bytes())),
+            _ => Err("internal: not a collective step".into()),
+        }
+    }
+
     /// Runs launch `i` of `program`: first makes the step's stream wait for the side collectives
     /// it reads (removing them from `pending`), then runs it on the step's stream, or, when it is
     /// a side collective and `beside` allows, on the side stream (adding it to `pending`).
