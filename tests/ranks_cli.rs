@@ -165,6 +165,27 @@ fn zero_1_trains_exactly_like_zero_0_with_less_state_per_rank() {
 }
 
 #[test]
+fn two_ranks_resume_exactly_and_keep_their_rank_count() {
+    let d = TempDir::new("ranks-resume");
+    let g = tiny();
+    let run = |log: &Path, extra: &[&str]| {
+        let mut args = vec!["run", &g, "--seq", "32", "--batch", "2", "--ranks", "2", "--val-every", "3", "--log-json", log.to_str().unwrap()];
+        args.extend(extra);
+        let o = fusec(&args, &[]);
+        assert!(o.status.success(), "{args:?}: {}", text(&o.stderr));
+    };
+    // 6 steps in one run, and 3 + save + resume + 3.
+    let (whole, mid, tail) = (d.join("whole.jsonl"), d.join("mid"), d.join("tail.jsonl"));
+    run(&whole, &["--steps", "6"]);
+    run(&d.join("x.jsonl"), &["--steps", "3", "--save", mid.to_str().unwrap()]);
+    run(&tail, &["--steps", "6", "--resume", mid.to_str().unwrap()]);
+    let steps = |p: &Path| losses(p).into_iter().filter(|(k, _)| k.starts_with("loss@")).collect::<Vec<_>>();
+    assert_eq!(steps(&whole)[3..], steps(&tail)[..], "steps 4..6 after a resume at 3");
+    let o = fusec(&["run", &g, "--seq", "32", "--batch", "2", "--steps", "6", "--resume", mid.to_str().unwrap()], &[]);
+    assert!(text(&o.stderr).contains("--ranks 1 differs from the saved run's --ranks 2"), "{}", text(&o.stderr));
+}
+
+#[test]
 fn a_rank_that_never_comes_is_named_within_the_timeout() {
     let t0 = Instant::now();
     let o = fusec(&["run", &tiny(), "--steps", "3", "--rank-timeout", "1"], &torchrun(0, 2, free_port()));

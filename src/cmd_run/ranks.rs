@@ -108,6 +108,7 @@ pub fn become_rank(a: &mut RunArgs, env: &LaunchEnv) -> CliResult {
             std::env::set_var("CUDA_VISIBLE_DEVICES", gpu_of(&gpus, env.local_rank));
         }
     }
+    a.ranks = Some(env.world_size);
     if env.rank > 0 {
         (a.save, a.save_every, a.log_json, a.trace, a.profile_json, a.sample) = (None, None, None, None, None, 0);
         crate::out::set_quiet(true);

@@ -34,12 +34,14 @@ fn model_fields(m: &Gpt2Config) -> [(&'static str, usize); 6] {
 }
 
 /// Settings a resumed run must keep: (state key, flag, value in this run).
-fn fixed_settings(a: &RunArgs) -> [(&'static str, &'static str, String); 4] {
+fn fixed_settings(a: &RunArgs) -> [(&'static str, &'static str, String); 5] {
     [
         ("precision", "--precision", a.precision.name().to_string()),
         ("batch", "--batch", a.batch.to_string()),
         ("seq", "--seq", a.seq.to_string()),
         ("grad_accum", "--grad-accum", a.grad_accum.to_string()),
+        // The global batch and its slices: a rank count set by `ranks::become_rank`.
+        ("ranks", "--ranks", a.ranks.unwrap_or(1).to_string()),
     ]
 }
 
@@ -90,7 +92,8 @@ pub fn state_meta(a: &RunArgs, model: &Gpt2Config, step: usize, first_loss: f64,
 /// same model, precision, B, T and accumulation (else an error naming the flag), more `--steps`
 /// than were done (or 0, to evaluate); notes on standard error for other settings that differ.
 pub fn check(a: &RunArgs, dir: &Path, model: &Gpt2Config, m: &Meta) -> Result<(), String> {
-    let saved = |k: &str| m.get(k).unwrap_or("none").to_string();
+    // States saved before data parallelism have no `ranks`: they are of one process.
+    let saved = |k: &str| m.get(k).unwrap_or(if k == "ranks" { "1" } else { "none" }).to_string();
     let diff: Vec<String> = model_fields(model)
         .iter()
         .filter(|(k, v)| saved(k) != v.to_string())
@@ -102,7 +105,7 @@ pub fn check(a: &RunArgs, dir: &Path, model: &Gpt2Config, m: &Meta) -> Result<()
     for (k, flag, v) in fixed_settings(a) {
         if saved(k) != v {
             return Err(format!(
-                "--resume {}: {flag} {v} differs from the saved run's {flag} {}: a resumed run keeps --precision, --batch, --seq and --grad-accum",
+                "--resume {}: {flag} {v} differs from the saved run's {flag} {}: a resumed run keeps --precision, --batch, --seq, --grad-accum and --ranks",
                 dir.display(),
                 saved(k)
             ));
