@@ -128,8 +128,11 @@ fn optimizer_inner(g: &Graph, cfg: &AdamWConfig) -> Result<Graph, String> {
     let op = Op::AdamW { beta1: cfg.beta1, beta2: cfg.beta2, eps: cfg.eps, weight_decay: cfg.weight_decay };
     let owners = match cfg.shard {
         Some(s) => {
-            let bytes = params.iter().map(|(_, p)| e.g.ty(*p).bytes(&fusec_ir::Bindings::default()).map(|b| b as u64)).collect::<Result<Vec<_>, _>>()?;
-            Some(crate::zero::owners(&bytes, s.world))
+            let sized = params
+                .iter()
+                .map(|(n, p)| e.g.ty(*p).bytes(&fusec_ir::Bindings::default()).map(|b| (n.as_str(), b as u64)))
+                .collect::<Result<Vec<_>, _>>()?;
+            Some(crate::zero::owners(&sized, s.world))
         }
         None => None,
     };

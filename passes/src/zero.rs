@@ -12,13 +12,14 @@ pub struct Shard {
     pub world: usize,
 }
 
-/// The owner of each parameter, given their sizes in bytes: largest first (ties: the earlier
-/// one), each to the rank that holds the fewest bytes so far (ties: the lower rank). The same
-/// on every rank; every parameter has exactly one owner.
-pub fn owners(bytes: &[u64], world: usize) -> Vec<usize> {
+/// The owner of each parameter, given their names and sizes in bytes: largest first (ties: by
+/// name), each to the rank that holds the fewest bytes so far (ties: the lower rank). The same
+/// on every rank and for any order of the list; every parameter has exactly one owner.
+pub fn owners(params: &[(&str, u64)], world: usize) -> Vec<usize> {
     let world = world.max(1);
+    let bytes: Vec<u64> = params.iter().map(|p| p.1).collect();
     let mut order: Vec<usize> = (0..bytes.len()).collect();
-    order.sort_by_key(|&i| (std::cmp::Reverse(bytes[i]), i));
+    order.sort_by(|&i, &j| bytes[j].cmp(&bytes[i]).then_with(|| params[i].0.cmp(params[j].0)));
     let mut held = vec![0u64; world];
     let mut owner = vec![0; bytes.len()];
     for i in order {
@@ -36,13 +37,18 @@ mod tests {
     #[test]
     fn every_parameter_has_one_owner_and_the_load_is_balanced() {
         let bytes = [100, 3, 50, 50, 1, 99, 7];
-        let o = owners(&bytes, 2);
+        let names = ["a", "b", "c", "d", "e", "f", "g"];
+        let params: Vec<(&str, u64)> = names.iter().copied().zip(bytes).collect();
+        let o = owners(&params, 2);
         assert_eq!(o, [0, 0, 1, 0, 0, 1, 1]);
         let held = |r: usize| -> u64 { bytes.iter().zip(&o).filter(|(_, &x)| x == r).map(|(b, _)| b).sum() };
         assert_eq!((held(0), held(1)), (154, 156));
-        assert_eq!(owners(&bytes, 1), vec![0; 7]);
+        assert_eq!(owners(&params, 1), vec![0; 7]);
+        // The order of the list does not matter.
+        let reversed: Vec<(&str, u64)> = params.iter().rev().copied().collect();
+        assert_eq!(owners(&reversed, 2).into_iter().rev().collect::<Vec<_>>(), o);
         // More ranks than parameters: some own nothing.
-        assert_eq!(owners(&[5, 9], 4), [1, 0]);
+        assert_eq!(owners(&[("x", 5), ("y", 9)], 4), [1, 0]);
         assert!(owners(&[], 3).is_empty());
     }
 }

@@ -57,6 +57,13 @@ pub trait Executor {
         let _ = values;
         Ok(())
     }
+    /// Replaces `values` by rank `owner`'s `values` (unchanged on one rank): gathers what one
+    /// rank alone holds (ZeRO-1's AdamW moments, for a checkpoint). Every rank must call it, in
+    /// the same order.
+    fn from_owner_host(&mut self, values: &mut [f32], owner: usize) -> Result<(), String> {
+        let _ = (values, owner);
+        Ok(())
+    }
     /// Peak device memory in bytes, for GPU executors.
     fn peak_device_bytes(&self) -> Option<u64> {
         None

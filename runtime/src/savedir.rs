@@ -64,6 +64,23 @@ fn kill_requested(phase: &str, step: &str) -> bool {
 /// missing), with the scalars `meta` (its `step` names the save in errors). On an error the
 /// previous pair in `dir` is kept, and the message says so.
 pub fn save(dir: &Path, ex: &dyn Executor, step_graph: &Graph, bind: &Bindings, cfg: &Gpt2Config, meta: &Meta) -> Result<(), String> {
+    let specs = state_tensors(step_graph, bind)?;
+    save_with(dir, &mut |name, v| ex.get_f32(name, v), &specs, &mut |name, v| ex.get_f32(name, v), cfg, meta)
+}
+
+/// A tensor's values by name, into the vector given (reused).
+pub type Source<'a> = dyn FnMut(&str, &mut Vec<f32>) -> Result<(), String> + 'a;
+
+/// [`save`] with the parameters read from `params` and the state tensors `specs` (name, type,
+/// shape) from `state`, in `specs` order: a ZeRO-1 rank 0 gathers the moments other ranks hold.
+pub fn save_with(
+    dir: &Path,
+    params: &mut Source,
+    specs: &[(String, DType, Vec<usize>)],
+    state_source: &mut Source,
+    cfg: &Gpt2Config,
+    meta: &Meta,
+) -> Result<(), String> {
     let step = meta.get("step").unwrap_or("?").to_string();
     let fail =
         |e: String| format!("saving the checkpoint of step {step} failed: {e}; the previous checkpoint in {} is kept", dir.display());
@@ -72,17 +89,16 @@ pub fn save(dir: &Path, ex: &dyn Executor, step_graph: &Graph, bind: &Bindings, 
     if kill_requested("model", &step) {
         model.exit_after((HEADER_BYTES + 4 * cfg.num_params()) as u64 / 2);
     }
-    write_params(&mut model, cfg, &mut |name, _, v| ex.get_f32(name, v)).map_err(fail)?;
+    write_params(&mut model, cfg, &mut |name, _, v| params(name, v)).map_err(fail)?;
     let model = model.finish().map_err(|e| fail(e.into()))?;
     let mut meta = meta.clone();
     meta.set("model_crc", format!("{:08x}", model.crc()));
     meta.set("model_bytes", model.len());
-    let specs = state_tensors(step_graph, bind).map_err(fail)?;
     let mut state = PendingFile::create(&dir.join(STATE_FILE)).map_err(|e| fail(e.into()))?;
     if kill_requested("state", &step) {
         state.exit_after(specs.iter().map(|(_, _, s)| 4 * s.iter().product::<usize>() as u64).sum::<u64>() / 2);
     }
-    write_state(&mut state, &meta, &specs, &mut |name, v| ex.get_f32(name, v)).map_err(fail)?;
+    write_state(&mut state, &meta, specs, state_source).map_err(fail)?;
     let state = state.finish().map_err(|e| fail(e.into()))?;
     model.commit().map_err(|e| fail(e.into()))?;
     if kill_requested("commit", &step) {
@@ -149,12 +165,16 @@ pub fn resume(dir: &Path, ex: &mut dyn Executor, step_graph: &Graph, bind: &Bind
     };
     let meta = reader.meta.clone();
     let want: HashMap<String, (DType, Vec<usize>)> = state_tensors(step_graph, bind)?.into_iter().map(|(n, d, s)| (n, (d, s))).collect();
+    // With ZeRO-1 this rank holds the moments of the parameters it owns only.
+    let params: std::collections::HashSet<&str> = step_graph.params().into_iter().map(|(n, _)| n).collect();
+    let held_elsewhere = |name: &str| ["m.", "v."].iter().any(|p| name.strip_prefix(p).is_some_and(|n| params.contains(n)));
     let mut seen = std::collections::HashSet::new();
     let named = |e: String| format!("{}: {e}", path.display());
     reader.read_tensors(&mut |name, dtype, shape, data| {
         match want.get(name) {
             Some((d, s)) if *d == dtype && s == shape => {}
             Some((d, s)) => return Err(named(format!("`{name}` is {dtype}{shape:?}, this run's is {d}{s:?}"))),
+            None if held_elsewhere(name) => return Ok(()),
             None => return Err(named(format!("`{name}` is not a tensor of this run's optimizer state"))),
         }
         if !seen.insert(name.to_string()) {

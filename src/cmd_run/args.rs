@@ -221,11 +221,6 @@ impl RunArgs {
         if self.ranks.is_some() && self.target == Target::Ref {
             return Err("--ranks needs --target cpu or --target cuda (the reference interpreter is one process)".into());
         }
-        if self.zero == 1 && (self.resume.is_some() || self.save.as_ref().is_some_and(|p| !saves_model_only(p))) {
-            return Err(
-                "--zero 1 keeps each rank's AdamW moments on that rank: --save DIR and --resume (which hold them) do not support it yet; --save FILE.bin saves the model".into(),
-            );
-        }
         if self.val.is_some() && self.data.is_none() {
             return Err("--val needs --data (the embedded corpus brings its own validation split)".into());
         }

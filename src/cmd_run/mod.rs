@@ -168,11 +168,17 @@ pub fn run(mut a: RunArgs) -> CliResult {
         let done = r.step + 1;
         // The last step is always saved, and right away: nothing after it can lose it.
         let due = done == a.steps || a.save_every.is_some_and(|n| done % n == 0);
-        if let Some(path) = a.save.as_ref().filter(|_| due) {
-            let t = Instant::now();
-            let meta = resume::state_meta(&a, &model, done, first, train_data.num_tokens());
-            resume::save(path, ex, &run, &model, &meta)?;
-            phases.saving += t.elapsed().as_secs_f64();
+        match (a.save.as_ref().filter(|_| due), opts.adamw.shard) {
+            // Rank 0 (or a run of one process) writes.
+            (Some(path), shard) if shard.is_none_or(|s| s.rank == 0) => {
+                let t = Instant::now();
+                let meta = resume::state_meta(&a, &model, done, first, train_data.num_tokens());
+                resume::save(path, ex, &run, &model, &meta, shard)?;
+                phases.saving += t.elapsed().as_secs_f64();
+            }
+            // With ZeRO-1 the other ranks send rank 0 the moments they hold.
+            (Some(path), Some(shard)) if !args::saves_model_only(path) => ranks::serve_moments(ex, &run, shard)?,
+            _ => {}
         }
         Ok(())
     })?;

@@ -7,7 +7,11 @@ use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
+use fusec_ir::DType;
+use fusec_passes::zero::{self, Shard};
 use fusec_runtime::dist::launch_env::{local_spawn_plan, LaunchEnv};
+use fusec_runtime::executor::Executor;
+use fusec_runtime::programs::RunPrograms;
 
 use super::args::{RunArgs, Target};
 use crate::CliResult;
@@ -110,7 +114,12 @@ pub fn become_rank(a: &mut RunArgs, env: &LaunchEnv) -> CliResult {
     }
     a.ranks = Some(env.world_size);
     if env.rank > 0 {
-        (a.save, a.save_every, a.log_json, a.trace, a.profile_json, a.sample) = (None, None, None, None, None, 0);
+        // With ZeRO-1 every rank takes part in rank 0's saves (it holds some of the moments);
+        // rank 0 alone writes.
+        if a.zero == 0 {
+            (a.save, a.save_every) = (None, None);
+        }
+        (a.log_json, a.trace, a.profile_json, a.sample) = (None, None, None, 0);
         crate::out::set_quiet(true);
     }
     Ok(())
@@ -124,9 +133,51 @@ pub fn timeout(a: &RunArgs) -> Duration {
 /// Every rank's mean step time (`ms`, this rank's), gathered through the executor's collective
 /// as a mean of vectors that are zero but for each rank's own slot: a collective every rank
 /// calls at the same point.
-pub fn step_times(ex: &mut dyn fusec_runtime::executor::Executor, env: &LaunchEnv, ms: f64) -> Result<Vec<f32>, String> {
+pub fn step_times(ex: &mut dyn Executor, env: &LaunchEnv, ms: f64) -> Result<Vec<f32>, String> {
     let mut v = vec![0f32; env.world_size];
     v[env.rank] = ms as f32 * env.world_size as f32;
     ex.all_reduce_host(&mut v)?;
     Ok(v)
+}
+
+/// ZeRO-1's AdamW moments as a checkpoint holds them: `m.P` and `v.P` of every parameter (f32,
+/// its shape), in parameter order, each with the rank that holds it.
+pub fn zero_moments(run: &RunPrograms, shard: Shard) -> Result<Vec<((String, DType, Vec<usize>), usize)>, String> {
+    let step = run.step()?;
+    let params = step.params();
+    let sized = params.iter().map(|(n, v)| step.ty(*v).bytes(&run.bind).map(|b| (*n, b as u64))).collect::<Result<Vec<_>, _>>()?;
+    let owners = zero::owners(&sized, shard.world);
+    let mut out = vec![];
+    for ((name, v), owner) in params.iter().zip(owners) {
+        let shape: Vec<usize> = step.ty(*v).shape.eval(&run.bind)?.into_iter().collect();
+        for prefix in ["m.", "v."] {
+            out.push(((format!("{prefix}{name}"), DType::F32, shape.clone()), owner));
+        }
+    }
+    Ok(out)
+}
+
+/// Rank `owner`'s state tensor `name` (`len` values) into `out` on every rank (a collective:
+/// every rank calls it for the same tensors in the same order).
+pub fn gather_moment(ex: &mut dyn Executor, shard: Shard, name: &str, (owner, len): (usize, usize), out: &mut Vec<f32>) -> Result<(), String> {
+    if owner == shard.rank {
+        ex.get_f32(name, out)?;
+    } else {
+        out.clear();
+        out.resize(len, 0.0);
+    }
+    if out.len() != len {
+        return Err(format!("`{name}` holds {} values, the checkpoint {len}", out.len()));
+    }
+    ex.from_owner_host(out, owner)
+}
+
+/// A rank other than 0's part in rank 0's ZeRO-1 save: every moment it holds, in the order rank
+/// 0 writes them ([`super::resume::save`]).
+pub fn serve_moments(ex: &mut dyn Executor, run: &RunPrograms, shard: Shard) -> Result<(), String> {
+    let mut v = vec![];
+    for ((name, _, shape), owner) in zero_moments(run, shard)? {
+        gather_moment(ex, shard, &name, (owner, shape.iter().product()), &mut v)?;
+    }
+    Ok(())
 }

@@ -12,6 +12,7 @@ use std::path::Path;
 
 use fusec_models::Gpt2Config;
 use fusec_passes::recompute::Recompute;
+use fusec_passes::zero::Shard;
 use fusec_runtime::atomic::write_atomic;
 use fusec_runtime::checkpoint::write_params;
 use fusec_runtime::executor::Executor;
@@ -157,11 +158,30 @@ pub fn start(m: &Meta, a: &RunArgs, dir: &Path, train_tokens: usize) -> Result<(
 }
 
 /// Writes a save of the executor's state after `step` steps: a checkpoint folder (model and
-/// state), or the model alone to a `.bin` path. Never torn: see [`savedir`].
-pub fn save(path: &Path, ex: &dyn Executor, run: &RunPrograms, model: &Gpt2Config, meta: &Meta) -> Result<(), String> {
+/// state), or the model alone to a `.bin` path. Never torn: see [`savedir`]. With ZeRO-1
+/// (`zero`, on rank 0) the moments other ranks hold are gathered tensor by tensor while the
+/// state is written (the other ranks take part: [`super::ranks::serve_moments`]), so the
+/// folder is the same as a run without ZeRO writes.
+pub fn save(path: &Path, ex: &mut dyn Executor, run: &RunPrograms, model: &Gpt2Config, meta: &Meta, zero: Option<Shard>) -> Result<(), String> {
     if saves_model_only(path) {
         return write_atomic(path, |f| write_params(f, model, &mut |name, _, v| ex.get_f32(name, v)))
             .map_err(|e| format!("saving {} failed: {e}; the previous file there is kept", path.display()));
     }
-    savedir::save(path, ex, run.step()?, &run.bind, model, meta)
+    let Some(shard) = zero else { return savedir::save(path, ex, run.step()?, &run.bind, model, meta) };
+    let moments = super::ranks::zero_moments(run, shard)?;
+    let specs: Vec<_> = moments.iter().map(|(spec, _)| spec.clone()).collect();
+    let owner: std::collections::HashMap<&str, (usize, usize)> =
+        moments.iter().map(|((n, _, s), o)| (n.as_str(), (*o, s.iter().product()))).collect();
+    let ex = std::cell::RefCell::new(ex);
+    savedir::save_with(
+        path,
+        &mut |name, v| ex.borrow().get_f32(name, v),
+        &specs,
+        &mut |name, v| {
+            let o = *owner.get(name).ok_or_else(|| format!("internal: no owner of `{name}`"))?;
+            super::ranks::gather_moment(&mut **ex.borrow_mut(), shard, name, o, v)
+        },
+        model,
+        meta,
+    )
 }

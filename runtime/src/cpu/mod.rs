@@ -311,6 +311,16 @@ impl Executor for CpuExecutor {
         }
     }
 
+    fn from_owner_host(&mut self, values: &mut [f32], owner: usize) -> Result<(), String> {
+        match &self.collective {
+            Some(c) => c
+                .lock()
+                .map_err(|_| "the collective was poisoned by an earlier panic".to_string())?
+                .from_owners(values, &[(values.len(), owner)]),
+            None => Ok(()),
+        }
+    }
+
     fn roof_key(&self, operands: DType) -> Option<String> {
         Some(format!("cpu {} · {} threads · {} · {operands} products", peak::cpu_model(), self.threads, self.isa.name()))
     }

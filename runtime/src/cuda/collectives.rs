@@ -127,9 +127,10 @@ impl CudaExecutor {
         Ok(())
     }
 
-    /// The mean over the ranks of host `values`, through a small buffer of its own (nothing of
-    /// the plan is touched), on the step's stream; unchanged without a communicator.
-    pub(super) fn host_mean(&self, values: &mut [f32]) -> Result<(), String> {
+    /// The mean over the ranks of host `values` (`owner` `None`), or rank `owner`'s `values`,
+    /// through a buffer of its own (nothing of the plan is touched), on the step's stream;
+    /// unchanged without a communicator.
+    pub(super) fn host_collective(&self, values: &mut [f32], owner: Option<usize>) -> Result<(), String> {
         let Some(nccl) = &self.nccl else { return Ok(()) };
         self.dev.bind()?;
         let bytes = (4 * values.len()).max(4);
@@ -139,8 +140,14 @@ impl CudaExecutor {
             let r = self
                 .dev
                 .upload(buf, values)
-                .and_then(|_| nccl.all_reduce_mean(std::iter::once((buf, buf, values.len(), fusec_ir::DType::F32)), self.dev.stream))
-                .and_then(|_| self.dev.sync("all-reduce of host values"))
+                .and_then(|_| {
+                    let part = (buf, buf, values.len(), fusec_ir::DType::F32);
+                    match owner {
+                        None => nccl.all_reduce_mean(std::iter::once(part), self.dev.stream),
+                        Some(o) => nccl.from_owners(std::iter::once((part.0, part.1, part.2, part.3, o)), self.dev.stream),
+                    }
+                })
+                .and_then(|_| self.dev.sync("collective of host values"))
                 .and_then(|_| self.dev.download(values, buf));
             let _ = cudarc::driver::result::free_sync(buf);
             r

@@ -461,7 +461,11 @@ fn resolve(base: u64, scratch: u64, stat: u64, a: Addr) -> u64 {
 
 impl Executor for CudaExecutor {
     fn all_reduce_host(&mut self, values: &mut [f32]) -> Result<(), String> {
-        self.host_mean(values)
+        self.host_collective(values, None)
+    }
+
+    fn from_owner_host(&mut self, values: &mut [f32], owner: usize) -> Result<(), String> {
+        self.host_collective(values, Some(owner))
     }
 
     fn peak_device_bytes(&self) -> Option<u64> {
