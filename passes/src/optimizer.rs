@@ -141,7 +141,10 @@ fn optimizer_inner(g: &Graph, cfg: &AdamWConfig) -> Result<Graph, String> {
         _ => true,
     };
     let mut news = vec![];
-    for (_, ((name, p), gr)) in params.iter().zip(&grads).enumerate().filter(|(i, _)| mine(*i)) {
+    for (i, ((name, p), gr)) in params.iter().zip(&grads).enumerate() {
+        if !mine(i) {
+            continue;
+        }
         let ty = e.g.ty(*p).clone();
         let [mn, vn] = state_names(name);
         let m = e.input(&mn, &ty)?;
