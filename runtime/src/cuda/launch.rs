@@ -516,6 +516,48 @@ mod tests {
     }
 
     #[test]
+    fn collectives_keep_their_readers_across_expanded_launches() {
+        use crate::launches::{AllReduce, AttnDims, AttnOffsets, Attention, Fill, Launch as PlanLaunch};
+        let launch = |op: LaunchOp<'static>, waits: Vec<usize>| PlanLaunch {
+            node: 0,
+            name: "x".into(),
+            op,
+            dtypes: vec![DType::F32],
+            bytes: 4,
+            flops: 0,
+            ops: vec![],
+            waits,
+        };
+        let attn = Attention {
+            forward: true,
+            dims: AttnDims { s: 1, t: 4, h: 1, d: 8 },
+            scale: 1.0,
+            dtype: DType::F32,
+            at: AttnOffsets { qkv: 0, out: 512, lse: 1024, dout: None, dqkv: None },
+        };
+        let part = |x: u64, y: u64| AllReduce { x, y, n: 16, dtype: DType::F32 };
+        let plan = vec![
+            // Score-matrix attention: several launches here.
+            launch(LaunchOp::Attention(attn), vec![]),
+            launch(LaunchOp::AllReduce(vec![part(2048, 2048), part(4096, 4096)]), vec![]),
+            launch(LaunchOp::AllReduce(vec![part(8192, 12288)]), vec![]),
+            launch(LaunchOp::Fill(Fill { value: 0.0, dtype: DType::F32, n: 4, out: 16384 }), vec![1, 2]),
+        ];
+        let native = native();
+        let mut b = Builder { native: &native, words: vec![], scratch: 0, lt: None };
+        let out = b.translate(&plan, &|_| None).unwrap();
+        let at = |name: &str| out.iter().position(|l| l.name == name).unwrap();
+        let first = at("all_reduce");
+        assert!(first > 1, "attention expands into several launches");
+        // In place: beside the backward; a copy to another place: in line.
+        assert!(out[first].side && !out[first + 1].side);
+        assert!(matches!(&out[first].steps[..], [Step::AllReduce { parts }] if parts.len() == 2));
+        // The reader waits for both collectives, by their indices here.
+        assert_eq!(out[at("fill")].waits, [first, first + 1]);
+        assert!(out[..first].iter().all(|l| l.waits.is_empty() && !l.side));
+    }
+
+    #[test]
     fn f16_products_are_an_error() {
         let e = steps(&product(false, false, false, DType::F16, DType::F16)).unwrap_err();
         assert!(e.contains("f16 GEMM operands are not supported"), "{e}");
