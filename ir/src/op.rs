@@ -296,6 +296,12 @@ impl Op {
         }
     }
 
+    /// Whether the op is a collective (`all_reduce`, `from_owners`): it talks to the other ranks,
+    /// so every rank must run it, also where nothing reads its results — passes never drop one.
+    pub fn is_collective(&self) -> bool {
+        matches!(self, Op::AllReduce | Op::FromOwners { .. })
+    }
+
     /// Whether the op is elementwise (each output element depends only on the same element of
     /// each input): the ops `fuse-elementwise` chains.
     pub fn is_elementwise(&self) -> bool {

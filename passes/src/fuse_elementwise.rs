@@ -198,7 +198,7 @@ impl<'g> Ctx<'g> {
         let mut live_val = is_output.clone();
         let mut live = vec![false; g.nodes.len()];
         for (i, n) in g.nodes.iter().enumerate().rev() {
-            let interface = matches!(n.op, Op::Param { .. } | Op::Input { .. });
+            let interface = matches!(n.op, Op::Param { .. } | Op::Input { .. }) || n.op.is_collective();
             if interface || n.results.iter().any(|r| live_val[r.0 as usize]) {
                 live[i] = true;
                 for v in &n.inputs {

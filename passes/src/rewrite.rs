@@ -99,7 +99,9 @@ pub fn output_unique(g: &mut Graph, taken: &mut HashSet<String>, name: &str, v: 
 }
 
 /// Copies `g` without the nodes that no output depends on. Parameters and inputs always stay:
-/// they are the graph's interface. Value numbering stays in program order.
+/// they are the graph's interface; so do collectives (`all_reduce`, `from_owners`): every rank
+/// must issue the same ones, also those whose results this rank does not read (with ZeRO-1, the
+/// gradients of parameters other ranks update). Value numbering stays in program order.
 pub fn remove_dead_nodes(g: &Graph) -> Graph {
     let mut live = vec![false; g.values.len()];
     for (_, v) in &g.outputs {
@@ -107,7 +109,7 @@ pub fn remove_dead_nodes(g: &Graph) -> Graph {
     }
     let mut keep = vec![false; g.nodes.len()];
     for (i, n) in g.nodes.iter().enumerate().rev() {
-        let interface = matches!(n.op, Op::Param { .. } | Op::Input { .. });
+        let interface = matches!(n.op, Op::Param { .. } | Op::Input { .. }) || n.op.is_collective();
         if interface || n.results.iter().any(|r| live[r.0 as usize]) {
             keep[i] = true;
             for v in &n.inputs {

@@ -101,13 +101,21 @@ fn schedule_for(g: &Graph, probes: &[Bindings]) -> Result<Graph, String> {
 /// a bucket's collective starts as soon as its gradients are complete and overlaps the rest of
 /// the backward. The memory model sees no difference when the result overwrites its operand
 /// (`memplan` decides that: the operand is read by nothing else).
+///
+/// The collectives keep their order in `g` (the order `data-parallel` made them in), whatever
+/// the rest of the order: every rank must issue them in the same order, and with ZeRO-1 the
+/// ranks' programs differ after the optimizer, so their schedules may too.
 fn collectives_early(g: &Graph, order: &[usize]) -> Vec<usize> {
     let is_collective = |i: &usize| g.nodes[*i].op == Op::AllReduce;
     let mut out: Vec<usize> = order.iter().copied().filter(|i| !is_collective(i)).collect();
-    for &i in order.iter().filter(|i| is_collective(i)) {
+    let mut collectives: Vec<usize> = order.iter().copied().filter(is_collective).collect();
+    collectives.sort_unstable();
+    let mut after_previous = 0;
+    for i in collectives {
         let producers: Vec<usize> = g.nodes[i].inputs.iter().map(|v| g.values[v.0 as usize].node.0 as usize).collect();
-        let at = out.iter().rposition(|j| producers.contains(j)).map_or(0, |p| p + 1);
+        let at = out.iter().rposition(|j| producers.contains(j)).map_or(0, |p| p + 1).max(after_previous);
         out.insert(at, i);
+        after_previous = at + 1;
     }
     out
 }
