@@ -244,6 +244,23 @@ fn a_rank_that_dies_mid_run_stops_the_others_with_its_name() {
 }
 
 #[test]
+fn a_rank_that_hangs_mid_run_stops_the_run_within_the_timeout() {
+    let g = tiny();
+    let args = ["run", &g, "--steps", "1000000", "--batch", "1", "--seq", "16", "--rank-timeout", "2"];
+    // Alone (no collective to time out: what NCCL is like), the rank's watchdog stops it.
+    let t0 = Instant::now();
+    let mut env = torchrun(0, 1, free_port());
+    env.push(("FUSEC_TEST_STALL", "0:2".into()));
+    let o = fusec(&args, &env);
+    stopped_soon_with(&text(&o.stderr), o.status.code(), t0, "rank 0: no training step finished for 2 s");
+    // Two ranks under the launcher, rank 1 stalled: the run stops, naming a rank.
+    let t0 = Instant::now();
+    let o = fusec(&[&args[..], &["--ranks", "2"]].concat(), &[("FUSEC_TEST_STALL", "1:3".into())]);
+    stopped_soon_with(&text(&o.stderr), o.status.code(), t0, "hangs");
+    assert!(text(&o.stderr).contains("the other ranks were stopped"), "{}", text(&o.stderr));
+}
+
+#[test]
 fn the_launcher_names_the_rank_that_failed() {
     // Every rank fails on a missing token file only after the launcher started it: the error
     // names a rank and says the others were stopped.

@@ -161,6 +161,7 @@ pub fn run(mut a: RunArgs) -> CliResult {
     let mut first_done = None;
     let mut first = first_loss;
     let t_train = Instant::now();
+    let watchdog = dist.as_ref().map(|e| ranks::Watchdog::start(e.rank, ranks::timeout(&a)));
     let outcome = train_with(ex, &cfg, &train_data, val_data.as_ref(), |ex, r| {
         first_done.get_or_insert_with(|| t_start.elapsed());
         progress.step(r);
@@ -180,8 +181,13 @@ pub fn run(mut a: RunArgs) -> CliResult {
             (Some(path), Some(shard)) if !args::saves_model_only(path) => ranks::serve_moments(ex, &run, shard)?,
             _ => {}
         }
+        if let (Some(w), Some(env)) = (&watchdog, &dist) {
+            w.tick();
+            ranks::stall_if_asked(env.rank, done);
+        }
         Ok(())
     })?;
+    drop(watchdog);
     let rank_ms = match &dist {
         Some(env) => Some(ranks::step_times(ex, env, summary::steady_ms(&outcome.logs).unwrap_or(0.0))?),
         None => None,

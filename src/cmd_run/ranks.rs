@@ -181,3 +181,61 @@ pub fn serve_moments(ex: &mut dyn Executor, run: &RunPrograms, shard: Shard) -> 
     }
     Ok(())
 }
+
+/// Stops the process when training makes no progress for `timeout`: NCCL's collectives wait
+/// forever for a rank that hangs, so every rank watches its own steps and, past the timeout,
+/// exits with an error (the launcher, or torchrun's agent, then stops the others). Ticked
+/// after every step; dropped when training ends.
+pub struct Watchdog {
+    last: std::sync::Arc<std::sync::Mutex<std::time::Instant>>,
+    done: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl Watchdog {
+    /// Starts watching rank `rank`: the first step must end within `timeout` from now.
+    pub fn start(rank: usize, timeout: Duration) -> Watchdog {
+        use std::sync::atomic::Ordering;
+        let last = std::sync::Arc::new(std::sync::Mutex::new(std::time::Instant::now()));
+        let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (l, d) = (last.clone(), done.clone());
+        std::thread::spawn(move || loop {
+            std::thread::sleep(Duration::from_millis(200).min(timeout));
+            if d.load(Ordering::Relaxed) {
+                return;
+            }
+            let idle = l.lock().map(|t| t.elapsed()).unwrap_or_default();
+            if idle >= timeout {
+                crate::out::set_quiet(false);
+                errln!(
+                    "error: rank {rank}: no training step finished for {:.0} s (--rank-timeout): this rank or another hangs; stopping",
+                    idle.as_secs_f64()
+                );
+                std::process::exit(2);
+            }
+        });
+        Watchdog { last, done }
+    }
+
+    /// A step ended.
+    pub fn tick(&self) {
+        if let Ok(mut t) = self.last.lock() {
+            *t = std::time::Instant::now();
+        }
+    }
+}
+
+impl Drop for Watchdog {
+    fn drop(&mut self) {
+        self.done.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+/// A test hook: `FUSEC_TEST_STALL=RANK:STEP` makes rank `RANK` stop making progress after step
+/// `STEP` (it sleeps), as a hung rank would.
+pub fn stall_if_asked(rank: usize, step: usize) {
+    if std::env::var("FUSEC_TEST_STALL").is_ok_and(|v| v == format!("{rank}:{step}")) {
+        loop {
+            std::thread::sleep(Duration::from_secs(3600));
+        }
+    }
+}
