@@ -186,7 +186,9 @@ pub struct RunArgs {
     #[arg(long, default_value_t = 0, value_parser = in_range(0, 1))]
     pub zero: usize,
     /// How long a rank waits for the others, in seconds, at start-up and in each collective of
-    /// the CPU target, before it stops with an error naming the missing rank (1..=86400).
+    /// the CPU target, before it stops with an error naming the missing rank; also how long any
+    /// rank may go without finishing a step (or a save) before its watchdog stops it
+    /// (1..=86400).
     #[arg(long, value_name = "SECONDS", default_value_t = 300, value_parser = in_range(1, 86400))]
     pub rank_timeout: usize,
 }

@@ -164,6 +164,9 @@ pub fn run(mut a: RunArgs) -> CliResult {
     let watchdog = dist.as_ref().map(|e| ranks::Watchdog::start(e.rank, ranks::timeout(&a)));
     let outcome = train_with(ex, &cfg, &train_data, val_data.as_ref(), |ex, r| {
         first_done.get_or_insert_with(|| t_start.elapsed());
+        if let Some(w) = &watchdog {
+            w.tick();
+        }
         progress.step(r);
         let first = *first.get_or_insert(r.loss);
         let done = r.step + 1;
@@ -181,6 +184,7 @@ pub fn run(mut a: RunArgs) -> CliResult {
             (Some(path), Some(shard)) if !args::saves_model_only(path) => ranks::serve_moments(ex, &run, shard)?,
             _ => {}
         }
+        // A save is progress too.
         if let (Some(w), Some(env)) = (&watchdog, &dist) {
             w.tick();
             ranks::stall_if_asked(env.rank, done);
