@@ -14,9 +14,7 @@ fn fusec(args: &[&str]) -> Output {
 }
 
 fn tmp(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("fusec-bad-{}", std::process::id()));
-    std::fs::create_dir_all(&d).unwrap();
-    d.join(name)
+    fusec_ir::testkit::process_dir("bad").join(name)
 }
 
 /// Runs `fusec run TINY --steps N ARGS` and returns (exit code, stdout, stderr).

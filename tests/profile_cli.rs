@@ -26,9 +26,7 @@ fn run_tiny(args: &[&str]) -> (Option<i32>, String, String) {
 }
 
 fn tmp(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("fusec-profile-cli-{}", std::process::id()));
-    std::fs::create_dir_all(&d).unwrap();
-    d.join(name)
+    fusec_ir::testkit::process_dir("profile-cli").join(name)
 }
 
 /// Asserts exit 2, no panic, no training step, and every `needle` in standard error.

@@ -31,9 +31,7 @@ fn s(p: &Path) -> &str {
 }
 
 fn dir() -> PathBuf {
-    let d = std::env::temp_dir().join(format!("fusec-sample-{}", std::process::id()));
-    std::fs::create_dir_all(&d).unwrap();
-    d
+    fusec_ir::testkit::process_dir("sample")
 }
 
 /// The tiny GPT-2 (vocabulary 250) after 30 training steps, saved once per test process.

@@ -31,6 +31,26 @@ impl TempDir {
     }
 }
 
+/// The folder `fusec-{what}-{pid}` under the system's temp folder for tests that share one
+/// folder across a test process (cached checkpoints), made if missing. Folders of that name
+/// left by test processes that have ended are removed first (on Linux, where `/proc` tells).
+pub fn process_dir(what: &str) -> std::path::PathBuf {
+    let tmp = std::env::temp_dir();
+    let prefix = format!("fusec-{what}-");
+    if let Ok(entries) = std::fs::read_dir(&tmp) {
+        for e in entries.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let pid = name.strip_prefix(&prefix).and_then(|p| p.parse::<u32>().ok());
+            if pid.is_some_and(|p| p != std::process::id() && Path::new("/proc/self").exists() && !Path::new(&format!("/proc/{p}")).exists()) {
+                let _ = std::fs::remove_dir_all(e.path());
+            }
+        }
+    }
+    let d = tmp.join(format!("{prefix}{}", std::process::id()));
+    std::fs::create_dir_all(&d).unwrap_or_else(|e| panic!("{}: {e}", d.display()));
+    d
+}
+
 impl std::ops::Deref for TempDir {
     type Target = Path;
     fn deref(&self) -> &Path {
