@@ -138,10 +138,10 @@ pub struct Fill {
     pub out: u64,
 }
 
-/// The mean over the ranks of a data-parallel run of `n` elements: one operand of an
-/// `all_reduce`.
+/// One operand of a collective: `n` elements at `x` into `y` on every rank, their mean over the
+/// ranks (`all_reduce`, `owner` `None`) or rank `owner`'s values (`from_owners`).
 #[derive(Clone, Copy, Debug)]
-pub struct AllReduce {
+pub struct CollectivePart {
     /// The operand.
     pub x: u64,
     /// The result (the operand's bytes when the memory plan put it in place).
@@ -150,21 +150,8 @@ pub struct AllReduce {
     pub n: usize,
     /// f32 or bf16.
     pub dtype: DType,
-}
-
-/// One operand of a `from_owners`: `n` elements at `x` of rank `owner` into `y` on every rank.
-#[derive(Clone, Copy, Debug)]
-pub struct FromOwner {
-    /// The operand.
-    pub x: u64,
-    /// The result (the operand's bytes when the memory plan put it in place).
-    pub y: u64,
-    /// Elements.
-    pub n: usize,
-    /// f32 or bf16.
-    pub dtype: DType,
-    /// The rank whose values every rank takes.
-    pub owner: usize,
+    /// The rank whose values every rank takes; `None`: the mean.
+    pub owner: Option<usize>,
 }
 
 /// What one launch runs.
@@ -184,10 +171,8 @@ pub enum LaunchOp<'g> {
     Iota(Iota),
     /// Constant fill.
     Fill(Fill),
-    /// Mean over the ranks: one collective over every operand.
-    AllReduce(Vec<AllReduce>),
-    /// Every operand from its owner rank: one collective over every operand.
-    FromOwners(Vec<FromOwner>),
+    /// One collective over every operand (`all_reduce` or `from_owners`).
+    Collective(Vec<CollectivePart>),
 }
 
 /// One launch of a program.
@@ -375,19 +360,16 @@ fn launches<'g>(g: &'g Graph, plan: &MemPlan, layout: &SharedLayout, bind: &Bind
                 let cnt = dims(n.results[0])?.iter().product();
                 (LaunchOp::Fill(Fill { value: *value, dtype: ty.dtype, n: cnt, out: off(n.results[0])? }), "fill".into(), 0)
             }
-            Op::AllReduce => {
+            Op::AllReduce | Op::FromOwners { .. } => {
+                let owners = match &n.op {
+                    Op::FromOwners { owners } => owners.iter().map(|&o| Some(o)).collect(),
+                    _ => vec![None; n.inputs.len()],
+                };
                 let mut parts = vec![];
-                for (&x, &y) in n.inputs.iter().zip(&n.results) {
-                    parts.push(AllReduce { x: off(x)?, y: off(y)?, n: dims(y)?.iter().product(), dtype: g.ty(y).dtype });
+                for ((&x, &y), owner) in n.inputs.iter().zip(&n.results).zip(owners) {
+                    parts.push(CollectivePart { x: off(x)?, y: off(y)?, n: dims(y)?.iter().product(), dtype: g.ty(y).dtype, owner });
                 }
-                (LaunchOp::AllReduce(parts), "all_reduce".into(), 0)
-            }
-            Op::FromOwners { owners } => {
-                let mut parts = vec![];
-                for ((&x, &y), &owner) in n.inputs.iter().zip(&n.results).zip(owners) {
-                    parts.push(FromOwner { x: off(x)?, y: off(y)?, n: dims(y)?.iter().product(), dtype: g.ty(y).dtype, owner });
-                }
-                (LaunchOp::FromOwners(parts), "from_owners".into(), 0)
+                (LaunchOp::Collective(parts), n.op.mnemonic().into(), 0)
             }
             other => return Err(err(format!("`{}` outside a fused kernel has no launch on a compiled target", other.mnemonic()))),
         };

@@ -43,8 +43,7 @@ fn one_launch_per_running_node_with_offsets_inside_the_plan() {
                 LaunchOp::Attention(a) => [a.at.qkv, a.at.out, a.at.lse].into_iter().chain(a.at.dout).chain(a.at.dqkv).collect(),
                 LaunchOp::Iota(i) => vec![i.out],
                 LaunchOp::Fill(f) => vec![f.out],
-                LaunchOp::AllReduce(parts) => parts.iter().flat_map(|r| [r.x, r.y]).collect(),
-                LaunchOp::FromOwners(parts) => parts.iter().flat_map(|r| [r.x, r.y]).collect(),
+                LaunchOp::Collective(parts) => parts.iter().flat_map(|r| [r.x, r.y]).collect(),
             };
             for o in offsets {
                 assert!(o < plan.planned_bytes && o % 4 == 0, "{p:?} {}: offset {o} of {}", l.name, plan.planned_bytes);
@@ -120,7 +119,7 @@ fn collectives_start_after_their_last_gradient_and_their_readers_wait_for_them()
     let plan = LaunchPlan::new(&run).unwrap();
     let (_, launches, _) = plan.programs.iter().find(|(p, _, _)| *p == Program::Step).unwrap();
     let g = run.step().unwrap();
-    let collectives: Vec<usize> = (0..launches.len()).filter(|&i| matches!(launches[i].op, LaunchOp::AllReduce(_))).collect();
+    let collectives: Vec<usize> = (0..launches.len()).filter(|&i| launches[i].name == "all_reduce").collect();
     // The loss and at least one bucket of gradients; every parameter's gradient averaged once.
     assert!(collectives.len() >= 2, "{collectives:?}");
     let averaged: usize = collectives.iter().map(|&i| g.nodes[launches[i].node].inputs.len()).sum();

@@ -9,7 +9,7 @@ use fusec_codegen_cpu::{CompiledKernel, KernelCompiler};
 use fusec_ir::{Bindings, DType};
 
 use super::attention::AttnStage;
-use crate::launches::{self, AllReduce, Attention, Fill, FromOwner, Gather, Iota, LaunchOp, Product, ScatterAdd};
+use crate::launches::{self, Attention, CollectivePart, Fill, Gather, Iota, LaunchOp, Product, ScatterAdd};
 
 /// What one CPU launch does; offsets are bytes into the one allocation.
 pub enum Kind {
@@ -27,11 +27,9 @@ pub enum Kind {
     Iota(Iota),
     /// Constant fill.
     Fill(Fill),
-    /// Mean over the ranks of every operand, in one collective (the executor's
+    /// One collective over every operand (the executor's
     /// [`crate::dist::star::HostCollective`]).
-    AllReduce(Vec<AllReduce>),
-    /// Every operand from its owner rank, in one collective.
-    FromOwners(Vec<FromOwner>),
+    Collective(Vec<CollectivePart>),
 }
 
 /// One launch: its kind, the name the profiler shows, and static byte and FLOP counts.
@@ -110,8 +108,7 @@ pub fn translate(plan: &[launches::Launch], bind: &Bindings, kc: &mut KernelComp
             }
             LaunchOp::Iota(i) => (Kind::Iota(i.clone()), 0),
             LaunchOp::Fill(f) => (Kind::Fill(*f), 0),
-            LaunchOp::AllReduce(parts) => (Kind::AllReduce(parts.clone()), 0),
-            LaunchOp::FromOwners(parts) => (Kind::FromOwners(parts.clone()), 0),
+            LaunchOp::Collective(parts) => (Kind::Collective(parts.clone()), 0),
         };
         out.push(Launch { kind, name: l.name.clone(), bytes: l.bytes, flops, ops: l.ops.clone() });
     }

@@ -11,7 +11,7 @@ mod peak;
 mod product;
 
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use fusec_codegen_cpu::gemm::{bf16_bits, widen_bits};
@@ -23,7 +23,7 @@ use fusec_passes::memplan::MemPlan;
 
 use crate::dist::star::HostCollective;
 use crate::executor::{Executor, StepOutputs};
-use crate::launches::{LaunchPlan, ProgramIo};
+use crate::launches::{CollectivePart, LaunchPlan, ProgramIo};
 use crate::layout::SharedLayout;
 use crate::profile::{Profile, Timed};
 use crate::programs::{Program, RunPrograms};
@@ -175,55 +175,52 @@ impl CpuExecutor {
                 self.fill_with(it.out, it.dtype, n, |i| ((i / inner) % len) as f64);
             }
             Kind::Fill(fl) => self.fill_with(fl.out, fl.dtype, fl.n, |_| fl.value),
-            Kind::AllReduce(parts) => {
-                let parts: Vec<_> = parts.iter().map(|r| (r.x, r.y, r.n, r.dtype)).collect();
-                self.host_collective(&parts, |c, flat| c.all_reduce_mean(flat))?
-            }
-            Kind::FromOwners(parts) => {
-                let segments: Vec<(usize, usize)> = parts.iter().map(|r| (r.n, r.owner)).collect();
-                let parts: Vec<_> = parts.iter().map(|r| (r.x, r.y, r.n, r.dtype)).collect();
-                self.host_collective(&parts, |c, flat| c.from_owners(flat, &segments))?
-            }
+            Kind::Collective(parts) => self.collective(parts)?,
         }
         Ok(())
     }
 
-    /// One collective over `parts` (`(x, y, n, dtype)`: `n` values at `x` into `y`), laid end to
-    /// end as f32 (bf16 widened and rounded back) and handed to `run`; without a collective
-    /// (one rank) a copy from each `x` to its `y`.
+    /// One collective over `parts`, laid end to end as f32 (bf16 widened and rounded back):
+    /// their mean over the ranks, or each from its owner; without a collective (one rank) a
+    /// copy from each `x` to its `y`.
     ///
     /// # Safety
     /// Every range must lie inside the arena.
-    unsafe fn host_collective(
-        &self,
-        parts: &[(u64, u64, usize, DType)],
-        run: impl FnOnce(&mut dyn HostCollective, &mut [f32]) -> Result<(), String>,
-    ) -> Result<(), String> {
-        let Some(c) = &self.collective else {
-            for &(x, y, n, dt) in parts.iter().filter(|p| p.0 != p.1) {
-                std::ptr::copy_nonoverlapping(self.arena.base().add(x as usize), self.arena.base().add(y as usize), n * dt.size_bytes());
+    unsafe fn collective(&self, parts: &[CollectivePart]) -> Result<(), String> {
+        let Some(mut c) = self.locked()? else {
+            for p in parts.iter().filter(|p| p.x != p.y) {
+                let bytes = p.n * p.dtype.size_bytes();
+                std::ptr::copy_nonoverlapping(self.arena.base().add(p.x as usize), self.arena.base().add(p.y as usize), bytes);
             }
             return Ok(());
         };
-        let mut flat: Vec<f32> = Vec::with_capacity(parts.iter().map(|p| p.2).sum());
-        for &(x, _, n, dt) in parts {
-            match dt {
-                DType::BF16 => flat.extend(self.slice::<u16>(x, n).iter().map(|&b| widen_bits(b))),
-                _ => flat.extend_from_slice(self.slice::<f32>(x, n)),
+        let mut flat: Vec<f32> = Vec::with_capacity(parts.iter().map(|p| p.n).sum());
+        for p in parts {
+            match p.dtype {
+                DType::BF16 => flat.extend(self.slice::<u16>(p.x, p.n).iter().map(|&b| widen_bits(b))),
+                _ => flat.extend_from_slice(self.slice::<f32>(p.x, p.n)),
             }
         }
-        let mut c = c.lock().map_err(|_| "the collective was poisoned by an earlier panic".to_string())?;
-        run(&mut **c, &mut flat)?;
+        let owners: Option<Vec<(usize, usize)>> = parts.iter().map(|p| p.owner.map(|o| (p.n, o))).collect();
+        match owners {
+            Some(segments) => c.from_owners(&mut flat, &segments)?,
+            None => c.all_reduce_mean(&mut flat)?,
+        }
         let mut at = 0;
-        for &(_, y, n, dt) in parts {
-            let vals = &flat[at..at + n];
-            match dt {
-                DType::BF16 => self.slice::<u16>(y, n).iter_mut().zip(vals).for_each(|(b, &v)| *b = bf16_bits(v)),
-                _ => self.slice::<f32>(y, n).copy_from_slice(vals),
+        for p in parts {
+            let vals = &flat[at..at + p.n];
+            match p.dtype {
+                DType::BF16 => self.slice::<u16>(p.y, p.n).iter_mut().zip(vals).for_each(|(b, &v)| *b = bf16_bits(v)),
+                _ => self.slice::<f32>(p.y, p.n).copy_from_slice(vals),
             }
-            at += n;
+            at += p.n;
         }
         Ok(())
+    }
+
+    /// The collective of a data-parallel run, locked; `None` on one rank.
+    fn locked(&self) -> Result<Option<MutexGuard<'_, Box<dyn HostCollective>>>, String> {
+        self.collective.as_ref().map(|c| c.lock().map_err(|_| "the collective was poisoned by an earlier panic".to_string())).transpose()
     }
 
     /// Writes `value(i)` to element `i` of the `n` elements of type `dt` at `off` (rounded to
@@ -305,20 +302,11 @@ impl Executor for CpuExecutor {
     }
 
     fn all_reduce_host(&mut self, values: &mut [f32]) -> Result<(), String> {
-        match &self.collective {
-            Some(c) => c.lock().map_err(|_| "the collective was poisoned by an earlier panic".to_string())?.all_reduce_mean(values),
-            None => Ok(()),
-        }
+        self.locked()?.map_or(Ok(()), |mut c| c.all_reduce_mean(values))
     }
 
     fn from_owner_host(&mut self, values: &mut [f32], owner: usize) -> Result<(), String> {
-        match &self.collective {
-            Some(c) => c
-                .lock()
-                .map_err(|_| "the collective was poisoned by an earlier panic".to_string())?
-                .from_owners(values, &[(values.len(), owner)]),
-            None => Ok(()),
-        }
+        self.locked()?.map_or(Ok(()), |mut c| c.from_owners(values, &[(values.len(), owner)]))
     }
 
     fn roof_key(&self, operands: DType) -> Option<String> {

@@ -14,6 +14,7 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use cudarc::driver::sys;
+use fusec_ir::DType;
 
 use super::device::ck;
 use super::launch::{Addr, Launch, Step};
@@ -73,26 +74,18 @@ impl CudaExecutor {
         Ok(())
     }
 
-    /// Runs a collective step on the step's stream: through NCCL, or copies on one rank
-    /// without a communicator.
+    /// Runs a collective step's parts on `stream`: through NCCL, or copies on one rank without a
+    /// communicator.
     ///
     /// # Safety
-    /// The step's addresses were built against this allocation.
-    pub(super) unsafe fn collective(&self, st: &Step) -> Result<(), String> {
-        let stream = self.dev.stream;
-        let copy = |src: Addr, dst: Addr, bytes: usize| -> Result<(), String> {
-            if src == dst {
-                return Ok(());
-            }
-            ck(sys::cuMemcpyDtoDAsync_v2(self.addr(dst), self.addr(src), bytes, stream), "copy")
+    /// The parts' addresses were built against this allocation.
+    pub(super) unsafe fn collective(&self, parts: &[(Addr, Addr, usize, DType, Option<usize>)], stream: sys::CUstream) -> Result<(), String> {
+        let Some(nccl) = &self.nccl else {
+            return parts.iter().filter(|p| p.0 != p.1).try_for_each(|&(src, dst, n, dt, _)| {
+                ck(sys::cuMemcpyDtoDAsync_v2(self.addr(dst), self.addr(src), n * dt.size_bytes(), stream), "copy")
+            });
         };
-        match (st, &self.nccl) {
-            (Step::AllReduce { parts }, Some(c)) => c.all_reduce_mean(parts.iter().map(|&(s, t, n, dt)| (self.addr(s), self.addr(t), n, dt)), stream),
-            (Step::FromOwners { parts }, Some(c)) => c.from_owners(parts.iter().map(|&(s, t, n, dt, o)| (self.addr(s), self.addr(t), n, dt, o)), stream),
-            (Step::AllReduce { parts }, None) => parts.iter().try_for_each(|&(s, t, n, dt)| copy(s, t, n * dt.size_bytes())),
-            (Step::FromOwners { parts }, None) => parts.iter().try_for_each(|&(s, t, n, dt, _)| copy(s, t, n * dt.size_bytes())),
-            _ => Err("internal: not a collective step".into()),
-        }
+        nccl.collective(parts.iter().map(|&(s, t, n, dt, o)| (self.addr(s), self.addr(t), n, dt, o)), stream)
     }
 
     /// Runs launch `i` of `program`: first makes the step's stream wait for the side collectives
@@ -110,12 +103,12 @@ impl CudaExecutor {
                     ck(sys::cuStreamWaitEvent(main, side.events[&(program, *j)][1], 0), "stream wait")?;
                 }
             }
-            if let (true, Some(ev), Some(nccl), [Step::AllReduce { parts }]) =
+            if let (true, Some(ev), Some(_), [Step::Collective { parts }]) =
                 (beside && l.side, side.events.get(&(program, i)), &self.nccl, l.steps.as_slice())
             {
                 ck(sys::cuEventRecord(ev[0], main), "event")?;
                 ck(sys::cuStreamWaitEvent(side.stream, ev[0], 0), "stream wait")?;
-                nccl.all_reduce_mean(parts.iter().map(|&(s, t, n, dt)| (self.addr(s), self.addr(t), n, dt)), side.stream)?;
+                self.collective(parts, side.stream)?;
                 ck(sys::cuEventRecord(ev[1], side.stream), "event")?;
                 pending.push(i);
                 return Ok(());
@@ -140,13 +133,7 @@ impl CudaExecutor {
             let r = self
                 .dev
                 .upload(buf, values)
-                .and_then(|_| {
-                    let part = (buf, buf, values.len(), fusec_ir::DType::F32);
-                    match owner {
-                        None => nccl.all_reduce_mean(std::iter::once(part), self.dev.stream),
-                        Some(o) => nccl.from_owners(std::iter::once((part.0, part.1, part.2, part.3, o)), self.dev.stream),
-                    }
-                })
+                .and_then(|_| nccl.collective(std::iter::once((buf, buf, values.len(), DType::F32, owner)), self.dev.stream))
                 .and_then(|_| self.dev.sync("collective of host values"))
                 .and_then(|_| self.dev.download(values, buf));
             let _ = cudarc::driver::result::free_sync(buf);

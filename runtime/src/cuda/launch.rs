@@ -70,12 +70,10 @@ pub(crate) enum Step {
     Fill32 { dst: Addr, bits: u32, n: usize },
     /// A device-to-device copy.
     Copy { dst: Addr, src: Addr, bytes: u64 },
-    /// The mean over the ranks of `n` values of `dtype` at each `src` into its `dst`, one NCCL
-    /// group (copies without a communicator).
-    AllReduce { parts: Vec<(Addr, Addr, usize, DType)> },
-    /// Each part's `n` values of `dtype` at `src` of its owner rank into every rank's `dst`,
-    /// one NCCL group of broadcasts (copies without a communicator).
-    FromOwners { parts: Vec<(Addr, Addr, usize, DType, usize)> },
+    /// For each part `(src, dst, n, dtype, owner)`, the mean over the ranks of the `n` values at
+    /// `src` into `dst` (`owner` `None`), or rank `owner`'s values: one NCCL group (copies
+    /// without a communicator).
+    Collective { parts: Vec<(Addr, Addr, usize, DType, Option<usize>)> },
 }
 
 /// One launch: its steps, the name the profiler shows, static byte and FLOP counts.
@@ -236,7 +234,7 @@ impl Builder<'_> {
                 return Err(err(format!("a product of {} and {} operands", l.dtypes[0], l.dtypes[1])));
             }
             // Products and attention read and write bf16 themselves; other launches are f32/i32.
-            let collective = matches!(l.op, LaunchOp::AllReduce(_) | LaunchOp::FromOwners(_));
+            let collective = matches!(l.op, LaunchOp::Collective(_));
             if !collective && !matches!(l.op, LaunchOp::Kernel { .. } | LaunchOp::Product(_) | LaunchOp::Attention(_)) {
                 if let Some(dt) = l.dtypes.iter().find(|d| matches!(d, DType::BF16 | DType::F16)) {
                     return Err(err(format!(
@@ -311,15 +309,12 @@ impl Builder<'_> {
                     };
                     push(vec![Step::Fill32 { dst, bits, n: fl.n }], "fill", 0);
                 }
-                LaunchOp::AllReduce(parts) => {
-                    let in_place = parts.iter().all(|r| r.x == r.y);
-                    let parts = parts.iter().map(|r| (Addr::Plan(r.x), Addr::Plan(r.y), r.n, r.dtype)).collect();
-                    push(vec![Step::AllReduce { parts }], "all_reduce", 0);
-                    out[first].side = in_place;
-                }
-                LaunchOp::FromOwners(parts) => {
+                LaunchOp::Collective(parts) => {
+                    // An all-reduce written in place may run beside the launches that follow.
+                    let side = parts.iter().all(|r| r.x == r.y && r.owner.is_none());
                     let parts = parts.iter().map(|r| (Addr::Plan(r.x), Addr::Plan(r.y), r.n, r.dtype, r.owner)).collect();
-                    push(vec![Step::FromOwners { parts }], "from_owners", 0);
+                    push(vec![Step::Collective { parts }], &l.name, 0);
+                    out[first].side = side;
                 }
             }
             if let Some(f) = out.get_mut(first) {
@@ -517,10 +512,10 @@ mod tests {
 
     #[test]
     fn collectives_keep_their_readers_across_expanded_launches() {
-        use crate::launches::{AllReduce, AttnDims, AttnOffsets, Attention, Fill, Launch as PlanLaunch};
+        use crate::launches::{AttnDims, AttnOffsets, Attention, CollectivePart, Fill, Launch as PlanLaunch};
         let launch = |op: LaunchOp<'static>, waits: Vec<usize>| PlanLaunch {
             node: 0,
-            name: "x".into(),
+            name: if matches!(op, LaunchOp::Collective(_)) { "all_reduce" } else { "fill" }.into(),
             op,
             dtypes: vec![DType::F32],
             bytes: 4,
@@ -535,12 +530,12 @@ mod tests {
             dtype: DType::F32,
             at: AttnOffsets { qkv: 0, out: 512, lse: 1024, dout: None, dqkv: None },
         };
-        let part = |x: u64, y: u64| AllReduce { x, y, n: 16, dtype: DType::F32 };
+        let part = |x: u64, y: u64| CollectivePart { x, y, n: 16, dtype: DType::F32, owner: None };
         let plan = vec![
             // Score-matrix attention: several launches here.
             launch(LaunchOp::Attention(attn), vec![]),
-            launch(LaunchOp::AllReduce(vec![part(2048, 2048), part(4096, 4096)]), vec![]),
-            launch(LaunchOp::AllReduce(vec![part(8192, 12288)]), vec![]),
+            launch(LaunchOp::Collective(vec![part(2048, 2048), part(4096, 4096)]), vec![]),
+            launch(LaunchOp::Collective(vec![part(8192, 12288)]), vec![]),
             launch(LaunchOp::Fill(Fill { value: 0.0, dtype: DType::F32, n: 4, out: 16384 }), vec![1, 2]),
         ];
         let native = native();
@@ -551,7 +546,7 @@ mod tests {
         assert!(first > 1, "attention expands into several launches");
         // In place: beside the backward; a copy to another place: in line.
         assert!(out[first].side && !out[first + 1].side);
-        assert!(matches!(&out[first].steps[..], [Step::AllReduce { parts }] if parts.len() == 2));
+        assert!(matches!(&out[first].steps[..], [Step::Collective { parts }] if parts.len() == 2));
         // The reader waits for both collectives, by their indices here.
         assert_eq!(out[at("fill")].waits, [first, first + 1]);
         assert!(out[..first].iter().all(|l| l.waits.is_empty() && !l.side));

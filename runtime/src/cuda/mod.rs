@@ -407,7 +407,7 @@ impl CudaExecutor {
             Step::Copy { dst, src, bytes } => {
                 ck(sys::cuMemcpyDtoDAsync_v2(self.addr(*dst), self.addr(*src), *bytes as usize, d.stream), "copy")
             }
-            Step::AllReduce { .. } | Step::FromOwners { .. } => self.collective(st),
+            Step::Collective { parts } => self.collective(parts, d.stream),
         }
     }
 

@@ -112,35 +112,14 @@ impl NcclRank {
         })
     }
 
-    /// Enqueues on `stream` one NCCL group: for each part `(src, dst, n, dtype)`, the mean over
-    /// the ranks of the `n` values (f32 or bf16) at device address `src` into `dst` (the same
-    /// address: in place). NCCL runs a group's collectives as one launch.
+    /// Enqueues on `stream` one NCCL group: for each part `(src, dst, n, dtype, owner)`, the
+    /// mean over the ranks of the `n` values (f32 or bf16) at device address `src` into `dst`
+    /// (`owner` `None`; the same address: in place), or a broadcast of rank `owner`'s values.
+    /// NCCL runs a group's collectives as one launch.
     ///
     /// # Safety
     /// Every range must be device memory of this rank's GPU, `n` values of `dtype` long.
-    pub unsafe fn all_reduce_mean(
-        &self,
-        parts: impl Iterator<Item = (u64, u64, usize, fusec_ir::DType)>,
-        stream: cudarc::driver::sys::CUstream,
-    ) -> Result<(), String> {
-        self.group(parts.map(|(s, d, n, t)| (s, d, n, t, None)), stream)
-    }
-
-    /// Enqueues on `stream` one NCCL group: for each part `(src, dst, n, dtype, owner)`, a
-    /// broadcast of rank `owner`'s `n` values at `src` into every rank's `dst`.
-    ///
-    /// # Safety
-    /// As [`NcclRank::all_reduce_mean`].
-    pub unsafe fn from_owners(
-        &self,
-        parts: impl Iterator<Item = (u64, u64, usize, fusec_ir::DType, usize)>,
-        stream: cudarc::driver::sys::CUstream,
-    ) -> Result<(), String> {
-        self.group(parts.map(|(s, d, n, t, o)| (s, d, n, t, Some(o))), stream)
-    }
-
-    /// One group of all-reduces (mean; `None`) or broadcasts from a root (`Some`).
-    unsafe fn group(
+    pub unsafe fn collective(
         &self,
         parts: impl Iterator<Item = (u64, u64, usize, fusec_ir::DType, Option<usize>)>,
         stream: cudarc::driver::sys::CUstream,
