@@ -126,16 +126,7 @@ fn optimizer_inner(g: &Graph, cfg: &AdamWConfig) -> Result<Graph, String> {
         norm = Some(n);
     }
     let op = Op::AdamW { beta1: cfg.beta1, beta2: cfg.beta2, eps: cfg.eps, weight_decay: cfg.weight_decay };
-    let owners = match cfg.shard {
-        Some(s) => {
-            let sized = params
-                .iter()
-                .map(|(n, p)| e.g.ty(*p).bytes(&fusec_ir::Bindings::default()).map(|b| (n.as_str(), b as u64)))
-                .collect::<Result<Vec<_>, _>>()?;
-            Some(crate::zero::owners(&sized, s.world))
-        }
-        None => None,
-    };
+    let owners = cfg.shard.map(|s| crate::zero::param_owners(g, s.world)).transpose()?;
     let mine = |i: usize| match (&owners, cfg.shard) {
         (Some(o), Some(s)) => o[i] == s.rank,
         _ => true,

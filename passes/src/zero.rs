@@ -3,6 +3,8 @@
 //! it; then every rank takes every parameter from its owner (`from_owners`). The gradients are
 //! still averaged on every rank (`data-parallel`), so clipping sees the global norm.
 
+use fusec_ir::{Bindings, Graph};
+
 /// This process's place in a run whose optimizer state is sharded.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Shard {
@@ -10,6 +12,14 @@ pub struct Shard {
     pub rank: usize,
     /// Number of ranks, at least 1.
     pub world: usize,
+}
+
+/// The owner of each of `g`'s parameters, in [`Graph::params`] order ([`owners`] of their names
+/// and sizes): what `optimizer` shards by, and what a checkpoint gathers from.
+pub fn param_owners(g: &Graph, world: usize) -> Result<Vec<usize>, String> {
+    // Parameters have concrete shapes: no binding is needed.
+    let sized = g.params().into_iter().map(|(n, v)| g.ty(v).bytes(&Bindings::default()).map(|b| (n, b as u64))).collect::<Result<Vec<_>, _>>()?;
+    Ok(owners(&sized, world))
 }
 
 /// The owner of each parameter, given their names and sizes in bytes: largest first (ties: by

@@ -5,7 +5,9 @@
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
-use std::time::Duration;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use fusec_ir::DType;
 use fusec_passes::zero::{self, Shard};
@@ -144,11 +146,9 @@ pub fn step_times(ex: &mut dyn Executor, env: &LaunchEnv, ms: f64) -> Result<Vec
 /// its shape), in parameter order, each with the rank that holds it.
 pub fn zero_moments(run: &RunPrograms, shard: Shard) -> Result<Vec<((String, DType, Vec<usize>), usize)>, String> {
     let step = run.step()?;
-    let params = step.params();
-    let sized = params.iter().map(|(n, v)| step.ty(*v).bytes(&run.bind).map(|b| (*n, b as u64))).collect::<Result<Vec<_>, _>>()?;
-    let owners = zero::owners(&sized, shard.world);
+    let owners = zero::param_owners(step, shard.world)?;
     let mut out = vec![];
-    for ((name, v), owner) in params.iter().zip(owners) {
+    for ((name, v), owner) in step.params().iter().zip(owners) {
         let shape: Vec<usize> = step.ty(*v).shape.eval(&run.bind)?.into_iter().collect();
         for prefix in ["m.", "v."] {
             out.push(((format!("{prefix}{name}"), DType::F32, shape.clone()), owner));
@@ -187,16 +187,15 @@ pub fn serve_moments(ex: &mut dyn Executor, run: &RunPrograms, shard: Shard) -> 
 /// exits with an error (the launcher, or torchrun's agent, then stops the others). Ticked
 /// after every step; dropped when training ends.
 pub struct Watchdog {
-    last: std::sync::Arc<std::sync::Mutex<std::time::Instant>>,
-    done: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    last: Arc<Mutex<Instant>>,
+    done: Arc<AtomicBool>,
 }
 
 impl Watchdog {
     /// Starts watching rank `rank`: the first step must end within `timeout` from now.
     pub fn start(rank: usize, timeout: Duration) -> Watchdog {
-        use std::sync::atomic::Ordering;
-        let last = std::sync::Arc::new(std::sync::Mutex::new(std::time::Instant::now()));
-        let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let last = Arc::new(Mutex::new(Instant::now()));
+        let done = Arc::new(AtomicBool::new(false));
         let (l, d) = (last.clone(), done.clone());
         std::thread::spawn(move || loop {
             std::thread::sleep(Duration::from_millis(200).min(timeout));
@@ -219,14 +218,14 @@ impl Watchdog {
     /// A step ended.
     pub fn tick(&self) {
         if let Ok(mut t) = self.last.lock() {
-            *t = std::time::Instant::now();
+            *t = Instant::now();
         }
     }
 }
 
 impl Drop for Watchdog {
     fn drop(&mut self) {
-        self.done.store(true, std::sync::atomic::Ordering::Relaxed);
+        self.done.store(true, Ordering::Relaxed);
     }
 }
 
