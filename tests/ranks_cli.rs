@@ -101,6 +101,12 @@ fn ranks_train_like_one_process_of_the_global_batch(target: &str, ranks: usize) 
         // Rank 0 alone printed and saved.
         assert_eq!(out.matches("── summary").count(), 1, "{out}");
         assert!(out.contains(&format!("ranks        {ranks} ")), "{out}");
+        // What a step averages: every gradient (and the loss), the parameters' f32 bytes.
+        let mib_after = |label: &str| -> String {
+            let at = out.find(label).unwrap_or_else(|| panic!("no `{label}` in {out}")) + label.len();
+            out[at..].split_whitespace().next().unwrap().to_string()
+        };
+        assert_eq!(mib_after("each step averages "), mib_after("x the "), "{out}");
         // Every rank's step time, gathered at rank 0.
         assert!(out.contains("per rank     rank 0 ") && out.contains(&format!(" · rank {} ", ranks - 1)), "{out}");
         assert!(save.join("model.bin").is_file() && save.join("state.bin").is_file());

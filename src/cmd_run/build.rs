@@ -130,7 +130,7 @@ pub fn executor(a: &RunArgs, run: &RunPrograms, threads: usize, dist: Option<&La
 fn ranks_row(env: &LaunchEnv, run: &RunPrograms, how: &str) -> Result<String, String> {
     let step = run.step()?;
     let reduces: Vec<_> = step.nodes.iter().filter(|n| n.op == fusec_ir::Op::AllReduce).collect();
-    let bytes = reduces.iter().map(|n| step.ty(n.inputs[0]).bytes(&run.bind)).sum::<Result<usize, String>>()?;
+    let bytes = reduces.iter().flat_map(|n| &n.inputs).map(|v| step.ty(*v).bytes(&run.bind)).sum::<Result<usize, String>>()?;
     let moments: Vec<_> = step.inputs().into_iter().filter(|(n, _)| n.starts_with("m.")).collect();
     let moment_bytes = moments.iter().map(|(_, v)| step.ty(*v).bytes(&run.bind)).sum::<Result<usize, String>>()?;
     let params = step.params().len();
