@@ -20,10 +20,6 @@ use super::rendezvous::{rendezvous, UniqueId, BLOB_BYTES};
 
 /// The mean over the ranks of a buffer every rank holds (the `all_reduce` launch on the host).
 pub trait HostCollective: Send {
-    /// This process's rank.
-    fn rank(&self) -> usize;
-    /// Number of ranks.
-    fn world(&self) -> usize;
     /// Replaces `buf` by the mean over the ranks of every rank's `buf` (equal lengths).
     fn all_reduce_mean(&mut self, buf: &mut [f32]) -> Result<(), String>;
     /// `buf` is consecutive segments of `(length, owner)`: replaces each segment by the owner
@@ -80,17 +76,14 @@ impl TcpStar {
         };
         Ok(TcpStar { rank, world, seq: 0, links, scratch: vec![] })
     }
+
+    /// This process's rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
 }
 
 impl HostCollective for TcpStar {
-    fn rank(&self) -> usize {
-        self.rank
-    }
-
-    fn world(&self) -> usize {
-        self.world
-    }
-
     fn all_reduce_mean(&mut self, buf: &mut [f32]) -> Result<(), String> {
         let w = self.world as f32;
         self.exchange(
@@ -122,7 +115,7 @@ impl TcpStar {
     /// `combine(acc, rank, theirs)`, applies `finish`, and sends the result back: every rank
     /// ends with it.
     fn exchange(&mut self, buf: &mut [f32], combine: impl Fn(&mut [f32], usize, &[f32]), finish: impl Fn(&mut [f32])) -> Result<(), String> {
-        let (seq, n) = (self.seq, buf.len() as u64);
+        let seq = self.seq;
         self.seq += 1;
         match &mut self.links {
             Links::Alone => Ok(()),
@@ -130,10 +123,7 @@ impl TcpStar {
                 let mut theirs = vec![0f32; buf.len()];
                 for (i, s) in peers.iter_mut().enumerate() {
                     let r = i + 1;
-                    read_frame(s, r, seq, n, &mut self.scratch)?;
-                    for (x, b) in theirs.iter_mut().zip(self.scratch.chunks_exact(4)) {
-                        *x = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-                    }
+                    read_frame(s, r, seq, &mut theirs, &mut self.scratch)?;
                     combine(buf, r, &theirs);
                 }
                 finish(buf);
@@ -145,11 +135,7 @@ impl TcpStar {
             }
             Links::Peer(s) => {
                 s.write_all(&frame(seq, buf)).map_err(|e| lost(0, seq, &e))?;
-                read_frame(s, 0, seq, n, &mut self.scratch)?;
-                for (x, b) in buf.iter_mut().zip(self.scratch.chunks_exact(4)) {
-                    *x = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-                }
-                Ok(())
+                read_frame(s, 0, seq, buf, &mut self.scratch)
             }
         }
     }
@@ -221,9 +207,10 @@ fn frame(seq: u64, buf: &[f32]) -> Vec<u8> {
     f
 }
 
-/// Reads rank `from`'s frame of collective `seq` (`n` values) into `out`; an error says which
-/// rank stopped, hung or is elsewhere in the program.
-fn read_frame(s: &mut TcpStream, from: usize, seq: u64, n: u64, out: &mut Vec<u8>) -> Result<(), String> {
+/// Reads rank `from`'s frame of collective `seq` (`out.len()` values) into `out`, through
+/// `bytes`; an error says which rank stopped, hung or is elsewhere in the program.
+fn read_frame(s: &mut TcpStream, from: usize, seq: u64, out: &mut [f32], bytes: &mut Vec<u8>) -> Result<(), String> {
+    let n = out.len() as u64;
     let mut h = [0u8; HEADER];
     s.read_exact(&mut h).map_err(|e| lost(from, seq, &e))?;
     let (their_seq, their_n) = (u64::from_le_bytes(h[4..12].try_into().expect("8")), u64::from_le_bytes(h[12..20].try_into().expect("8")));
@@ -232,8 +219,12 @@ fn read_frame(s: &mut TcpStream, from: usize, seq: u64, n: u64, out: &mut Vec<u8
             "collective #{seq} ({n} values): rank {from} sent collective #{their_seq} of {their_n} values (the ranks run different programs)"
         ));
     }
-    out.resize(4 * n as usize, 0);
-    s.read_exact(out).map_err(|e| lost(from, seq, &e))
+    bytes.resize(4 * out.len(), 0);
+    s.read_exact(bytes).map_err(|e| lost(from, seq, &e))?;
+    for (x, b) in out.iter_mut().zip(bytes.chunks_exact(4)) {
+        *x = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+    }
+    Ok(())
 }
 
 /// Why rank `r` is gone.
