@@ -16,14 +16,10 @@ BIN=${FUSEC_BIN:-.dev/fusec}
 TORCH=${TORCH_BENCH:-.dev/torch_gpt2_bench.py}
 OUTDIR=${OUT:-/tmp/fusec-ddp-bench}
 STEPS=${STEPS:-20}
-PRESET=${PRESET:-124m}
+PRESET=${PRESET:-d12}
 mkdir -p "$OUTDIR"
-export FUSEC_CACHE_DIR=${FUSEC_CACHE_DIR:-$OUTDIR/cache}
-for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib; do
-  [ -d "$d" ] && export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}$d"
-done
+source benches/device_env.sh
 GPUS=$(nvidia-smi -L | wc -l)
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
 "$BIN" export gpt2 --preset "$PRESET" -o "$OUTDIR/model.graph"
 COUNTS=""
 for n in 1 2 4 8; do [ "$n" -le "$GPUS" ] && COUNTS="$COUNTS $n"; done

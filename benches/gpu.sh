@@ -27,12 +27,7 @@ REFS=${FUSEC_REFS:-.dev/refs/llmc-odd}
 OUTDIR=${OUT:-/tmp/fusec-gpu-bench}
 STEPS=${STEPS:-30}
 mkdir -p "$OUTDIR"
-export FUSEC_CACHE_DIR=${FUSEC_CACHE_DIR:-$OUTDIR/cache}
-# CUDA's libraries (libnvrtc, libcublas) where the toolkit keeps them, if the loader does not know them.
-for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib; do
-  [ -d "$d" ] && export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}$d"
-done
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+source benches/device_env.sh
 
 echo "== 1. llm.c parity (llmc-odd): fp32 (--no-tf32, limit 1e-5), TF32 with flash attention (limit 1e-3), bf16 (relative 2e-2)"
 if [ -f "$REFS/reference.json" ]; then

@@ -14,11 +14,7 @@ TEST=${DECODER_TEST:-.dev/cuda_decoder}
 OUTDIR=${OUT:-/tmp/fusec-sample-bench}
 WORK=${WORK:-/tmp/fusec-sample-work}
 mkdir -p "$OUTDIR" "$WORK"
-export FUSEC_CACHE_DIR=${FUSEC_CACHE_DIR:-$OUTDIR/cache}
-for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib; do
-  [ -d "$d" ] && export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}$d"
-done
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+source benches/device_env.sh
 
 echo "== 1. the cached decoder's logits = the interpreter's whole forward at every position (CUDA)"
 "$TEST" --ignored --test-threads 1 2>&1 | tail -3
