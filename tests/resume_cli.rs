@@ -10,7 +10,7 @@
 
 mod common;
 
-use common::{bin, tiny};
+use common::{assert_refused, bin, tiny};
 use fusec_ir::testkit::TempDir;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
@@ -259,15 +259,7 @@ fn mismatched_torn_and_foreign_checkpoints_are_refused() {
         }
         fusec(&[&all[..], args].concat(), &[])
     };
-    let refused = |args: &[&str], needles: &[&str]| {
-        let o = run(args);
-        let err = text(&o.stderr);
-        assert_eq!(o.status.code(), Some(2), "{args:?}: {err}");
-        assert!(!err.contains("panicked"), "{err}");
-        for n in needles {
-            assert!(err.contains(n), "{args:?}: expected `{n}` in {err}");
-        }
-    };
+    let refused = |args: &[&str], needles: &[&str]| assert_refused(&run(args), args, needles);
     let (a, b) = (d.join("a"), d.join("b"));
     assert!(run(&["--steps", "2", "--save", s(&a)]).status.success());
     assert!(run(&["--steps", "2", "--save", s(&b), "--seed", "7"]).status.success());

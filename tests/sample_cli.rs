@@ -3,6 +3,8 @@
 //! interpreter, as `--sample` ran before issue 17), the GPT-2 prompt is continued and streamed
 //! as text, top-k 1 is greedy, and bad input is a clear error naming the flag, never a panic.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::sync::OnceLock;
@@ -151,13 +153,7 @@ fn a_text_prompt_is_continued_and_streamed_as_text() {
 
 /// Asserts exit 2, no panic, and every `needle` in standard error.
 fn refused(args: &[&str], needles: &[&str]) {
-    let o = fusec(args);
-    let err = text(&o.stderr);
-    assert_eq!(o.status.code(), Some(2), "{args:?}: {err}");
-    assert!(!err.contains("panicked"), "{args:?}: {err}");
-    for n in needles {
-        assert!(err.contains(n), "{args:?}: expected `{n}` in: {err}");
-    }
+    common::assert_refused(&fusec(args), args, needles);
 }
 
 #[test]
