@@ -106,9 +106,9 @@ fn schedule_for(g: &Graph, probes: &[Bindings]) -> Result<Graph, String> {
 /// the rest of the order: every rank must issue them in the same order, and with ZeRO-1 the
 /// ranks' programs differ after the optimizer, so their schedules may too.
 fn collectives_early(g: &Graph, order: &[usize]) -> Vec<usize> {
-    let is_collective = |i: &usize| g.nodes[*i].op == Op::AllReduce;
-    let mut out: Vec<usize> = order.iter().copied().filter(|i| !is_collective(i)).collect();
-    let mut collectives: Vec<usize> = order.iter().copied().filter(is_collective).collect();
+    let is_all_reduce = |i: &usize| g.nodes[*i].op == Op::AllReduce;
+    let mut out: Vec<usize> = order.iter().copied().filter(|i| !is_all_reduce(i)).collect();
+    let mut collectives: Vec<usize> = order.iter().copied().filter(is_all_reduce).collect();
     collectives.sort_unstable();
     let mut after_previous = 0;
     for i in collectives {

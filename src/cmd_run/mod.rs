@@ -234,7 +234,6 @@ pub fn run(mut a: RunArgs) -> CliResult {
         first_done: first_done.unwrap_or_default(),
         phases: &phases,
         param_bytes: 4 * model.num_params() as u64,
-        ranks: world,
         rank_ms,
     };
     let mut rows = summary.rows(ex, &built.summary, t_start.elapsed().as_secs_f64());

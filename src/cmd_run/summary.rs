@@ -66,8 +66,6 @@ pub struct Summary<'a> {
     pub phases: &'a Phases,
     /// Parameter bytes (f32).
     pub param_bytes: u64,
-    /// Ranks of a data-parallel run (1 otherwise).
-    pub ranks: usize,
     /// Every rank's mean step time in a data-parallel run ([`super::ranks::step_times`]).
     pub rank_ms: Option<Vec<f32>>,
 }
@@ -91,7 +89,10 @@ impl Summary<'_> {
     pub fn rows(&self, ex: &dyn Executor, build: &[(String, String)], wall: f64) -> Vec<(String, String)> {
         let (a, logs) = (self.args, &self.outcome.logs);
         let compile_ms = self.phases.compile * 1e3;
-        let per_rank = if self.ranks > 1 { format!(" per rank x {} ranks", self.ranks) } else { String::new() };
+        let per_rank = match a.ranks.filter(|&n| n > 1) {
+            Some(n) => format!(" per rank x {n} ranks"),
+            None => String::new(),
+        };
         let target = ("target".to_string(), format!("{}, {} thread(s), B={}{per_rank} T={}", a.target_name(), self.threads, a.batch, a.seq));
         let compile = ("compile".to_string(), format!("{compile_ms:.1} ms: {}", pass_times(self.pass_runs)));
         let mut rows = match (logs.first(), logs.last()) {
