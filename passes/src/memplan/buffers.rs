@@ -47,6 +47,15 @@ impl Live {
         for (_, v) in &g.outputs {
             end[v.0 as usize] = n;
         }
+        // An all-reduce may run on a second stream beside the launches that follow it, until a
+        // reader waits for it or the step ends: its buffers stay live to the end of the step,
+        // read or not (under ZeRO-1 a rank reads none of the averages of the gradients it
+        // does not own; reusing their buffers raced with NCCL).
+        for node in g.nodes.iter().filter(|node| node.op == Op::AllReduce) {
+            for v in node.inputs.iter().chain(node.results.iter()) {
+                end[v.0 as usize] = n;
+            }
+        }
         let bytes = value_bytes(g, bind).map_err(|e| format!("memplan: {e}"))?;
         let base = view_bases(g);
         let mut vend = end.clone();
