@@ -23,4 +23,5 @@ pub mod pipeline;
 pub mod recompute;
 mod rewrite;
 pub mod schedule;
+mod schedule_overlap;
 pub mod zero;

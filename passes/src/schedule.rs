@@ -36,6 +36,7 @@ use fusec_ir::{Bindings, Graph, Op, ValueId};
 use smallvec::SmallVec;
 
 use crate::memplan::buffers::{in_place_options, view_bases, war_edges};
+use crate::schedule_overlap as overlap;
 
 /// The value every symbolic dim takes in [`default_bindings`].
 pub const DEFAULT_DIM: u64 = 64;
@@ -94,30 +95,14 @@ fn schedule_for(g: &Graph, probes: &[Bindings]) -> Result<Graph, String> {
     for m in &models {
         consider(m.list_order(true), true);
     }
-    Ok(reorder(g, &collectives_early(g, &best)))
-}
-
-/// `order` with every `all_reduce` moved up to right after the last producer of its operands:
-/// a bucket's collective starts as soon as its gradients are complete and overlaps the rest of
-/// the backward. The memory model sees no difference when the result overwrites its operand
-/// (`memplan` decides that: the operand is read by nothing else).
-///
-/// The collectives keep their order in `g` (the order `data-parallel` made them in), whatever
-/// the rest of the order: every rank must issue them in the same order, and with ZeRO-1 the
-/// ranks' programs differ after the optimizer, so their schedules may too.
-fn collectives_early(g: &Graph, order: &[usize]) -> Vec<usize> {
-    let is_all_reduce = |i: &usize| g.nodes[*i].op == Op::AllReduce;
-    let mut out: Vec<usize> = order.iter().copied().filter(|i| !is_all_reduce(i)).collect();
-    let mut collectives: Vec<usize> = order.iter().copied().filter(is_all_reduce).collect();
-    collectives.sort_unstable();
-    let mut after_previous = 0;
-    for i in collectives {
-        let producers: Vec<usize> = g.nodes[i].inputs.iter().map(|v| g.values[v.0 as usize].node.0 as usize).collect();
-        let at = out.iter().rposition(|j| producers.contains(j)).map_or(0, |p| p + 1).max(after_previous);
-        out.insert(at, i);
-        after_previous = at + 1;
+    // A data-parallel step: each bucket's gradients early, its all-reduce right after them.
+    if g.nodes.iter().any(|n| n.op == Op::AllReduce) {
+        let early = overlap::gradients_early(g, &best);
+        if m0.respects_war(&early) {
+            best = early;
+        }
     }
-    out
+    Ok(reorder(g, &overlap::collectives_early(g, &best)))
 }
 
 /// The peak live transient bytes of `g`'s own node order under the module's memory model.

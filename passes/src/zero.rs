@@ -1,5 +1,5 @@
-//! ZeRO stage 1 by whole parameters (PyTorch's `ZeroRedundancyOptimizer` partitions the same
-//! way): each parameter has one owner rank, which alone keeps its AdamW moments and updates
+//! ZeRO stage 1 by whole parameters (llm.c's contiguous shards, cut between tensors): each
+//! parameter has one owner rank, which alone keeps its AdamW moments and updates
 //! it; then every rank takes every parameter from its owner (`from_owners`). The gradients are
 //! still averaged on every rank (`data-parallel`), so clipping sees the global norm.
 
@@ -22,22 +22,26 @@ pub fn param_owners(g: &Graph, world: usize) -> Result<Vec<usize>, String> {
     Ok(owners(&sized, world))
 }
 
-/// The owner of each parameter, given their names and sizes in bytes: largest first (ties: by
-/// name), each to the rank that holds the fewest bytes so far (ties: the lower rank). The same
-/// on every rank and for any order of the list; every parameter has exactly one owner.
+/// The owner of each parameter, given their names and sizes in bytes, in the order the
+/// parameters are laid out: the list cut into `world` contiguous runs of about equal bytes (a
+/// parameter goes to the rank whose equal share holds its middle byte), as llm.c cuts its flat
+/// parameter buffer, but never inside a tensor. Each rank's parameters are then one contiguous
+/// range of the parameter buffer, so `from_owners` is one broadcast a rank on the GPU (GPT-2 124M
+/// on 2 H200s: 148 broadcasts in a group took 13.7 ms a step; PyTorch's greedy assignment by
+/// size, which interleaves the owners, was the assignment before). Every parameter has exactly
+/// one owner.
 pub fn owners(params: &[(&str, u64)], world: usize) -> Vec<usize> {
-    let world = world.max(1);
-    let bytes: Vec<u64> = params.iter().map(|p| p.1).collect();
-    let mut order: Vec<usize> = (0..bytes.len()).collect();
-    order.sort_by(|&i, &j| bytes[j].cmp(&bytes[i]).then_with(|| params[i].0.cmp(params[j].0)));
-    let mut held = vec![0u64; world];
-    let mut owner = vec![0; bytes.len()];
-    for i in order {
-        let r = (0..world).min_by_key(|&r| (held[r], r)).expect("world >= 1");
-        owner[i] = r;
-        held[r] = held[r].saturating_add(bytes[i]);
-    }
-    owner
+    let world = world.max(1) as u128;
+    let total: u128 = params.iter().map(|p| p.1 as u128).sum::<u128>().max(1);
+    let mut before = 0u128;
+    params
+        .iter()
+        .map(|&(_, bytes)| {
+            let middle = 2 * before + bytes as u128;
+            before += bytes as u128;
+            ((middle * world) / (2 * total)).min(world - 1) as usize
+        })
+        .collect()
 }
 
 #[cfg(test)]
@@ -45,20 +49,23 @@ mod tests {
     use super::*;
 
     #[test]
-    fn every_parameter_has_one_owner_and_the_load_is_balanced() {
+    fn every_parameter_has_one_owner_in_contiguous_balanced_runs() {
         let bytes = [100, 3, 50, 50, 1, 99, 7];
         let names = ["a", "b", "c", "d", "e", "f", "g"];
         let params: Vec<(&str, u64)> = names.iter().copied().zip(bytes).collect();
         let o = owners(&params, 2);
-        assert_eq!(o, [0, 0, 1, 0, 0, 1, 1]);
+        assert_eq!(o, [0, 0, 0, 1, 1, 1, 1]);
         let held = |r: usize| -> u64 { bytes.iter().zip(&o).filter(|(_, &x)| x == r).map(|(b, _)| b).sum() };
-        assert_eq!((held(0), held(1)), (154, 156));
+        assert_eq!((held(0), held(1)), (153, 157));
         assert_eq!(owners(&params, 1), vec![0; 7]);
-        // The order of the list does not matter.
-        let reversed: Vec<(&str, u64)> = params.iter().rev().copied().collect();
-        assert_eq!(owners(&reversed, 2).into_iter().rev().collect::<Vec<_>>(), o);
-        // More ranks than parameters: some own nothing.
-        assert_eq!(owners(&[("x", 5), ("y", 9)], 4), [1, 0]);
+        // Runs: the owners never decrease along the list.
+        for world in 1..=9 {
+            let o = owners(&params, world);
+            assert!(o.windows(2).all(|w| w[0] <= w[1]) && o.iter().all(|&r| r < world), "{world}: {o:?}");
+        }
+        // More ranks than parameters: some own nothing; no parameters, no owners.
+        assert_eq!(owners(&[("x", 5), ("y", 9)], 4), [0, 2]);
         assert!(owners(&[], 3).is_empty());
+        assert_eq!(owners(&[("z", 0)], 2), [0]);
     }
 }

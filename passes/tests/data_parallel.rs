@@ -74,8 +74,11 @@ fn all_reduce_buffers_live_to_the_end_of_the_step_even_when_unread() {
         let plan = memplan(&g, &bind, &MemplanOptions::default()).unwrap();
         let mut unread = 0;
         for n in g.nodes.iter().filter(|n| n.op == Op::AllReduce) {
-            for v in n.inputs.iter().chain(&n.results) {
-                assert_eq!(plan.values[v.0 as usize].live.1, plan.nodes, "{shard:?}: an all-reduce buffer dies before the end");
+            for (x, y) in n.inputs.iter().zip(&n.results) {
+                let (x, y) = (&plan.values[x.0 as usize], &plan.values[y.0 as usize]);
+                assert_eq!(y.live.1, plan.nodes, "{shard:?}: an all-reduce result dies before the end");
+                // In place (so the CUDA executor runs it beside the backward).
+                assert_eq!(x.offset, y.offset, "{shard:?}: an all-reduce not in place");
             }
             let read = |r: &fusec_ir::ValueId| g.nodes.iter().any(|m| m.inputs.contains(r)) || g.outputs.iter().any(|(_, o)| o == r);
             unread += n.results.iter().filter(|r| !read(r)).count();

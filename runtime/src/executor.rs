@@ -64,6 +64,11 @@ pub trait Executor {
         let _ = (values, owner);
         Ok(())
     }
+    /// Where the training steps' collectives spent their time, for executors of a
+    /// data-parallel run that time them (`Err`: why they could not be timed).
+    fn comm_times(&self) -> Option<Result<CommTimes, String>> {
+        None
+    }
     /// Peak device memory in bytes, for GPU executors.
     fn peak_device_bytes(&self) -> Option<u64> {
         None
@@ -90,6 +95,17 @@ pub trait Executor {
         let _ = operands;
         Err("this target has no roofline".into())
     }
+}
+
+/// The training steps' collectives, summed over the steps measured.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct CommTimes {
+    /// Steps measured.
+    pub steps: u32,
+    /// Milliseconds the collectives ran.
+    pub busy_ms: f64,
+    /// Milliseconds of those that the step waited for (the rest ran beside its kernels).
+    pub exposed_ms: f64,
 }
 
 /// The scalar outputs of a program run (a fixed struct: reading them allocates nothing).

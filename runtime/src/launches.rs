@@ -154,6 +154,16 @@ pub struct CollectivePart {
     pub owner: Option<usize>,
 }
 
+impl CollectivePart {
+    /// Whether `next` starts where this part ends, in its operand and its result, with the
+    /// same type and owner: then the two are one collective (NCCL's cost is per operation:
+    /// ZeRO-1's parameter broadcasts in a group of 148 took 13.7 ms for what one takes in 1).
+    pub fn continues(&self, next: &CollectivePart) -> bool {
+        let end = |at: u64| (self.n as u64).checked_mul(self.dtype.size_bytes() as u64).and_then(|b| at.checked_add(b));
+        self.dtype == next.dtype && self.owner == next.owner && end(self.x) == Some(next.x) && end(self.y) == Some(next.y)
+    }
+}
+
 /// What one launch runs.
 #[derive(Clone, Debug)]
 pub enum LaunchOp<'g> {
@@ -365,9 +375,13 @@ fn launches<'g>(g: &'g Graph, plan: &MemPlan, layout: &SharedLayout, bind: &Bind
                     Op::FromOwners { owners } => owners.iter().map(|&o| Some(o)).collect(),
                     _ => vec![None; n.inputs.len()],
                 };
-                let mut parts = vec![];
+                let mut parts: Vec<CollectivePart> = vec![];
                 for ((&x, &y), owner) in n.inputs.iter().zip(&n.results).zip(owners) {
-                    parts.push(CollectivePart { x: off(x)?, y: off(y)?, n: dims(y)?.iter().product(), dtype: g.ty(y).dtype, owner });
+                    let part = CollectivePart { x: off(x)?, y: off(y)?, n: dims(y)?.iter().product(), dtype: g.ty(y).dtype, owner };
+                    match parts.last_mut() {
+                        Some(last) if last.continues(&part) => last.n += part.n,
+                        _ => parts.push(part),
+                    }
                 }
                 (LaunchOp::Collective(parts), n.op.mnemonic().into(), 0)
             }

@@ -140,3 +140,51 @@ fn collectives_start_after_their_last_gradient_and_their_readers_wait_for_them()
     let adamw = launches.iter().find(|l| l.ops.contains(&"adamw")).unwrap();
     assert_eq!(adamw.waits.len(), collectives.len() - 1);
 }
+
+/// GPT-2 124M's data-parallel step at a small batch, with ZeRO-1 when `shard` is given.
+fn d12_data_parallel(shard: Option<fusec_passes::zero::Shard>) -> RunPrograms {
+    let fwd = build_gpt2(&Gpt2Config::preset("d12").unwrap(), "d12");
+    let adamw = fusec_passes::optimizer::AdamWConfig { shard, ..Default::default() };
+    let opts = PipelineOptions { data_parallel: true, adamw, ..PipelineOptions::default() };
+    RunPrograms::compile(&fwd, &opts, &RunPrograms::bindings(1, 16), false).unwrap()
+}
+
+#[test]
+fn gradient_buckets_are_averaged_while_the_backward_runs() {
+    // The weight gradients run as soon as they can, so most buckets start before the backward's
+    // last attention: the memory-greedy order had put every weight gradient, and so every
+    // all-reduce, after the whole backward (nothing overlapped).
+    let run = d12_data_parallel(None);
+    let plan = LaunchPlan::new(&run).unwrap();
+    let (_, launches, _) = plan.programs.iter().find(|(p, _, _)| *p == Program::Step).unwrap();
+    let g = run.step().unwrap();
+    let op = |i: usize| g.nodes[launches[i].node].op.mnemonic();
+    let last_attention = (0..launches.len()).rfind(|&i| op(i) == "attention_grad").unwrap();
+    let buckets: Vec<usize> = (0..launches.len()).filter(|&i| op(i) == "all_reduce").collect();
+    let early = buckets.iter().filter(|&&i| i < last_attention).count();
+    assert!(buckets.len() >= 15 && early * 4 >= buckets.len() * 3, "{early} of {} buckets before the last attention backward", buckets.len());
+    // In place, so that the CUDA executor may run them on a second stream.
+    for &i in &buckets {
+        let LaunchOp::Collective(parts) = &launches[i].op else { panic!("all_reduce is not a collective") };
+        assert!(parts.iter().all(|p| p.x == p.y), "launch {i}: an all-reduce not in place");
+    }
+}
+
+#[test]
+fn zero_1_takes_each_rank_s_parameters_in_one_broadcast() {
+    use fusec_passes::zero::Shard;
+    for rank in 0..2 {
+        let run = d12_data_parallel(Some(Shard { rank, world: 2 }));
+        let plan = LaunchPlan::new(&run).unwrap();
+        let (_, launches, _) = plan.programs.iter().find(|(p, _, _)| *p == Program::Step).unwrap();
+        let g = run.step().unwrap();
+        let from_owners: Vec<_> = launches.iter().filter(|l| g.nodes[l.node].op.mnemonic() == "from_owners").collect();
+        let [l] = from_owners[..] else { panic!("{} from_owners launches", from_owners.len()) };
+        let LaunchOp::Collective(parts) = &l.op else { panic!("from_owners is not a collective") };
+        // The owners' contiguous runs of the parameter buffer, one part each, every element once.
+        let owners: Vec<Option<usize>> = parts.iter().map(|p| p.owner).collect();
+        assert_eq!(owners, [Some(0), Some(1)], "rank {rank}");
+        let elements: usize = parts.iter().map(|p| p.n).sum();
+        assert_eq!(elements, Gpt2Config::preset("d12").unwrap().num_params(), "rank {rank}");
+    }
+}

@@ -192,8 +192,8 @@ pub fn run(mut a: RunArgs) -> CliResult {
         Ok(())
     })?;
     drop(watchdog);
-    let rank_ms = match &dist {
-        Some(env) => Some(ranks::step_times(ex, env, summary::steady_ms(&outcome.logs).unwrap_or(0.0))?),
+    let rank_times = match &dist {
+        Some(env) => Some(ranks::rank_times(ex, env, summary::steady_ms(&outcome.logs).unwrap_or(0.0))?),
         None => None,
     };
     phases.validation = outcome.val_secs;
@@ -234,7 +234,7 @@ pub fn run(mut a: RunArgs) -> CliResult {
         first_done: first_done.unwrap_or_default(),
         phases: &phases,
         param_bytes: 4 * model.num_params() as u64,
-        rank_ms,
+        rank_times,
     };
     let mut rows = summary.rows(ex, &built.summary, t_start.elapsed().as_secs_f64());
     // After the summary's rows: a measurement's buffers stay out of its host memory peak.

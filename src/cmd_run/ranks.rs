@@ -132,14 +132,34 @@ pub fn timeout(a: &RunArgs) -> Duration {
     Duration::from_secs(a.rank_timeout as u64)
 }
 
-/// Every rank's mean step time (`ms`, this rank's), gathered through the executor's collective
-/// as a mean of vectors that are zero but for each rank's own slot: a collective every rank
-/// calls at the same point.
-pub fn step_times(ex: &mut dyn Executor, env: &LaunchEnv, ms: f64) -> Result<Vec<f32>, String> {
-    let mut v = vec![0f32; env.world_size];
-    v[env.rank] = ms as f32 * env.world_size as f32;
+/// What rank 0 reports for every rank of a data-parallel run.
+pub struct RankTimes {
+    /// Every rank's mean step time, ms.
+    pub step_ms: Vec<f32>,
+    /// The collectives' ms a step, (busy, exposed), mean of the ranks; `Err`: why this
+    /// executor could not time them; `None`: it does not time them.
+    pub comm: Option<Result<(f32, f32), String>>,
+}
+
+/// Every rank's mean step time (`ms`, this rank's) and its collectives' times, gathered through
+/// the executor's collective as a mean of vectors that are zero but for each rank's own slot
+/// (the collectives' times: the mean of every rank's): a collective every rank calls at the
+/// same point.
+pub fn rank_times(ex: &mut dyn Executor, env: &LaunchEnv, ms: f64) -> Result<RankTimes, String> {
+    let n = env.world_size;
+    let mut v = vec![0f32; n + 2];
+    v[env.rank] = ms as f32 * n as f32;
+    let comm = ex.comm_times().map(|r| r.and_then(|t| match t.steps {
+        0 => Err("no step was timed (the first is left out)".to_string()),
+        s => Ok(((t.busy_ms / s as f64) as f32, (t.exposed_ms / s as f64) as f32)),
+    }));
+    if let Some(Ok((busy, exposed))) = comm {
+        (v[n], v[n + 1]) = (busy, exposed);
+    }
     ex.all_reduce_host(&mut v)?;
-    Ok(v)
+    let comm = comm.map(|c| c.map(|_| (v[n], v[n + 1])));
+    v.truncate(n);
+    Ok(RankTimes { step_ms: v, comm })
 }
 
 /// ZeRO-1's AdamW moments as a checkpoint holds them: `m.P` and `v.P` of every parameter (f32,

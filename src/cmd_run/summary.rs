@@ -66,8 +66,8 @@ pub struct Summary<'a> {
     pub phases: &'a Phases,
     /// Parameter bytes (f32).
     pub param_bytes: u64,
-    /// Every rank's mean step time in a data-parallel run ([`super::ranks::step_times`]).
-    pub rank_ms: Option<Vec<f32>>,
+    /// Every rank's mean step time and collectives' times in a data-parallel run.
+    pub rank_times: Option<super::ranks::RankTimes>,
 }
 
 /// The mean step time of the steps after the first (`None` with one step or none).
@@ -79,7 +79,7 @@ impl Summary<'_> {
     /// `rank 0 33.4 · rank 1 33.6 ms/step, the slowest 0.6% above the fastest` in a
     /// data-parallel run.
     fn rank_row(&self) -> Option<String> {
-        let ms = self.rank_ms.as_ref().filter(|m| !m.is_empty())?;
+        let ms = self.rank_times.as_ref().map(|t| &t.step_ms).filter(|m| !m.is_empty())?;
         let each: Vec<String> = ms.iter().enumerate().map(|(r, m)| format!("rank {r} {m:.1}")).collect();
         let (lo, hi) = ms.iter().fold((f32::INFINITY, 0f32), |(lo, hi), &m| (lo.min(m), hi.max(m)));
         Some(format!("{} ms/step, the slowest {:.1}% above the fastest", each.join(" · "), (hi / lo - 1.0) * 100.0))
@@ -136,6 +136,9 @@ impl Summary<'_> {
         if let Some(row) = self.rank_row() {
             rows.insert(3, ("per rank".into(), row));
         }
+        if let Some(comm) = self.rank_times.as_ref().and_then(|t| t.comm.as_ref()) {
+            rows.insert(4, ("comm".into(), comm_row(comm, ms)));
+        }
         rows
     }
 
@@ -159,6 +162,19 @@ impl Summary<'_> {
             rows.push(("host memory".into(), what));
         }
         rows.push(("phases".into(), self.phases.row(wall)));
+    }
+}
+
+/// `collectives 1.62 ms a step: 1.10 hidden beside the backward, 0.52 exposed (1.5% of the
+/// step)`, from the ranks' mean (busy, exposed) ms a step and the step's `ms`.
+fn comm_row(comm: &Result<(f32, f32), String>, ms: f64) -> String {
+    match comm {
+        Ok((busy, exposed)) => format!(
+            "collectives {busy:.2} ms a step: {:.2} hidden beside the backward, {exposed:.2} exposed ({:.1}% of the step; mean of the ranks, timed with CUDA events)",
+            (busy - exposed).max(0.0),
+            100.0 * *exposed as f64 / ms.max(1e-9)
+        ),
+        Err(e) => format!("not timed: {e}"),
     }
 }
 

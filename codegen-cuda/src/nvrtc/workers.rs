@@ -22,13 +22,14 @@ static WORKER: OnceLock<PathBuf> = OnceLock::new();
 /// Children started ahead of the build ([`prestart`]), waiting for requests.
 static READY: Mutex<Vec<Worker>> = Mutex::new(Vec::new());
 
-/// Child processes a cold build uses at most: half the cores, at most 4 (`FUSEC_NVRTC_PROCS`
-/// overrides; 0 or 1: compile in this process). Measured on the H100 host (16 cores) for GPT-2
-/// 124M's 29 modules: NVRTC 575 ms in this process, 330 ms with 2 children, 202 ms with 4, 229
-/// ms with 8.
+/// Child processes a cold build uses at most: half the cores, at most 8 (`FUSEC_NVRTC_PROCS`
+/// overrides; 0 or 1: compile in this process). Measured for GPT-2 124M's modules: on the H100
+/// host (16 cores), NVRTC 575 ms in this process, 330 ms with 2 children, 202 ms with 4, 229 ms
+/// with 8; in the first process of a freshly started 2 × H200 machine (32 cores), where every
+/// compile is several times slower, 3,337 ms with 2, 2,353 ms with 4, 1,587 ms with 8.
 fn procs() -> usize {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let want = std::env::var("FUSEC_NVRTC_PROCS").ok().and_then(|v| v.parse().ok()).unwrap_or((cores / 2).min(4));
+    let want = std::env::var("FUSEC_NVRTC_PROCS").ok().and_then(|v| v.parse().ok()).unwrap_or((cores / 2).min(8));
     if WORKER.get().is_none() || want < 2 {
         0
     } else {

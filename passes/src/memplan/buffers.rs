@@ -47,12 +47,14 @@ impl Live {
         for (_, v) in &g.outputs {
             end[v.0 as usize] = n;
         }
-        // An all-reduce may run on a second stream beside the launches that follow it, until a
-        // reader waits for it or the step ends: its buffers stay live to the end of the step,
-        // read or not (under ZeRO-1 a rank reads none of the averages of the gradients it
-        // does not own; reusing their buffers raced with NCCL).
+        // An all-reduce written in place may run on a second stream beside the launches that
+        // follow it, until a reader waits for it or the step ends: its results stay live to the
+        // end of the step, read or not (under ZeRO-1 a rank reads none of the averages of the
+        // gradients it does not own; reusing their buffers raced with NCCL). Its operands end
+        // at it as usual, so that the results may take their buffers (in place); one that is
+        // not in place runs on the step's stream.
         for node in g.nodes.iter().filter(|node| node.op == Op::AllReduce) {
-            for v in node.inputs.iter().chain(node.results.iter()) {
+            for v in &node.results {
                 end[v.0 as usize] = n;
             }
         }

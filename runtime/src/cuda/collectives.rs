@@ -16,6 +16,7 @@ use std::time::Duration;
 use cudarc::driver::sys;
 use fusec_ir::DType;
 
+use super::comm_timing::{self, CommTiming};
 use super::device::ck;
 use super::launch::{Addr, Launch, Step};
 use super::CudaExecutor;
@@ -71,6 +72,9 @@ impl CudaExecutor {
         if overlap {
             self.side = Some(SideStream::new(self.programs.iter().map(|(p, c)| (*p, c.launches.as_slice())))?);
         }
+        if let Some(step) = self.programs.get(&Program::Step) {
+            self.comm = Some(CommTiming::new(&step.launches)?);
+        }
         Ok(())
     }
 
@@ -96,7 +100,15 @@ impl CudaExecutor {
     /// The launch was built against this allocation; `pending` holds this run's side collectives.
     pub(super) unsafe fn launch(&self, program: Program, i: usize, l: &Launch, pending: &mut Vec<usize>, beside: bool) -> Result<(), String> {
         let main = self.dev.stream;
+        let timing = self.comm.as_ref().filter(|_| program == Program::Step);
+        if let Some(ev) = timing.and_then(|t| t.zero(i)) {
+            comm_timing::record(ev, main)?;
+        }
+        let span = timing.and_then(|t| t.span(i));
         if let Some(side) = &self.side {
+            if let Some(ev) = timing.and_then(|t| t.mark(i)).filter(|_| l.waits.iter().any(|j| pending.contains(j))) {
+                comm_timing::record(ev, main)?;
+            }
             for j in &l.waits {
                 if let Some(at) = pending.iter().position(|p| p == j) {
                     pending.swap_remove(at);
@@ -108,14 +120,26 @@ impl CudaExecutor {
             {
                 ck(sys::cuEventRecord(ev[0], main), "event")?;
                 ck(sys::cuStreamWaitEvent(side.stream, ev[0], 0), "stream wait")?;
+                if let Some([started, _]) = span {
+                    comm_timing::record(started, side.stream)?;
+                }
                 self.collective(parts, side.stream)?;
+                if let Some([_, done]) = span {
+                    comm_timing::record(done, side.stream)?;
+                }
                 ck(sys::cuEventRecord(ev[1], side.stream), "event")?;
                 pending.push(i);
                 return Ok(());
             }
         }
+        if let Some([started, _]) = span {
+            comm_timing::record(started, main)?;
+        }
         for st in &l.steps {
             self.exec(st)?;
+        }
+        if let Some([_, done]) = span {
+            comm_timing::record(done, main)?;
         }
         Ok(())
     }
@@ -147,6 +171,10 @@ impl CudaExecutor {
     /// `pending` holds side collectives launched by [`CudaExecutor::launch`] in this run.
     pub(super) unsafe fn join_side(&self, program: Program, pending: &mut Vec<usize>) -> Result<(), String> {
         if let Some(side) = &self.side {
+            let end = self.programs.get(&program).map_or(0, |c| c.launches.len());
+            if let Some(ev) = self.comm.as_ref().filter(|_| program == Program::Step && !pending.is_empty()).and_then(|t| t.mark(end)) {
+                comm_timing::record(ev, self.dev.stream)?;
+            }
             for j in pending.drain(..) {
                 ck(sys::cuStreamWaitEvent(self.dev.stream, side.events[&(program, j)][1], 0), "stream wait")?;
             }

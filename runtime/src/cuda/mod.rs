@@ -30,6 +30,7 @@ mod device;
 mod launch;
 mod lt;
 mod collectives;
+mod comm_timing;
 mod peak;
 mod summary;
 
@@ -50,7 +51,7 @@ use fusec_ir::DType;
 use fusec_passes::memplan::ALIGN;
 
 use crate::dist::nccl::NcclRank;
-use crate::executor::{Executor, StepOutputs};
+use crate::executor::{CommTimes, Executor, StepOutputs};
 use crate::launches::{LaunchOp, LaunchPlan, ProgramIo};
 use crate::layout::SharedLayout;
 use crate::profile::{Profile, Timed};
@@ -95,6 +96,8 @@ pub struct CudaExecutor {
     nccl: Option<NcclRank>,
     /// The stream the collectives run on beside the backward (with `nccl`).
     side: Option<collectives::SideStream>,
+    /// How long the Step program's collectives take, and how much of it is exposed (with `nccl`).
+    comm: Option<comm_timing::CommTiming>,
     dev: Device,
 }
 
@@ -257,6 +260,7 @@ impl CudaExecutor {
             tf32: opts.tf32,
             nccl: None,
             side: None,
+            comm: None,
             dev,
         };
         Ok((ex, build))
@@ -602,6 +606,9 @@ impl Executor for CudaExecutor {
         // SAFETY: `pending` holds this run's side collectives.
         unsafe { self.join_side(program, &mut pending)? };
         self.dev.sync(&format!("{program:?} program (set FUSEC_CUDA_SYNC=1 to find the failing launch)"))?;
+        if let Some(t) = self.comm.as_mut().filter(|_| program == Program::Step) {
+            t.measure(&prog.launches, self.side.is_some() && (!direct || (!timed && !self.sync_each)));
+        }
         if let Some(mut p) = self.profile.take() {
             // Starts from the run's first event, which is the run's zero.
             let ms = |a: sys::CUevent, b: sys::CUevent| {
@@ -634,6 +641,10 @@ impl Executor for CudaExecutor {
 
     fn profile(&self) -> Option<Profile> {
         self.profile.clone()
+    }
+
+    fn comm_times(&self) -> Option<Result<CommTimes, String>> {
+        self.comm.as_ref().map(|t| t.times())
     }
 
     fn roof_key(&self, operands: DType) -> Option<String> {
