@@ -103,9 +103,21 @@ fn trace_matches_the_profile(target: &str, accum: &str, track: &str) -> Trace {
         want.insert(k["kernel"].as_str().unwrap().to_string(), k["calls"].as_u64().unwrap());
     }
     assert_eq!(multiset(t.launches.iter().map(|l| l.0.as_str())), want, "--grad-accum {accum}");
-    assert_eq!(t.tracks.len(), 2, "{:?}", t.tracks.keys());
+    // The compile track, the launch track, and on the CPU a track per thread that worked.
+    let is_thread = |k: &str| k.starts_with("CPU worker") || k.starts_with("executor thread (tasks run inline)");
+    let others: Vec<&String> = t.tracks.keys().filter(|k| !is_thread(k)).collect();
+    assert_eq!(others.len(), 2, "{:?}", t.tracks.keys());
     let launch_track = t.tracks.keys().find(|k| k.starts_with(track)).unwrap_or_else(|| panic!("no `{track}` track"));
     assert_eq!(t.tracks[launch_track].len(), n);
+    let threads: Vec<&String> = t.tracks.keys().filter(|k| is_thread(k)).collect();
+    assert_eq!(threads.is_empty(), target == "cuda", "{:?}", t.tracks.keys());
+    for k in threads {
+        // Each thread's slice lies inside the launch of its name.
+        for (name, ts, dur) in &t.tracks[k] {
+            let inside = t.launches.iter().any(|l| &l.0 == name && l.2 <= ts + 1e-3 && ts + dur <= l.2 + l.3 + 1e-3);
+            assert!(inside, "`{k}`: {name} at {ts} for {dur} is inside no launch of that name");
+        }
+    }
     let compile: Vec<&str> = t.tracks["compile"].iter().map(|s| s.0.as_str()).collect();
     for pass in ["autodiff", "fuse-elementwise", "schedule"] {
         assert!(compile.contains(&pass), "no `{pass}` in the compile track: {compile:?}");
@@ -137,6 +149,21 @@ fn the_trace_holds_exactly_the_launches_of_one_step() {
     assert!(compile.iter().any(|s| s.0 == "memory plans, launch lists, Cranelift"), "{compile:?}");
     trace_matches_the_profile("cpu", "2", "executor thread");
     a_trace_alone_has_the_same_launches("cpu", &first);
+}
+
+#[test]
+fn a_data_parallel_trace_shows_the_collectives_on_their_own_track() {
+    let trace = tmp("ranks.json");
+    let (code, _, err) = run_tiny(&["--steps", "2", "--ranks", "2", "--trace", trace.to_str().unwrap()]);
+    assert_eq!(code, Some(0), "{err}");
+    let t = read_trace(&trace);
+    let track = t.tracks.keys().find(|k| k.starts_with("collectives")).unwrap_or_else(|| panic!("{:?}", t.tracks.keys()));
+    let on_track: Vec<&str> = t.tracks[track].iter().map(|s| s.0.as_str()).collect();
+    // The loss and the gradients' bucket, and nothing else; the launch track has the rest.
+    assert!(on_track.len() >= 2 && on_track.iter().all(|n| *n == "all_reduce"), "{on_track:?}");
+    let executor = t.tracks.keys().find(|k| k.starts_with("executor thread (each")).unwrap();
+    assert!(t.tracks[executor].iter().all(|s| s.0 != "all_reduce"));
+    assert_eq!(t.tracks[executor].len() + on_track.len(), t.launches.len());
 }
 
 #[test]

@@ -43,6 +43,7 @@ mod ops;
 mod plan;
 mod run;
 mod stash;
+pub mod thread_spans;
 mod vmath;
 
 pub use jit::KernelCompiler;

@@ -13,6 +13,7 @@ use fusec_ir::rows::chunk_bounds;
 use rayon::prelude::*;
 
 use crate::jit::Code;
+use crate::thread_spans::task;
 
 /// What an argument-array slot points at when a segment runs.
 #[derive(Clone, Copy, Debug)]
@@ -82,9 +83,9 @@ fn pool(threads: usize) -> Arc<rayon::ThreadPool> {
 /// Runs `f(k)` for every `k < n` on `threads` threads.
 fn par_for(threads: usize, n: u64, f: &(dyn Fn(u64) + Sync)) {
     if rayon::current_thread_index().is_some() && rayon::current_num_threads() == threads {
-        (0..n).into_par_iter().for_each(f);
+        (0..n).into_par_iter().for_each(|k| task(|| f(k)));
     } else {
-        pool(threads).install(|| (0..n).into_par_iter().for_each(f));
+        pool(threads).install(|| (0..n).into_par_iter().for_each(|k| task(|| f(k))));
     }
 }
 

@@ -38,6 +38,9 @@ pub struct Timed<'a> {
     pub start: Duration,
     /// How long it ran.
     pub dur: Duration,
+    /// Where each busy CPU thread spent it: (thread slot, start after the launch's, duration);
+    /// empty on the GPU.
+    pub threads: &'a [(usize, Duration, Duration)],
 }
 
 /// Timings of every kernel name, in first-launch order, over the training programs' runs after
@@ -84,6 +87,11 @@ impl Profile {
         let timed = trains && !warm_up && (self.every || traced);
         self.steps += (timed && program == Program::Step) as u64;
         timed
+    }
+
+    /// Whether the launches of the run under way are kept in the trace.
+    pub fn tracing_now(&self) -> bool {
+        self.trace.as_ref().is_some_and(|t| t.current.is_some())
     }
 
     /// Adds one timed launch of the current run (any target).
@@ -137,6 +145,8 @@ pub struct TracedLaunch {
     pub start: Duration,
     /// How long it ran.
     pub dur: Duration,
+    /// Where each busy CPU thread spent it: (thread slot, start within the step, duration).
+    pub threads: Vec<(usize, Duration, Duration)>,
 }
 
 /// The launches of one optimizer step, in order, with their start and duration: the first step
@@ -189,6 +199,7 @@ impl StepTrace {
                 ops: t.ops.to_vec(),
                 start: at + t.start,
                 dur: t.dur,
+                threads: t.threads.iter().map(|&(k, s, d)| (k, at + t.start + s, d)).collect(),
             });
         }
     }
@@ -208,7 +219,7 @@ mod tests {
         if timed {
             let ms = Duration::from_millis;
             for (i, name) in names.iter().enumerate() {
-                p.record(Timed { name, bytes: 8, flops: 2, ops: &["add"], start: ms(2 * i as u64), dur: ms(1) });
+                p.record(Timed { name, bytes: 8, flops: 2, ops: &["add"], start: ms(2 * i as u64), dur: ms(1), threads: &[] });
             }
             // The run takes the time its launches say.
             std::thread::sleep(ms(2 * names.len() as u64));

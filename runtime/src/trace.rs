@@ -11,7 +11,7 @@ use serde_json::{json, Map, Value};
 
 use crate::atomic::write_atomic;
 use crate::file_error::FileError;
-use crate::profile::StepTrace;
+use crate::profile::{StepTrace, TracedLaunch};
 
 /// One slice of a track: a named span with arguments that the viewer shows on selection.
 #[derive(Clone, Debug)]
@@ -92,25 +92,44 @@ impl Timeline {
     }
 }
 
-/// The track of a traced step's launches, the step starting `at` after the timeline's zero.
-/// Each slice has the launch's name and, as arguments, its program, static bytes and FLOPs,
-/// IR ops, and its start within the step (`in_step_us`; the first launch's is 0).
-pub fn launch_track(name: String, step: &StepTrace, at: Duration) -> Track {
-    let slices = step
-        .launches
-        .iter()
-        .map(|l| {
-            let args = object(json!({
-                "program": format!("{:?}", l.program),
-                "bytes": l.bytes,
-                "flops": l.flops,
-                "ops": l.ops,
-                "in_step_us": us(l.start),
-            }));
-            Slice { name: l.name.clone(), cat: "launch", start: at + l.start, dur: l.dur, args }
-        })
-        .collect();
+/// The track of a traced step's launches that `keep` selects, the step starting `at` after the
+/// timeline's zero. Each slice has the launch's name and, as arguments, its program, static
+/// bytes and FLOPs, IR ops, and its start within the step (`in_step_us`; the first launch's is 0).
+pub fn launch_track(name: String, step: &StepTrace, at: Duration, keep: impl Fn(&TracedLaunch) -> bool) -> Track {
+    let slices = step.launches.iter().filter(|l| keep(l)).map(|l| Slice { name: l.name.clone(), cat: "launch", start: at + l.start, dur: l.dur, args: launch_args(l) }).collect();
     Track { name, slices }
+}
+
+fn launch_args(l: &TracedLaunch) -> serde_json::Map<String, serde_json::Value> {
+    object(json!({
+        "program": format!("{:?}", l.program),
+        "bytes": l.bytes,
+        "flops": l.flops,
+        "ops": l.ops,
+        "in_step_us": us(l.start),
+    }))
+}
+
+/// One track per CPU thread that worked in the traced step: a slice per launch it took part in,
+/// from its first task's start to its last task's end, named and described as the launch.
+pub fn thread_tracks(step: &StepTrace, at: Duration) -> Vec<Track> {
+    let mut slots: Vec<usize> = step.launches.iter().flat_map(|l| l.threads.iter().map(|t| t.0)).collect();
+    slots.sort_unstable();
+    slots.dedup();
+    slots
+        .into_iter()
+        .map(|k| Track {
+            name: match k {
+                k if k == fusec_codegen_cpu::thread_spans::SLOTS - 1 => "executor thread (tasks run inline)".to_string(),
+                k => format!("CPU worker {k}"),
+            },
+            slices: step
+                .launches
+                .iter()
+                .flat_map(|l| l.threads.iter().filter(move |t| t.0 == k).map(move |&(_, s, d)| Slice { name: l.name.clone(), cat: "thread", start: at + s, dur: d, args: launch_args(l) }))
+                .collect(),
+        })
+        .collect()
 }
 
 #[cfg(test)]
@@ -125,8 +144,8 @@ mod tests {
         for _ in 0..2 {
             if p.begin(Program::Step) {
                 let ms = Duration::from_millis;
-                p.record(Timed { name: "gemm_bias", bytes: 64, flops: 512, ops: &["matmul", "add bias"], start: ms(0), dur: ms(2) });
-                p.record(Timed { name: "add\"q", bytes: 8, flops: 0, ops: &["add"], start: ms(3), dur: Duration::from_nanos(1500) });
+                p.record(Timed { name: "gemm_bias", bytes: 64, flops: 512, ops: &["matmul", "add bias"], start: ms(0), dur: ms(2), threads: &[(0, ms(0), ms(2)), (1, ms(1), ms(1))] });
+                p.record(Timed { name: "add\"q", bytes: 8, flops: 0, ops: &["add"], start: ms(3), dur: Duration::from_nanos(1500), threads: &[] });
             }
         }
         let compile =
@@ -135,7 +154,7 @@ mod tests {
             process: "fusec run".into(),
             tracks: vec![
                 Track { name: "compile".into(), slices: vec![compile] },
-                launch_track("executor thread".into(), p.trace().unwrap(), Duration::from_millis(10)),
+                launch_track("executor thread".into(), p.trace().unwrap(), Duration::from_millis(10), |_| true),
             ],
             about: Map::new(),
         };
@@ -154,5 +173,11 @@ mod tests {
             (Some("add\"q"), Some(1.5), Some(3000.0))
         );
         assert_eq!(x[2]["tid"], 2);
+        // A track per CPU thread that worked: a slice per launch it took part in.
+        let threads = thread_tracks(p.trace().unwrap(), Duration::from_millis(10));
+        let seen: Vec<(&str, Vec<(&str, Duration, Duration)>)> =
+            threads.iter().map(|t| (t.name.as_str(), t.slices.iter().map(|s| (s.name.as_str(), s.start, s.dur)).collect())).collect();
+        let ms = Duration::from_millis;
+        assert_eq!(seen, [("CPU worker 0", vec![("gemm_bias", ms(10), ms(2))]), ("CPU worker 1", vec![("gemm_bias", ms(11), ms(1))])]);
     }
 }

@@ -204,7 +204,8 @@ pub fn run(mut a: RunArgs) -> CliResult {
     if let Some(path) = &a.save {
         errln!("saved {}", path.display());
     }
-    if let Some(path) = &a.trace {
+    // Rank 0 alone writes the trace (every rank gets the same path).
+    if let Some(path) = a.trace.as_ref().filter(|_| dist.as_ref().is_none_or(|e| e.rank == 0)) {
         let compile = timeline::CompileTimes { zero: t_compile, passes: &run.pass_runs, build_start: t_build, build: &built.phases };
         let n = timeline::write(path, &a, threads, start + 2, &compile, ex.profile().as_ref())?;
         errln!("trace: {} ({n} launches; open in https://ui.perfetto.dev)", path.display());

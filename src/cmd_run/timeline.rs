@@ -1,7 +1,8 @@
 //! `fusec run --trace FILE.json`: the timeline of a run's compile passes and build phases
-//! (one track) and of the first step after the warm-up (one track: the CUDA stream, or the
-//! CPU executor thread), in the Chrome trace-event format ([`fusec_runtime::trace`]). Time 0
-//! is the start of compiling.
+//! (one track) and of the first step after the warm-up (a track of its launches: the CUDA
+//! stream, or the CPU executor thread; in a data-parallel run a track of its collectives; on
+//! the CPU a track per worker thread), in the Chrome trace-event format
+//! ([`fusec_runtime::trace`]). Time 0 is the start of compiling.
 
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -9,7 +10,8 @@ use std::time::{Duration, Instant};
 use fusec_passes::pipeline::PassRun;
 use fusec_runtime::profile::Profile;
 use fusec_runtime::programs::Program;
-use fusec_runtime::trace::{launch_track, object, Slice, Timeline, Track};
+use fusec_runtime::profile::TracedLaunch;
+use fusec_runtime::trace::{launch_track, object, thread_tracks, Slice, Timeline, Track};
 use serde_json::json;
 
 use super::args::{RunArgs, Target};
@@ -66,13 +68,23 @@ pub fn write(
     };
     let started = trace.started.unwrap_or(compile.zero);
     let target = a.target_name();
+    let at = started.saturating_duration_since(compile.zero);
+    // A data-parallel run shows its collectives on a track of their own.
+    let ranks = a.ranks.unwrap_or(1);
+    let collective = |l: &TracedLaunch| ranks > 1 && l.ops.iter().any(|op| matches!(*op, "all_reduce" | "from_owners"));
     let launches = match a.target {
         Target::Cuda => "CUDA stream (every launch, in order)".to_string(),
-        _ => format!("executor thread (each launch runs on all {threads} threads)"),
+        _ => format!("executor thread (each launch, on up to {threads} threads)"),
     };
+    let mut tracks = vec![compile_track(compile, target), launch_track(launches, trace, at, |l| !collective(l))];
+    if ranks > 1 {
+        let how = if a.target == Target::Cuda { "NCCL" } else { "TCP through rank 0" };
+        tracks.push(launch_track(format!("collectives ({how}, {ranks} ranks)"), trace, at, collective));
+    }
+    tracks.extend(thread_tracks(trace, at));
     let timeline = Timeline {
         process: format!("fusec run {} --target {target}: compile, then step {step}", a.file.display()),
-        tracks: vec![compile_track(compile, target), launch_track(launches, trace, started.saturating_duration_since(compile.zero))],
+        tracks,
         about: object(json!({
             "graph": a.file.display().to_string(),
             "target": target,

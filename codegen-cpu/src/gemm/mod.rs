@@ -340,12 +340,13 @@ fn with_scratch<R>(len: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
 /// Runs `f(0..n)`: inline for one thread, else on the current rayon pool, dynamically when
 /// `threads` covers the pool, in `threads` contiguous parts otherwise.
 pub(crate) fn for_each_task(n: usize, threads: usize, f: &(dyn Fn(usize) + Sync)) {
+    use crate::thread_spans::task;
     if threads <= 1 || n <= 1 {
-        (0..n).for_each(f);
+        (0..n).for_each(|k| task(|| f(k)));
     } else if threads >= rayon::current_num_threads() {
-        (0..n).into_par_iter().for_each(f);
+        (0..n).into_par_iter().for_each(|k| task(|| f(k)));
     } else {
         let per = n.div_ceil(threads);
-        (0..threads).into_par_iter().for_each(|p| (p * per..((p + 1) * per).min(n)).for_each(f));
+        (0..threads).into_par_iter().for_each(|p| task(|| (p * per..((p + 1) * per).min(n)).for_each(f)));
     }
 }

@@ -73,7 +73,7 @@ impl AttnScratch {
             ds: self.scores.add(a.dims.s * a.dims.h * a.dims.t * a.dims.t),
         };
         (0..a.dims.s * a.dims.h).into_par_iter().for_each(|sh| {
-            BUFS.with(|b| head_stage(stage, a.dims, a.scale, &ptrs, sh, &mut b.borrow_mut()));
+            fusec_codegen_cpu::thread_spans::task(|| BUFS.with(|b| head_stage(stage, a.dims, a.scale, &ptrs, sh, &mut b.borrow_mut())));
         });
     }
 }

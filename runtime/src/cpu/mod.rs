@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use fusec_codegen_cpu::gemm::{bf16_bits, widen_bits};
 use fusec_codegen_cpu::isa::Isa;
-use fusec_codegen_cpu::KernelCompiler;
+use fusec_codegen_cpu::{thread_spans, KernelCompiler};
 use fusec_ir::interp::Tensor;
 use fusec_ir::DType;
 use fusec_passes::memplan::MemPlan;
@@ -345,14 +345,20 @@ impl Executor for CpuExecutor {
         let mut profile = self.profile.take();
         let timed = profile.as_mut().is_some_and(|p| p.begin(program));
         let mut first = None;
+        // A traced step also records where each thread spent each launch.
+        let traced = timed && profile.as_ref().is_some_and(|p| p.tracing_now());
         for (i, l) in prog.launches.iter().enumerate() {
+            if traced {
+                thread_spans::start();
+            }
             let t0 = timed.then(Instant::now);
             // SAFETY: launches were built against this arena's plan.
             let r = unsafe { self.exec(l) }.map_err(|e| format!("{} ({program:?} launch {i}): {e}", l.name));
             if let (Some(p), Some(t0)) = (profile.as_mut(), t0) {
                 let dur = t0.elapsed();
+                let threads = if traced { thread_spans::take(t0) } else { vec![] };
                 let start = t0 - *first.get_or_insert(t0);
-                p.record(Timed { name: &l.name, bytes: l.bytes, flops: l.flops, ops: &l.ops, start, dur });
+                p.record(Timed { name: &l.name, bytes: l.bytes, flops: l.flops, ops: &l.ops, start, dur, threads: &threads });
             }
             if r.is_err() {
                 self.profile = profile;

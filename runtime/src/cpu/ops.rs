@@ -2,6 +2,7 @@
 //! gather and its scatter-add adjoint. f32 data, rayon parallelism over independent rows or
 //! column bands, deterministic (every sum has one order). Attention is `attention.rs`.
 
+use fusec_codegen_cpu::thread_spans::task;
 use rayon::prelude::*;
 
 /// `out[s, :] = table[idx[s], :]`; an index outside the table is an error.
@@ -12,7 +13,7 @@ pub fn gather(table: &[f32], cols: usize, idx: &[i32], out: &mut [f32]) -> Resul
     }
     out.par_chunks_mut(cols).zip(idx.par_iter()).for_each(|(o, &i)| {
         let i = i as usize;
-        o.copy_from_slice(&table[i * cols..(i + 1) * cols]);
+        task(|| o.copy_from_slice(&table[i * cols..(i + 1) * cols]));
     });
     Ok(())
 }
@@ -29,13 +30,15 @@ pub fn scatter_add(src: &[f32], cols: usize, idx: &[i32], out: &mut [f32]) -> Re
     let out_ptr = SyncPtr(out.as_mut_ptr());
     (0..cols.div_ceil(band)).into_par_iter().for_each(|b| {
         let (c0, c1) = (b * band, ((b + 1) * band).min(cols));
-        for (s, &i) in idx.iter().enumerate() {
-            let (src_row, dst) = (&src[s * cols..], i as usize * cols);
-            for c in c0..c1 {
-                // SAFETY: bands are disjoint column ranges, so no two threads touch one element.
-                unsafe { *out_ptr.get().add(dst + c) += src_row[c] };
+        task(|| {
+            for (s, &i) in idx.iter().enumerate() {
+                let (src_row, dst) = (&src[s * cols..], i as usize * cols);
+                for c in c0..c1 {
+                    // SAFETY: bands are disjoint column ranges, so no two threads touch one element.
+                    unsafe { *out_ptr.get().add(dst + c) += src_row[c] };
+                }
             }
-        }
+        })
     });
     Ok(())
 }

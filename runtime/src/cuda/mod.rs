@@ -618,7 +618,7 @@ impl Executor for CudaExecutor {
             };
             for (i, l) in prog.launches.iter().enumerate().filter(|_| timed) {
                 let (start, dur) = (ms(self.events[0].0, self.events[i].0), ms(self.events[i].0, self.events[i].1));
-                p.record(Timed { name: &l.name, bytes: l.bytes, flops: l.flops, ops: &l.ops, start, dur });
+                p.record(Timed { name: &l.name, bytes: l.bytes, flops: l.flops, ops: &l.ops, start, dur, threads: &[] });
             }
             self.profile = Some(p);
             self.peak = self.peak.max(self.dev.used_bytes());
