@@ -107,8 +107,9 @@ fn ranks_train_like_one_process_of_the_global_batch(target: &str, ranks: usize) 
             out[at..].split_whitespace().next().unwrap().to_string()
         };
         assert_eq!(mib_after("each step averages "), mib_after("x the "), "{out}");
-        // Every rank's step time, gathered at rank 0.
+        // Every rank's step time, gathered at rank 0, and how long the collectives held the step.
         assert!(out.contains("per rank     rank 0 ") && out.contains(&format!(" · rank {} ", ranks - 1)), "{out}");
+        assert!(out.contains("comm         collectives ") && out.contains(" exposed ("), "{out}");
         assert!(save.join("model.bin").is_file() && save.join("state.bin").is_file());
     }
 }

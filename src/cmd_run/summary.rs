@@ -170,7 +170,7 @@ impl Summary<'_> {
 fn comm_row(comm: &Result<(f32, f32), String>, ms: f64) -> String {
     match comm {
         Ok((busy, exposed)) => format!(
-            "collectives {busy:.2} ms a step: {:.2} hidden beside the backward, {exposed:.2} exposed ({:.1}% of the step; mean of the ranks, timed with CUDA events)",
+            "collectives {busy:.2} ms a step: {:.2} hidden beside the backward, {exposed:.2} exposed ({:.1}% of the step; mean of the ranks)",
             (busy - exposed).max(0.0),
             100.0 * *exposed as f64 / ms.max(1e-9)
         ),

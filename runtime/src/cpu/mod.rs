@@ -22,7 +22,7 @@ use fusec_ir::DType;
 use fusec_passes::memplan::MemPlan;
 
 use crate::dist::star::HostCollective;
-use crate::executor::{Executor, StepOutputs};
+use crate::executor::{CommTimes, Executor, StepOutputs};
 use crate::launches::{CollectivePart, LaunchPlan, ProgramIo};
 use crate::layout::SharedLayout;
 use crate::profile::{Profile, Timed};
@@ -67,6 +67,10 @@ pub struct CpuExecutor {
     pub profile: Option<Profile>,
     /// The other ranks of a data-parallel run (`None`: one rank, `all_reduce` is a copy).
     collective: Option<Mutex<Box<dyn HostCollective>>>,
+    /// The Step runs' collectives, timed in a data-parallel run (the first run left out): they
+    /// hold the executor thread, so all of it is exposed.
+    comm: CommTimes,
+    step_runs: u32,
 }
 
 impl CpuExecutor {
@@ -107,6 +111,8 @@ impl CpuExecutor {
             attn,
             profile: profile.then(Profile::default),
             collective: None,
+            comm: CommTimes::default(),
+            step_runs: 0,
         };
         Ok((ex, build))
     }
@@ -301,6 +307,10 @@ impl Executor for CpuExecutor {
         self.profile.clone()
     }
 
+    fn comm_times(&self) -> Option<Result<CommTimes, String>> {
+        self.collective.is_some().then_some(Ok(self.comm))
+    }
+
     fn all_reduce_host(&mut self, values: &mut [f32]) -> Result<(), String> {
         self.locked()?.map_or(Ok(()), |mut c| c.all_reduce_mean(values))
     }
@@ -347,13 +357,17 @@ impl Executor for CpuExecutor {
         let mut first = None;
         // A traced step also records where each thread spent each launch.
         let traced = timed && profile.as_ref().is_some_and(|p| p.tracing_now());
+        let time_comm = program == Program::Step && self.collective.is_some();
+        let mut comm_ms = 0.0;
         for (i, l) in prog.launches.iter().enumerate() {
             if traced {
                 thread_spans::start();
             }
+            let t_comm = (time_comm && matches!(l.kind, Kind::Collective(_))).then(Instant::now);
             let t0 = timed.then(Instant::now);
             // SAFETY: launches were built against this arena's plan.
             let r = unsafe { self.exec(l) }.map_err(|e| format!("{} ({program:?} launch {i}): {e}", l.name));
+            comm_ms += t_comm.map_or(0.0, |t| t.elapsed().as_secs_f64() * 1e3);
             if let (Some(p), Some(t0)) = (profile.as_mut(), t0) {
                 let dur = t0.elapsed();
                 let threads = if traced { thread_spans::take(t0) } else { vec![] };
@@ -366,6 +380,14 @@ impl Executor for CpuExecutor {
             }
         }
         self.profile = profile;
+        if time_comm {
+            self.step_runs += 1;
+            if self.step_runs > 1 {
+                self.comm.steps += 1;
+                self.comm.busy_ms += comm_ms;
+                self.comm.exposed_ms += comm_ms;
+            }
+        }
         let mut out = StepOutputs::default();
         for (name, off, _) in &prog.io.scalars {
             // SAFETY: scalar outputs are inside the arena (f32).
