@@ -35,7 +35,7 @@ mod kernels;
 mod packed;
 mod widen;
 
-use super::{check, for_each_task, gelu as gelu_f32, Raw, Tile, Tiling};
+use super::{check, for_each_task, Raw, Tile, Tiling};
 use crate::isa::Isa;
 use fusec_ir::GemmSpec;
 use half::bf16;
@@ -259,6 +259,19 @@ fn round_steps(t: &mut [f32], bias: Option<&[u16]>, pre: Option<&mut [u16]>) {
         (None, None) => t.iter_mut().for_each(|t| *t = biased(*t, None)),
     }
     if gelu {
-        t.iter_mut().for_each(|t| *t = round(gelu_f32(*t)));
+        // GELU in the host's widest vectors (the same bits as the scalar `gemm::gelu`), from a
+        // copy of the pre-activations; this crate's own loops get SSE2 only.
+        PRE.with(|pre| {
+            let mut pre = pre.borrow_mut();
+            pre.clear();
+            pre.extend_from_slice(t);
+            crate::vmath::gelu_rows(t, &pre, false);
+        });
+        t.iter_mut().for_each(|t| *t = round(*t));
     }
+}
+
+thread_local! {
+    /// A row's pre-activations for the GELU epilogue (grown, never shrunk).
+    static PRE: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
