@@ -138,9 +138,10 @@ pub struct RunArgs {
     /// https://ui.perfetto.dev or chrome://tracing): the first step after the warm-up, i.e.
     /// the second step this run takes (needs --steps 2 or more), each launch with its start and
     /// duration (host clocks on the CPU, CUDA events on the GPU), bytes, FLOPs and fused IR
-    /// ops, on one track (the CUDA stream, or the CPU executor thread), and a track of the
-    /// compile passes before it. Only that step is timed unless --profile: the other steps run
-    /// as usual.
+    /// ops, on a track of its own (the CUDA stream, or the CPU executor thread), with a track
+    /// per CPU worker thread (where each spent each launch), a track of the collectives in a
+    /// data-parallel run (rank 0 writes the file), and a track of the compile passes before
+    /// it. Only that step is timed unless --profile: the other steps run as usual.
     #[arg(long, value_name = "FILE.json")]
     pub trace: Option<PathBuf>,
     /// Print each CUDA module's compile or disk-cache time (hits and misses) after the build.
