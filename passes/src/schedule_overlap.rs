@@ -45,8 +45,10 @@ pub(super) fn gradients_early(g: &Graph, order: &[usize]) -> Vec<usize> {
     // Users come after their producers in `order`: decide in reverse. A node is a gradient's own
     // work when everything that reads it is too, or is the one collective it reaches. A value is
     // forward when the loss depends on it.
-    let loss = g.outputs.iter().find(|(name, _)| name == "loss").map(|(_, v)| *v);
     let mut forward = vec![false; g.values.len()];
+    if let Some((_, loss)) = g.outputs.iter().find(|(name, _)| name == "loss") {
+        forward[loss.0 as usize] = true;
+    }
     let mut reach = vec![Reach::None; n];
     let mut own = vec![false; n];
     for &i in order.iter().rev() {
@@ -58,11 +60,8 @@ pub(super) fn gradients_early(g: &Graph, order: &[usize]) -> Vec<usize> {
             && !node.op.is_collective()
             && !node.op.is_source()
             && users[i].iter().all(|&u| own[u] || is_all_reduce(u));
-        if Some(i) == loss.map(|l| producer(&l)) || node.results.iter().any(|r| forward[r.0 as usize]) {
+        if node.results.iter().any(|r| forward[r.0 as usize]) {
             node.inputs.iter().for_each(|v| forward[v.0 as usize] = true);
-        }
-        if let Some(l) = loss.filter(|l| node.results.contains(l)) {
-            forward[l.0 as usize] = true;
         }
     }
     let backward_input = |i: usize| g.nodes[i].inputs.iter().any(|v| !forward[v.0 as usize] && !g.nodes[producer(v)].op.is_source());
