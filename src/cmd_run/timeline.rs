@@ -8,9 +8,8 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use fusec_passes::pipeline::PassRun;
-use fusec_runtime::profile::Profile;
+use fusec_runtime::profile::{Profile, TracedLaunch};
 use fusec_runtime::programs::Program;
-use fusec_runtime::profile::TracedLaunch;
 use fusec_runtime::trace::{launch_track, object, thread_tracks, Slice, Timeline, Track};
 use serde_json::json;
 
