@@ -146,6 +146,7 @@ pub fn kernel_source(k: &Kernel, bind: &Bindings) -> Result<KernelSource, String
             generic: false,
             vec: Default::default(),
             stage: Default::default(),
+            keep: Default::default(),
             shared: Default::default(),
             fast_math: emit::reads_bf16(p),
         });

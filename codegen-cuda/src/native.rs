@@ -1,6 +1,7 @@
 //! Hand-written CUDA C for the ops that stay their own launches after fusion, in one module.
 //!
-//! - `fusec_gather`: embedding rows, one thread per output element; an index outside the table
+//! - `fusec_gather`: embedding rows, a `float4` a thread (one element where rows are not whole
+//!   `float4`s); an index outside the table
 //!   writes 0 and raises the error word (`err[0] = 1`, `err[1]` the index, `err[2]` the position).
 //! - Scatter-add, the adjoint, deterministic, in [`SCATTER_ENTRIES`]' five launches: the
 //!   positions of each output row as a CSR list (`count`: integer atomics, `offsets`: one block's
@@ -40,6 +41,8 @@ pub const SCATTER_SORT: u32 = 8192;
 /// Columns a thread of `fusec_scatter_sum` adds at a time (one `float4`); a block's step is 32
 /// times that.
 pub const SCATTER_VEC: u32 = 4;
+/// Columns a thread of `fusec_gather` copies (one `float4`) when a row is a multiple of it.
+pub const GATHER_VEC: u32 = 4;
 /// Score rows per block (one warp each) of the attention kernels.
 pub const ATTN_ROWS_PER_BLOCK: u32 = 8;
 
@@ -62,7 +65,8 @@ pub fn source() -> String {
         &BODY
             .replace("GELU_SCALE", &float_lit(scale))
             .replace("SCATTER_SORT", &SCATTER_SORT.to_string())
-            .replace("SCATTER_VEC", &SCATTER_VEC.to_string()),
+            .replace("SCATTER_VEC", &SCATTER_VEC.to_string())
+            .replace("GATHER_VEC", &GATHER_VEC.to_string()),
     );
     s
 }
@@ -77,17 +81,20 @@ const BODY: &str = r#"__device__ __forceinline__ float gelu_f(float x) {
   return hx * (1.0f + t);
 }
 extern "C" __global__ void __launch_bounds__(256) fusec_gather(const float* table, const int* idx, float* out, int rows, int cols, long long n, int* err) {
-  const long long i = (long long)blockIdx.x * 256 + threadIdx.x;
+  // A float4 a thread where rows are whole float4s (GATHER_VEC), else one float.
+  const int v = cols % GATHER_VEC == 0 ? GATHER_VEC : 1;
+  const long long i = ((long long)blockIdx.x * 256 + threadIdx.x) * v;
   if (i >= n * cols) return;
   const long long s = i / cols;
-  const int c = (int)(i % cols);
+  const int c = (int)(i - s * cols);
   const int t = idx[s];
   if (t < 0 || t >= rows) {
     err[0] = 1; err[1] = t; err[2] = (int)s;
-    out[i] = 0.0f;
+    for (int k = 0; k < v; ++k) out[i + k] = 0.0f;
     return;
   }
-  out[i] = table[(long long)t * cols + c];
+  if (v == GATHER_VEC) *(float4*)&out[i] = *(const float4*)&table[(long long)t * cols + c];
+  else out[i] = table[(long long)t * cols + c];
 }
 extern "C" __global__ void __launch_bounds__(256) fusec_scatter_count(const int* idx, int* count, int rows, int n, int* err) {
   const int s = blockIdx.x * 256 + threadIdx.x;

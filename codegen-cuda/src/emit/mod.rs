@@ -21,6 +21,7 @@ use crate::plan::{Mapping, Plan, BLOCK, FIN_SLICES};
 type R<T> = Result<T, String>;
 
 mod cols;
+mod online;
 mod rows;
 
 /// One generated kernel entry and how to launch it.
@@ -52,6 +53,10 @@ pub(crate) struct Seg<'p> {
     /// Inside a row pass: the views staged in shared memory that it loads, each with its copy's
     /// name and whether this pass fills the copy (else it reads it); see `rows.rs`.
     pub stage: std::cell::RefCell<Vec<(View, String, bool)>>,
+    /// Inside a short unrolled row pass: the views kept in registers across passes that it
+    /// loads, each with its register array's name (indexed by the pass's `k4`) and whether
+    /// this pass fills it (else it reads it); see `rows.rs`.
+    pub keep: std::cell::RefCell<Vec<(View, String, bool)>>,
     /// Dynamic shared memory the main kernel needs, in bytes (staged row views).
     pub shared: std::cell::Cell<u32>,
     /// `exp` through the hardware's `ex2` (the prelude's `fast_exp`): set when the segment

@@ -31,11 +31,19 @@ use std::fmt::Write;
 use fusec_ir::rows::{region, Expr, Mem, NodeId, Region, Store, View, FINAL};
 use fusec_ir::ReduceOp;
 
-use super::{op_of, red_fn, red_init, Seg, R};
+use super::{online, op_of, red_fn, red_init, Seg, R};
 use crate::plan::{arg, Pass, MAX_REG_PARTIALS, STAGE_MAX_BYTES};
 
 /// The most vector steps a thread of a wide pass takes unrolled.
 const MAX_UNROLL: u64 = 8;
+
+/// The largest row view copied to shared memory for two passes: a copy of 100 KiB (the
+/// classifier's bf16 logits) leaves room for two blocks an SM, and reading the row a second
+/// time from L2 was faster (online classifier 1.74 -> 1.22 ms, H200); three passes still copy.
+const STAGE_PAIR_MAX_BYTES: u64 = 16 * 1024;
+
+/// The most registers a thread spends on row views kept between passes.
+const MAX_KEPT_REGS: u64 = 48;
 
 /// Indentation and the scope that places a wide row loop's first column.
 const COLS: (&str, &str) = ("      ", "const int c = c0;");
@@ -73,7 +81,12 @@ impl Seg<'_> {
             .filter(|(_, w, unrolled)| *unrolled && *w > 1)
             .map(|(_, w, _)| cols.div_ceil(team as u64 * *w as u64) * *w as u64)
             .fold(k_count, u64::max);
-        let staged = self.stage_plan(tpb, &codes);
+        let online = if self.fast_math { online::detect(p, &plan.passes) } else { None };
+        // The online pass computes the second pass's sum: that pass is not emitted.
+        let merged = online.as_ref().map(|_| 1);
+        let staged = self.stage_plan(tpb, &codes, merged);
+        let kept = self.keep_plan(team, k_slots, &codes, &staged);
+        let is_online_max = |rr: NodeId| online.as_ref().is_some_and(|o| o.max == rr);
         if in_smem || !staged.is_empty() {
             let _ = writeln!(out, "  extern __shared__ __align__(16) unsigned char stage[];");
         }
@@ -108,6 +121,11 @@ impl Seg<'_> {
             // The previous row's last pass may still read the staged copies.
             let _ = writeln!(out, "    __syncthreads();");
         }
+        for (i, k) in kept.iter().enumerate() {
+            let (t, n) = vec_reg(k.view.mem, k.w);
+            let parts = if n > 1 { format!("[{n}]") } else { String::new() };
+            let _ = writeln!(out, "    {t} rk{i}[{}]{parts};", k.steps);
+        }
         let row_nodes = |level: u32| -> Vec<NodeId> {
             (0..p.nodes.len() as NodeId)
                 .filter(|&id| {
@@ -122,13 +140,19 @@ impl Seg<'_> {
         let max_level = (0..p.nodes.len()).filter(|&i| live[i] && p.nodes[i].level != FINAL).map(|i| p.nodes[i].level).max().unwrap_or(0);
         let mut next = 0;
         for level in 0..=max_level {
-            if next < plan.passes.len() && plan.passes[next].level == level {
+            if merged == Some(next) {
+                // Its sum was computed by the online pass before it.
+                next += 1;
+            } else if next < plan.passes.len() && plan.passes[next].level == level {
                 let pass = &plan.passes[next];
                 let (body, w, unrolled) = &codes[next];
                 let (w, unrolled) = (*w, *unrolled);
                 next += 1;
                 for &rr in &pass.rowreds {
-                    let _ = writeln!(out, "    float a{rr} = {};", red_init(op_of(&p.node(rr).expr)));
+                    match &online {
+                        Some(o) if o.max == rr => out.push_str(&o.open(codes[next - 1].1)),
+                        _ => _ = writeln!(out, "    float a{rr} = {};", red_init(op_of(&p.node(rr).expr))),
+                    }
                 }
                 let stores = || pass.stores.iter().map(|&s| &p.stores[s]);
                 let wide = w > 1;
@@ -143,6 +167,12 @@ impl Seg<'_> {
                     }
                 }
                 *self.stage.borrow_mut() = stage;
+                *self.keep.borrow_mut() = kept
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, k)| self.loads_view(body, &k.view))
+                    .map(|(i, k)| (k.view.clone(), format!("rk{i}"), k.first == pass.level))
+                    .collect();
                 // Vector steps of the team over the row; in an unrolled wide pass the last one
                 // may start past the row's end.
                 let steps = cols.div_ceil(team as u64 * w as u64);
@@ -184,7 +214,10 @@ impl Seg<'_> {
                 }
                 self.lines(out, "      ", body)?;
                 for &rr in &pass.rowreds {
-                    let _ = writeln!(out, "      a{rr} = {}(a{rr}, v{});", red_fn(op_of(&p.node(rr).expr)), arg(p, rr));
+                    match &online {
+                        Some(o) if o.max == rr => out.push_str(&o.update(arg(p, rr), w)),
+                        _ => _ = writeln!(out, "      a{rr} = {}(a{rr}, v{});", red_fn(op_of(&p.node(rr).expr)), arg(p, rr)),
+                    }
                 }
                 for &c in &pass.colreds {
                     let f = red_fn(op_of(&p.node(c).expr));
@@ -196,6 +229,9 @@ impl Seg<'_> {
                 }
                 if wide {
                     let _ = writeln!(out, "      }}");
+                    if let Some(o) = online.as_ref().filter(|o| pass.rowreds.contains(&o.max)) {
+                        out.push_str(&o.step(w));
+                    }
                     self.vector_io(out, COLS, body, stores(), w, false)?;
                 }
                 if past_end {
@@ -203,12 +239,16 @@ impl Seg<'_> {
                 }
                 let _ = writeln!(out, "    }}");
                 self.stage.borrow_mut().clear();
+                self.keep.borrow_mut().clear();
                 for &rr in &pass.rowreds {
                     let f = match op_of(&p.node(rr).expr) {
                         ReduceOp::Sum => "team_sum",
                         ReduceOp::Max => "team_max",
                     };
                     let _ = writeln!(out, "    const float v{rr} = {f}<{team}>(a{rr}, sh);");
+                    if let Some(o) = online.as_ref().filter(|_| is_online_max(rr)) {
+                        out.push_str(&o.close(team));
+                    }
                 }
             }
             self.lines(out, "    ", &row_nodes(level + 1))?;
@@ -281,17 +321,21 @@ impl Seg<'_> {
     }
 
     /// The row views to keep in shared memory, each with the level of the pass that copies it
-    /// there: with one team a block, a view that two or more wide passes load with vector
-    /// accesses is read from global memory once, by the first of them, and from the copy by
-    /// the others (the classifier's three passes over a 50,304-column bf16 row). Copies take
-    /// at most [`STAGE_MAX_BYTES`] a block.
-    /// `codes` are the passes' [`Seg::pass_code`]s.
-    fn stage_plan(&self, tpb: u32, codes: &[(Vec<NodeId>, u32, bool)]) -> Vec<(View, u32)> {
+    /// there: with one team a block, a view that three or more wide passes load with vector
+    /// accesses (two, for a copy of at most [`STAGE_PAIR_MAX_BYTES`]) is read from global
+    /// memory once, by the first of them, and from the copy by the others (the fp32
+    /// classifier's three passes over a 50,304-column row). Copies take at most
+    /// [`STAGE_MAX_BYTES`] a block. `codes` are the passes' [`Seg::pass_code`]s; pass `merged`
+    /// is not emitted (its sum is the online pass's).
+    fn stage_plan(&self, tpb: u32, codes: &[(Vec<NodeId>, u32, bool)], merged: Option<usize>) -> Vec<(View, u32)> {
         if tpb != 1 {
             return vec![];
         }
         let mut seen: Vec<(View, u32, usize)> = vec![];
-        for (pass, (body, w, _)) in self.plan.passes.iter().zip(codes) {
+        for (i, (pass, (body, w, _))) in self.plan.passes.iter().zip(codes).enumerate() {
+            if merged == Some(i) {
+                continue;
+            }
             let w = *w;
             for &id in body {
                 if let Expr::Load(v) = &self.p.node(id).expr {
@@ -309,12 +353,52 @@ impl Seg<'_> {
         let mut staged = vec![];
         for (v, first, n) in seen {
             let b = self.p.cols * mem_bytes(v.mem);
-            if n >= 2 && bytes + b <= STAGE_MAX_BYTES {
+            if (n >= 3 || (n == 2 && b <= STAGE_PAIR_MAX_BYTES)) && bytes + b <= STAGE_MAX_BYTES {
                 bytes += b;
                 staged.push((v, first));
             }
         }
         staged
+    }
+
+    /// The row views to keep in registers between passes: with short unrolled wide passes
+    /// (at most [`MAX_UNROLL`] vector steps a thread, so that every step's index is a constant),
+    /// a row view that two or more of them load with the same width and steps is read from
+    /// global memory by the first and from registers by the others (a LayerNorm's mean,
+    /// variance and output passes over the same row), at most [`MAX_KEPT_REGS`] registers a
+    /// thread. `codes` are the passes' [`Seg::pass_code`]s; staged views are not kept.
+    fn keep_plan(&self, team: u32, k_slots: u64, codes: &[(Vec<NodeId>, u32, bool)], staged: &[(View, u32)]) -> Vec<Kept> {
+        let cols = self.p.cols;
+        let mut seen: Vec<(Kept, usize)> = vec![];
+        for (pass, (body, w, unrolled)) in self.plan.passes.iter().zip(codes) {
+            let w = *w;
+            let steps = if *unrolled { k_slots / w as u64 } else { cols.div_ceil(team as u64 * w as u64) };
+            if w == 1 || (!*unrolled && steps > MAX_UNROLL) {
+                continue;
+            }
+            for &id in body {
+                let Expr::Load(v) = &self.p.node(id).expr else { continue };
+                if v.row.is_empty() || !vectorizable(v, w) || staged.iter().any(|(x, _)| x == v) {
+                    continue;
+                }
+                match seen.iter_mut().find(|(k, _)| k.view == *v) {
+                    Some((k, n)) if k.w == w && k.steps == steps => *n += 1,
+                    // The same view in a pass of another shape: not kept.
+                    Some((_, n)) => *n = usize::MAX / 2,
+                    None => seen.push((Kept { view: v.clone(), first: pass.level, w, steps }, 1)),
+                }
+            }
+        }
+        let mut regs = 0;
+        let mut kept = vec![];
+        for (k, n) in seen {
+            let r = k.steps * k.w as u64 * mem_bytes(k.view.mem) / 4;
+            if (2..usize::MAX / 4).contains(&n) && regs + r <= MAX_KEPT_REGS {
+                regs += r;
+                kept.push(k);
+            }
+        }
+        kept
     }
 
     /// The columns a thread takes at a time in a column loop over `body` and `stores`: 8 when a
@@ -352,13 +436,7 @@ impl Seg<'_> {
         w: u32,
         open: bool,
     ) -> R<()> {
-        // The register type and how many of it hold `w` elements of a view.
-        let reg = |m: Mem| match (m, w) {
-            (Mem::Bf16, 4) => ("uint2", 1),
-            (Mem::Bf16, _) => ("uint4", 1),
-            (_, 4) => ("float4", 1),
-            _ => ("float4", 2),
-        };
+        let reg = |m: Mem| vec_reg(m, w);
         let decl = |v: &View, n: &str| match reg(v.mem) {
             (t, 1) => format!("{t} {n};"),
             (t, k) => format!("{t} {n}[{k}];"),
@@ -371,6 +449,17 @@ impl Seg<'_> {
                         let n = format!("q{}", vec.len());
                         // A staged view: from its shared-memory copy, or into it (`rows.rs`).
                         let staged = self.stage.borrow().iter().find(|(x, _, _)| x == v).map(|(_, s, fill)| (s.clone(), *fill));
+                        let kept = self.keep.borrow().iter().find(|(x, _, _)| x == v).map(|(_, s, fill)| (s.clone(), *fill));
+                        if let Some((rk, false)) = &kept {
+                            // Loaded by an earlier pass over the row: from its registers.
+                            let init = match reg(v.mem) {
+                                (t, 1) => format!("{t} {n} = {rk}[k4];"),
+                                (t, _) => format!("{t} {n}[2] = {{{rk}[k4][0], {rk}[k4][1]}};"),
+                            };
+                            let _ = writeln!(out, "{ind}{init}");
+                            vec.push((v.clone(), n));
+                            continue;
+                        }
                         let (s, off) = match &staged {
                             Some((sm, false)) => (sm.clone(), "c".to_string()),
                             _ => (self.slot_name(v.slot)?, self.offset(v)),
@@ -396,7 +485,11 @@ impl Seg<'_> {
                                     .collect();
                                 parts.concat()
                             }
-                            _ => String::new(),
+                            _ => match &kept {
+                                Some((rk, true)) if k == 1 => format!(" {rk}[k4] = {n};"),
+                                Some((rk, true)) => format!(" {rk}[k4][0] = {n}[0]; {rk}[k4][1] = {n}[1];"),
+                                _ => String::new(),
+                            },
                         };
                         let _ = writeln!(out, "{ind}{}\n{ind}{{ {at} {load}{keep} }}", decl(v, &n));
                         vec.push((v.clone(), n));
@@ -428,6 +521,27 @@ impl Seg<'_> {
         }
         Ok(())
     }
+}
+
+/// The register type, and how many of it, that hold `w` elements of a view stored as `m`:
+/// f32 `float4` (two for `w = 8`), bf16 `uint2` (`w = 4`) or `uint4`.
+fn vec_reg(m: Mem, w: u32) -> (&'static str, u32) {
+    match (m, w) {
+        (Mem::Bf16, 4) => ("uint2", 1),
+        (Mem::Bf16, _) => ("uint4", 1),
+        (_, 4) => ("float4", 1),
+        _ => ("float4", 2),
+    }
+}
+
+/// A row view kept in registers between passes ([`Seg::keep_plan`]).
+struct Kept {
+    view: View,
+    /// The level of the pass that loads it from memory.
+    first: u32,
+    /// The passes' width and vector steps a thread.
+    w: u32,
+    steps: u64,
 }
 
 /// Whether a view's `w` columns from a multiple of `w` are one aligned vector: contiguous f32

@@ -28,6 +28,7 @@ use std::sync::Arc;
 use cudarc::driver::sys::CUfunction;
 use fusec_codegen_cuda::gemm::{batched, Batched, ColMajor};
 use fusec_codegen_cuda::KernelSource;
+use fusec_codegen_cuda::native::GATHER_VEC;
 use fusec_ir::DType;
 
 use crate::cuda::lt::{Epilogue, LtKey, LtPlans, LtTypes};
@@ -281,8 +282,10 @@ impl Builder<'_> {
                         Arg::Ptr(err_flag),
                     ];
                     let f = self.native.gather;
+                    // The kernel copies GATHER_VEC columns a thread when a row allows it.
+                    let v = if g.cols % GATHER_VEC as usize == 0 { GATHER_VEC as u64 } else { 1 };
                     push(
-                        vec![Step::Kernel { f, grid: blocks((g.n * g.cols) as u64, 256), block: [256, 1, 1], shared: 0, args }],
+                        vec![Step::Kernel { f, grid: blocks((g.n * g.cols) as u64 / v, 256), block: [256, 1, 1], shared: 0, args }],
                         "gather",
                         0,
                     );
