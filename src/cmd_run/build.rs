@@ -107,7 +107,8 @@ pub fn executor(a: &RunArgs, run: &RunPrograms, threads: usize, dist: Option<&La
             }
             let all = build.opened.iter().chain(&build.phases);
             let times: Vec<String> = all.map(|(n, d)| format!("{n} {:.0} ms", d.as_secs_f64() * 1e3)).collect();
-            summary.push(("gpu build".into(), format!("{:.0} ms: {}", build.compile_time.as_secs_f64() * 1e3, times.join(" · "))));
+            let ms = build.compile_time.as_secs_f64() * 1e3;
+            summary.push(("gpu build".into(), format!("{ms:.0} ms: {}; {}", times.join(" · "), build.arch)));
             summary.push(("attention".into(), build.attention.clone()));
             summary.push(("products".into(), format!("{} with bias/GELU inside cuBLASLt", build.lt_epilogues)));
             summary.push((

@@ -37,8 +37,10 @@ type Opened = (Arc<CudaContext>, usize, [(&'static str, Duration); 2]);
 static OPENING: Mutex<Option<JoinHandle<Result<Opened, String>>>> = Mutex::new(None);
 
 /// Starts opening the driver, GPU 0's context and cuBLAS on a background thread, so that the
-/// driver's own start-up (about 0.4 s on an H200) overlaps parsing, initialization and
-/// compilation; building a `CudaExecutor` waits for it. Without a call, `open` does it in place.
+/// driver's own start-up (0.3–1.4 s; longest on a freshly started machine) overlaps parsing,
+/// initialization, the passes and, when NVML names the architecture, NVRTC (see
+/// [`super::CudaExecutor::new`]); building a `CudaExecutor` waits for it. Without a call, `open`
+/// does it in place.
 pub fn start_driver() {
     let h = std::thread::spawn(open_driver);
     *OPENING.lock().unwrap_or_else(|e| e.into_inner()) = Some(h);
@@ -70,6 +72,11 @@ pub fn check_libraries() -> Result<(), String> {
     fusec_codegen_cuda::nvrtc::available()
 }
 
+/// The `sm_XY` name of a compute capability.
+pub(crate) fn sm(arch: (i32, i32)) -> String {
+    format!("sm_{}{}", arch.0, arch.1)
+}
+
 /// One context, stream, cuBLAS handle and allocation.
 pub(crate) struct Device {
     ctx: Arc<CudaContext>,
@@ -88,9 +95,9 @@ pub(crate) struct Device {
     pub arch: (i32, i32),
     /// The GPU's name.
     pub name: String,
-    /// How long opening took: the driver and context, cuBLAS, and the wait for them here
-    /// (shorter when [`start_driver`] opened them in the background).
-    pub open_times: [(&'static str, Duration); 3],
+    /// How long opening took: the driver and context, then cuBLAS (on a background thread
+    /// when [`start_driver`] was called; the caller times its own wait).
+    pub open_times: [(&'static str, Duration); 2],
     modules: HashMap<[u8; 32], sys::CUmodule>,
 }
 
@@ -98,13 +105,11 @@ impl Device {
     /// Opens GPU 0: context, stream, cuBLAS (TF32 tensor-core math when `tf32`, else plain
     /// fp32).
     pub fn open(tf32: bool) -> Result<Device, String> {
-        let t0 = Instant::now();
         let pending = OPENING.lock().unwrap_or_else(|e| e.into_inner()).take();
-        let (ctx, handle, [driver, blas_time]) = match pending {
+        let (ctx, handle, open_times) = match pending {
             Some(h) => h.join().unwrap_or_else(|_| Err("opening the CUDA driver failed".into()))?,
             None => open_driver()?,
         };
-        let open_times = [driver, blas_time, ("waited for both", t0.elapsed())];
         let handle = handle as blas::cublasHandle_t;
         guard("CUDA", || {
             ctx.bind_to_thread().map_err(|e| format!("CUDA context: {e:?}"))?;
@@ -147,7 +152,7 @@ impl Device {
 
     /// The `sm_XY` name of the architecture.
     pub fn sm(&self) -> String {
-        format!("sm_{}{}", self.arch.0, self.arch.1)
+        sm(self.arch)
     }
 
     /// Allocates the one buffer (zeroed); the last `workspace` bytes become cuBLAS's workspace.

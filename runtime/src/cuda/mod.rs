@@ -4,8 +4,9 @@
 //! the paths a product can take are in `launch`'s docs), flash attention
 //! (TF32, sm_80+) or the score-matrix attention stages, hand-written gather / scatter-add, all
 //! launched in order on one stream; per-launch CUDA-event timing when profiling. The driver,
-//! context and cuBLAS can be opened in the background while the compiler works
-//! ([`start_driver`]).
+//! context and cuBLAS can be opened in the background ([`start_driver`]) while the passes run
+//! and, when NVML names the GPUs' architecture (`nvml.rs`), while NVRTC compiles the kernels
+//! ([`CudaExecutor::new`]).
 //!
 //! The allocation is laid out as `[persistent | arena | scratch | static | cuBLAS workspace]`:
 //! the Step program's parameters, gradients, Adam state and inputs, then the largest program's
@@ -27,10 +28,12 @@
 
 mod attention;
 mod device;
+mod kernels;
 mod launch;
 mod lt;
 mod collectives;
 mod comm_timing;
+mod nvml;
 mod peak;
 mod summary;
 
@@ -39,28 +42,26 @@ pub use summary::{CudaBuild, CudaOptions, KernelStats};
 
 use std::collections::HashMap;
 use std::ffi::c_void;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cudarc::cublas::sys as blas;
 use cudarc::driver::sys;
-use fusec_codegen_cuda::nvrtc::Compiler;
-use fusec_codegen_cuda::{flash, kernel_source, native, KernelSource};
 use fusec_ir::interp::{round_to, Tensor};
 use fusec_ir::DType;
 use fusec_passes::memplan::ALIGN;
 
 use crate::dist::nccl::NcclRank;
 use crate::executor::{CommTimes, Executor, StepOutputs};
-use crate::launches::{LaunchOp, LaunchPlan, ProgramIo};
+use crate::launches::{LaunchPlan, ProgramIo};
 use crate::layout::SharedLayout;
 use crate::profile::{Profile, Timed};
 use crate::programs::{Program, RunPrograms};
 use crate::roofline::Limits;
 pub(crate) use device::guard;
 pub use device::{check_libraries, start_driver};
-use device::{ck, ckb, Device};
-use launch::{attention_kinds, Addr, Arg, Builder, Launch, Loaded, Native, Step, ERR_WORDS, NATIVE_ENTRIES};
+use device::{ck, ckb, sm, Device};
+use kernels::{Functions, Modules, Sources};
+use launch::{Addr, Arg, Builder, Launch, Loaded, Native, Step, ERR_WORDS};
 
 /// Bytes given to cuBLAS as its workspace (NVIDIA's recommendation for Hopper).
 const CUBLAS_WORKSPACE: u64 = 32 << 20;
@@ -102,83 +103,59 @@ pub struct CudaExecutor {
 }
 
 impl CudaExecutor {
-    /// Plans memory for the programs (which must include `Step`), opens GPU 0, compiles every
-    /// kernel (NVRTC, in parallel, through the disk cache), and allocates the one device
-    /// buffer, as `opts` says.
+    /// Plans memory for the programs (which must include `Step`), compiles every kernel (NVRTC,
+    /// in parallel, through the disk cache), opens GPU 0 and allocates the one device buffer,
+    /// as `opts` says.
+    ///
+    /// When NVML names the architecture of every GPU (`nvml.rs`), the plan, the code and NVRTC
+    /// come first, while the driver opens on its own thread ([`start_driver`]); then the device
+    /// (whose errors still come first), the free-memory check, and the driver's architecture
+    /// checked against NVML's: where they differ, the modules compile again for the driver's.
+    /// Otherwise the device opens first and its architecture decides, as before NVML.
     pub fn new(run: &RunPrograms, opts: &CudaOptions) -> Result<(CudaExecutor, CudaBuild), String> {
         let t0 = Instant::now();
-        let mut dev = Device::open(opts.tf32)?;
-        let [driver, blas, waited] = dev.open_times;
-        let mut phases = vec![waited];
-        let mut lap = Instant::now();
+        let mut phases = vec![];
+        let mut lap = t0;
         let mut phase = |name: &'static str| {
             phases.push((name, lap.elapsed()));
             lap = Instant::now();
         };
-        let plan = LaunchPlan::new(run)?;
-        let free = dev.free_bytes()?;
-        if plan.planned_bytes.saturating_add(CUBLAS_WORKSPACE) > free {
-            return Err(format!("{}; the GPU has {} free", plan.too_large(), crate::launches::mib(free)));
-        }
-        phase("memplan");
-
-        // Generate every kernel's source, then compile the distinct ones at once.
-        let mut sources: Vec<Arc<KernelSource>> = vec![];
-        let mut by_text: HashMap<String, usize> = HashMap::new();
-        let mut launch_src: HashMap<(Program, usize), usize> = HashMap::new();
-        for (p, launches, _) in &plan.programs {
-            for (i, l) in launches.iter().enumerate() {
-                if let LaunchOp::Kernel { kernel, .. } = &l.op {
-                    let ks = kernel_source(kernel, &run.bind).map_err(|e| format!("{p:?} program, {}", l.err(e)))?;
-                    let idx = *by_text.entry(ks.source.clone()).or_insert_with(|| {
-                        sources.push(Arc::new(ks));
-                        sources.len() - 1
-                    });
-                    launch_src.insert((*p, i), idx);
-                }
+        let fits = |dev: &Device, plan: &LaunchPlan| -> Result<(), String> {
+            let free = dev.free_bytes()?;
+            if plan.planned_bytes.saturating_add(CUBLAS_WORKSPACE) > free {
+                return Err(format!("{}; the GPU has {} free", plan.too_large(), crate::launches::mib(free)));
             }
-        }
-        let mut compiler = Compiler::new(&dev.sm())?;
-        let mut items: Vec<(String, String)> = sources.iter().map(|s| (s.ident.clone(), s.source.clone())).collect();
-        items.push((native::NAME.to_string(), native::source()));
-        // Flash modules for the attention launches of this run only: f32 attention where flash
-        // and TF32 are allowed; bf16 attention always (the score-matrix path is f32 only: see
-        // `attention`); both on sm_80+ for supported head sizes.
-        let kinds = attention_kinds(&plan);
-        let flash_mods: Vec<(usize, DType)> = kinds
-            .iter()
-            .copied()
-            .filter(|&(d, dt)| dev.arch >= flash::MIN_ARCH && flash::supported(d, dt))
-            .filter(|&(_, dt)| dt != DType::F32 || (opts.flash && opts.tf32))
-            .collect();
-        for &(d, dt) in &flash_mods {
-            for (i, e) in flash::ENTRIES.iter().enumerate() {
-                items.push((format!("{}_{}", flash::name(d, dt), e.trim_start_matches("fusec_flash_")), flash::entry_source(d, dt, i)));
+            Ok(())
+        };
+        let predicted = nvml::compute_capability();
+        phase("NVML");
+        let (mut dev, plan, src, mut mods) = match predicted {
+            Some(arch) => {
+                let built = plan_and_compile(run, opts, arch, |_| Ok(()), &mut phase);
+                let dev = Device::open(opts.tf32)?;
+                let (plan, src, mods) = built?;
+                fits(&dev, &plan)?;
+                phase("waited for both");
+                (dev, plan, src, mods)
             }
-        }
-        phase("codegen");
-        let images = compiler.compile_all(&items);
-        phase("nvrtc");
-        let mut funcs: Vec<Vec<sys::CUfunction>> = vec![];
-        for (i, img) in images.iter().enumerate() {
-            let img = img.as_ref().map_err(|e| e.clone())?;
-            let names: Vec<&str> = match i.cmp(&sources.len()) {
-                std::cmp::Ordering::Less => sources[i].launches.iter().map(|l| l.entry.as_str()).collect(),
-                std::cmp::Ordering::Equal => NATIVE_ENTRIES.to_vec(),
-                std::cmp::Ordering::Greater => vec![flash::ENTRIES[(i - sources.len() - 1) % flash::ENTRIES.len()]],
-            };
-            let f = dev.functions(compiler.key(&items[i].1), &img.bytes, &names).map_err(|e| format!("kernel `{}`: {e}", items[i].0))?;
-            if let Some(src) = sources.get(i) {
-                for (rule, &func) in src.launches.iter().zip(&f) {
-                    dev.allow_shared(func, rule.shared).map_err(|e| format!("kernel `{}`: {e}", items[i].0))?;
-                }
+            None => {
+                let dev = Device::open(opts.tf32)?;
+                phase("waited for both");
+                let (plan, src, mods) = plan_and_compile(run, opts, dev.arch, |plan| fits(&dev, plan), &mut phase)?;
+                (dev, plan, src, mods)
             }
-            funcs.push(f);
+        };
+        let arch = match predicted {
+            Some(a) if a == dev.arch => format!("arch {} from NVML, before the driver was up", dev.sm()),
+            Some(a) => format!("arch {} from the driver; NVML said {}: compiled again", dev.sm(), sm(a)),
+            None => format!("arch {} from the driver (none from NVML)", dev.sm()),
+        };
+        if mods.arch != dev.arch {
+            mods = Modules::new(&src, dev.arch, opts)?;
+            mods.compile();
+            phase("nvrtc again");
         }
-        let one: Vec<sys::CUfunction> = funcs.drain(sources.len() + 1..).map(|f| f[0]).collect();
-        let flash_funcs: HashMap<(usize, DType), [sys::CUfunction; 3]> =
-            flash_mods.iter().zip(one.chunks_exact(3)).map(|(k, f)| (*k, [f[0], f[1], f[2]])).collect();
-        let nf = funcs.pop().expect("the native module");
+        let Functions { kernels: funcs, native: nf, flash: flash_funcs } = mods.load(&src, &mut dev)?;
         phase("module load");
         let native = Native {
             gather: nf[0],
@@ -197,7 +174,7 @@ impl CudaExecutor {
         let mut b = Builder { native: &native, words: vec![None; ERR_WORDS], scratch: 0, lt };
         let mut programs = HashMap::new();
         for (p, launches, io) in &plan.programs {
-            let lookup = |i: usize| launch_src.get(&(*p, i)).map(|&s| Loaded { src: sources[s].clone(), funcs: funcs[s].clone() });
+            let lookup = |i: usize| src.of_launch.get(&(*p, i)).map(|&s| Loaded { src: src.kernels[s].clone(), funcs: funcs[s].clone() });
             let launches = b.translate(launches, &lookup).map_err(|e| format!("{p:?} program: {e}"))?;
             programs.insert(*p, Compiled { launches, io: io.clone() });
         }
@@ -224,23 +201,24 @@ impl CudaExecutor {
         }
         let build = CudaBuild {
             compile_time: t0.elapsed(),
-            opened: [driver, blas],
+            opened: dev.open_times,
             phases,
-            modules: std::mem::take(&mut compiler.times),
+            arch,
+            modules: std::mem::take(&mut mods.compiler.times),
             kernels: KernelStats {
-                kernels: launch_src.len(),
-                modules: items.len(),
-                compiled: compiler.compiled,
-                in_workers: compiler.in_workers,
-                disk_hits: compiler.disk_hits,
+                kernels: src.of_launch.len(),
+                modules: mods.items.len(),
+                compiled: mods.compiler.compiled,
+                in_workers: mods.compiler.in_workers,
+                disk_hits: mods.compiler.disk_hits,
             },
             device: format!("{} ({})", dev.name, dev.sm()),
-            nvrtc: compiler.nvrtc_version(),
+            nvrtc: mods.compiler.nvrtc_version(),
             device_bytes: dev.size,
             scratch_bytes: b.scratch,
             step_plan: plan.step_plan,
             lt_epilogues: lt_launches,
-            attention: attention_summary(&kinds, &flash_mods),
+            attention: attention_summary(&src.attention, &mods.flash),
         };
         let sync_each = std::env::var_os("FUSEC_CUDA_SYNC").is_some_and(|v| v != "0");
         let ex = CudaExecutor {
@@ -453,6 +431,25 @@ impl CudaExecutor {
         }
         Ok(())
     }
+}
+
+/// The memory plan (then `fits`), the code and the modules for `arch`, compiled: a phase each.
+fn plan_and_compile<'r>(
+    run: &'r RunPrograms,
+    opts: &CudaOptions,
+    arch: (i32, i32),
+    fits: impl FnOnce(&LaunchPlan) -> Result<(), String>,
+    phase: &mut impl FnMut(&'static str),
+) -> Result<(LaunchPlan<'r>, Sources, Modules), String> {
+    let plan = LaunchPlan::new(run)?;
+    fits(&plan)?;
+    phase("memplan");
+    let src = Sources::new(&plan, run)?;
+    let mut mods = Modules::new(&src, arch, opts)?;
+    phase("codegen");
+    mods.compile();
+    phase("nvrtc");
+    Ok((plan, src, mods))
 }
 
 fn resolve(base: u64, scratch: u64, stat: u64, a: Addr) -> u64 {

@@ -52,14 +52,20 @@ impl Default for CudaOptions {
 
 /// What building the programs for the GPU produced, for the run summary.
 pub struct CudaBuild {
-    /// Memory planning, code generation, NVRTC (or the cache) and module loading.
+    /// The whole build: asking NVML, the wait for the device, memory planning, code
+    /// generation, NVRTC (or the cache), module loading, the launch lists and the allocation.
     pub compile_time: Duration,
     /// Opening the driver and context, and cuBLAS: on a background thread from the process
-    /// start ([`super::start_driver`]), else inside the build's first phase.
+    /// start ([`super::start_driver`]), else inside the `waited for both` phase.
     pub opened: [(&'static str, Duration); 2],
-    /// Where `compile_time` went, one phase after the other, in order: the wait for the driver
-    /// and cuBLAS, memory planning, code generation, NVRTC, ...
+    /// Where `compile_time` went, one phase after the other, in order: `NVML`, then with an
+    /// architecture from NVML `memplan`, `codegen`, `nvrtc`, `waited for both` (the driver and
+    /// cuBLAS; NVRTC ran while they opened), without one `waited for both` first; then
+    /// `module load` and `launch lists+alloc` (`nvrtc again` before them where NVML and the
+    /// driver disagreed).
     pub phases: Vec<(&'static str, Duration)>,
+    /// Where the architecture came from, e.g. `arch sm_90 from NVML, before the driver was up`.
+    pub arch: String,
     /// Each module from NVRTC or the disk cache: name, cache hit, time; slowest first.
     pub modules: Vec<(String, bool, Duration)>,
     /// Kernel compilation counts.
