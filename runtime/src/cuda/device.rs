@@ -39,9 +39,10 @@ static OPENING: Mutex<Option<JoinHandle<Result<Opened, String>>>> = Mutex::new(N
 /// Starts opening the driver, GPU 0's context and cuBLAS on a background thread, so that the
 /// driver's own start-up (0.3–1.4 s; longest on a freshly started machine) overlaps parsing,
 /// initialization, the passes and, when NVML names the architecture, NVRTC (see
-/// [`super::CudaExecutor::new`]); building a `CudaExecutor` waits for it. Without a call, `open`
-/// does it in place.
+/// [`super::CudaExecutor::new`]); building a `CudaExecutor` waits for it. NVML is asked for the
+/// architecture meanwhile, on a thread of its own. Without a call, `open` does it in place.
 pub fn start_driver() {
+    super::nvml::start();
     let h = std::thread::spawn(open_driver);
     *OPENING.lock().unwrap_or_else(|e| e.into_inner()) = Some(h);
 }

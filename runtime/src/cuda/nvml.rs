@@ -11,6 +11,8 @@
 //! panic. `FUSEC_NVML=0` asks nothing (the driver decides, after it started).
 
 use std::ffi::{c_int, c_uint, c_void};
+use std::sync::Mutex;
+use std::thread::JoinHandle;
 
 use libloading::Library;
 
@@ -19,9 +21,26 @@ type Ret = c_int;
 /// `nvmlDevice_t`, an opaque pointer.
 type Handle = *mut c_void;
 
-/// The compute capability `(major, minor)` shared by every GPU of the host, from NVML; `None`
-/// when NVML cannot say, the GPUs differ, or `FUSEC_NVML=0`.
+/// The question put to NVML in the background ([`start`]), for [`compute_capability`] to take.
+static ASKING: Mutex<Option<JoinHandle<Option<(i32, i32)>>>> = Mutex::new(None);
+
+/// Starts asking NVML on a background thread (with the driver's start, at the beginning of the
+/// process: on a freshly started machine NVML took 0.24 s, which the passes then hide).
+pub(crate) fn start() {
+    *ASKING.lock().unwrap_or_else(|e| e.into_inner()) = Some(std::thread::spawn(ask));
+}
+
+/// The compute capability `(major, minor)` shared by every GPU of the host, from NVML (the
+/// answer to [`start`]'s question, else asked now); `None` when NVML cannot say, the GPUs
+/// differ, or `FUSEC_NVML=0`.
 pub(crate) fn compute_capability() -> Option<(i32, i32)> {
+    match ASKING.lock().unwrap_or_else(|e| e.into_inner()).take() {
+        Some(h) => h.join().ok().flatten(),
+        None => ask(),
+    }
+}
+
+fn ask() -> Option<(i32, i32)> {
     if std::env::var_os("FUSEC_NVML").is_some_and(|v| v == "0") {
         return None;
     }
