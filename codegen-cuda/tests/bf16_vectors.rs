@@ -77,6 +77,36 @@ fn mul_cast_bf16(r: u64, c: u64) -> KernelSource {
     ))
 }
 
+/// A softmax over the rows of a bf16 `[r, c]`, written as bf16.
+fn softmax_bf16(r: u64, c: u64) -> KernelSource {
+    let (f, b) = (format!("f32[{r}, {c}]"), format!("bf16[{r}, {c}]"));
+    source(&format!(
+        "graph g() {{
+  %0 = input \"x\" : {b}
+  %1 = kernel \"softmax_cast\" %0 : {b} {{
+    %0 = input \"in0\" : {b}
+    %1 = cast %0 : {f}
+    %2 = softmax %1 : {f}
+    %3 = cast %2 : {b}
+    output \"out0\" = %3
+  }}
+  output \"y\" = %1
+}}"
+    ))
+}
+
+#[test]
+fn bf16_softmax_rows_take_the_maximum_and_the_sum_in_one_online_pass() {
+    // 64 columns: 8-column steps, the running maximum moved once a step; 37: a column at a time.
+    for (c, step) in [(64, true), (37, false)] {
+        let s = body(&softmax_bf16(16, c).source);
+        assert!(s.contains("if (x > a") && s.contains("* fast_exp(a"), "{c}: the online update\n{s}");
+        assert_eq!(s.matches("x = max_nan(x, x").count(), step as usize, "{c}\n{s}");
+        // Two passes: the online one, then the output.
+        assert_eq!(s.matches("team_max<").count() + s.matches("team_sum<").count(), 2, "{c}\n{s}");
+    }
+}
+
 /// A bias gradient over `[r, c]`: the f32 column sums of a bf16 `dy` times an f32 `x`, and
 /// the product stored as bf16 (a column kernel with an element store).
 fn col_sum_bf16(r: u64, c: u64) -> KernelSource {
@@ -277,6 +307,9 @@ fn bf16_vector_paths_compile_to_vector_instructions_without_local_memory() {
     }
     for c in [768, 36, 30] {
         sources.push(col_sum_bf16(2048, c));
+    }
+    for c in [64, 37] {
+        sources.push(softmax_bf16(16, c));
     }
     for s in &sources {
         let img =
