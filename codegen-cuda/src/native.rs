@@ -4,15 +4,17 @@
 //!   `float4`s); an index outside the table
 //!   writes 0 and raises the error word (`err[0] = 1`, `err[1]` the index, `err[2]` the position).
 //! - Scatter-add, the adjoint, deterministic, in [`SCATTER_ENTRIES`]' five launches: the
-//!   positions of each output row as a CSR list (`count`: integer atomics, `offsets`: one block's
-//!   prefix sum, which also lists the rows some index points to), `sort`: a block per listed
-//!   row sorts its list into increasing position (a bitonic sort in shared memory up to
-//!   [`SCATTER_SORT`] entries, ranks from global memory beyond), `sum`: a block per listed row
-//!   walking its columns 128 at a time; warp `w` sums the `w`-th eighth of the sorted list, the
-//!   eight partial rows are added in warp order. The order of every sum is a function of the indices alone (no
-//!   float atomics): same input, same bits. The other rows are zeroed by a memset first. The
-//!   grids have one block per index at most, not per output row: launching 50,304 x 6 blocks
-//!   for `wte`, most of them for rows no token of the batch uses, had kept it at 0.5 ms.
+//!   positions of each output row as a CSR list (`count`: integer atomics, which also tally
+//!   each segment of [`SCATTER_SEG`] rows; `offsets`: a block per segment scans its rows after
+//!   the segments before it, and lists the rows some index points to), `sort`: each listed
+//!   row's list into increasing position (a bitonic sort in shared memory up to
+//!   [`SCATTER_SORT`] entries, ranks from global memory beyond), `sum`: per listed row, warp
+//!   `w` sums the `w`-th eighth of the sorted list 128 columns at a time, and the eight
+//!   partial rows are added in warp order. `sort` and `sum` take at most [`SCATTER_BLOCKS`]
+//!   blocks, each walking the listed rows. The order of every sum is a function of the
+//!   indices alone (no float atomics): same input, same bits. The other rows are zeroed by a
+//!   memset first. (Measured with `ncu` on the H200 for `wte`, 50,304 rows: the one-block scan
+//!   this replaced took 193 µs of the 330, a block per index 33 + 95 µs for sort and sum.)
 //! - Causal attention around cuBLAS products (the runtime runs `q k^T`, `p v` and the backward
 //!   products as batched GEMMs): `fusec_attn_softmax` (row max, sum of `exp`, the log-sum-exp
 //!   saved, `p = exp(scale s - lse)` below the diagonal, 0 above), `fusec_attn_probs` (`p` again
@@ -36,6 +38,12 @@ use crate::emit::float_lit;
 /// The scatter-add launches, in order (see the module docs).
 pub const SCATTER_ENTRIES: [&str; 5] =
     ["fusec_scatter_count", "fusec_scatter_offsets", "fusec_scatter_fill", "fusec_scatter_sort", "fusec_scatter_sum"];
+/// Output rows per block of `fusec_scatter_offsets` (a multiple of 256).
+pub const SCATTER_SEG: u32 = 1024;
+/// The most blocks `fusec_scatter_sort` and `fusec_scatter_sum` launch: each walks the listed
+/// rows from its index in steps of the grid (empty blocks for rows no index points to had
+/// cost more than the work, at up to one block per index).
+pub const SCATTER_BLOCKS: u32 = 1024;
 /// List entries `fusec_scatter_sort` sorts in shared memory (32 KiB).
 pub const SCATTER_SORT: u32 = 8192;
 /// Columns a thread of `fusec_scatter_sum` adds at a time (one `float4`); a block's step is 32
@@ -66,6 +74,7 @@ pub fn source() -> String {
             .replace("GELU_SCALE", &float_lit(scale))
             .replace("SCATTER_SORT", &SCATTER_SORT.to_string())
             .replace("SCATTER_VEC", &SCATTER_VEC.to_string())
+            .replace("SCATTER_SEG", &SCATTER_SEG.to_string())
             .replace("GATHER_VEC", &GATHER_VEC.to_string()),
     );
     s
@@ -96,36 +105,65 @@ extern "C" __global__ void __launch_bounds__(256) fusec_gather(const float* tabl
   if (v == GATHER_VEC) *(float4*)&out[i] = *(const float4*)&table[(long long)t * cols + c];
   else out[i] = table[(long long)t * cols + c];
 }
-extern "C" __global__ void __launch_bounds__(256) fusec_scatter_count(const int* idx, int* count, int rows, int n, int* err) {
+extern "C" __global__ void __launch_bounds__(256) fusec_scatter_count(const int* idx, int* count, int* seg, int nseg, int rows, int n, int* err) {
   const int s = blockIdx.x * 256 + threadIdx.x;
   if (s >= n) return;
   const int t = idx[s];
   if (t < 0 || t >= rows) { err[0] = 1; err[1] = t; err[2] = s; return; }
-  atomicAdd(&count[t], 1);
+  // Per segment of SCATTER_SEG rows: its positions, and its rows some index points to.
+  if (atomicAdd(&count[t], 1) == 0) atomicAdd(&seg[nseg + t / SCATTER_SEG], 1);
+  atomicAdd(&seg[t / SCATTER_SEG], 1);
 }
-extern "C" __global__ void __launch_bounds__(1024) fusec_scatter_offsets(const int* count, int* offs, int* cursor, int* nz, int rows) {
-  __shared__ int part[1024], used[1024];
-  const int per = (rows + 1023) / 1024;
-  const int lo = min(rows, (int)threadIdx.x * per), hi = min(rows, lo + per);
-  int sum = 0, rows_used = 0;
-  for (int r = lo; r < hi; ++r) { sum += count[r]; rows_used += count[r] > 0; }
-  part[threadIdx.x] = sum;
-  used[threadIdx.x] = rows_used;
+__device__ __forceinline__ int block_sum256(int v, int* sh) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   __syncthreads();
-  for (int o = 1; o < 1024; o <<= 1) {
-    const int v = threadIdx.x >= o ? part[threadIdx.x - o] : 0;
-    const int u = threadIdx.x >= o ? used[threadIdx.x - o] : 0;
-    __syncthreads();
-    part[threadIdx.x] += v;
-    used[threadIdx.x] += u;
-    __syncthreads();
+  if ((threadIdx.x & 31) == 0) sh[threadIdx.x >> 5] = v;
+  __syncthreads();
+  int t = 0;
+#pragma unroll
+  for (int w = 0; w < 8; ++w) t += sh[w];
+  return t;
+}
+// A block per segment of SCATTER_SEG rows, SCATTER_SEG / 256 rows a thread: the segments
+// before it (from `count`'s tallies), then an exclusive scan of its own rows.
+extern "C" __global__ void __launch_bounds__(256) fusec_scatter_offsets(const int* count, const int* seg, int nseg, int* offs, int* cursor, int* nz, int rows) {
+  __shared__ int sh[8];
+  const int b = blockIdx.x, lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+  int ps = 0, pu = 0;
+  for (int i = threadIdx.x; i < b; i += 256) { ps += seg[i]; pu += seg[nseg + i]; }
+  ps = block_sum256(ps, sh);
+  pu = block_sum256(pu, sh);
+  const int per = SCATTER_SEG / 256, r0 = b * SCATTER_SEG + threadIdx.x * per;
+  int c[SCATTER_SEG / 256], ts = 0, tu = 0;
+#pragma unroll
+  for (int k = 0; k < per; ++k) {
+    c[k] = r0 + k < rows ? count[r0 + k] : 0;
+    ts += c[k];
+    tu += c[k] > 0;
   }
-  int run = part[threadIdx.x] - sum, k = used[threadIdx.x] - rows_used;
-  for (int r = lo; r < hi; ++r) {
-    offs[r] = run; cursor[r] = run; run += count[r];
-    if (count[r] > 0) nz[1 + k++] = r;
+  // Inclusive scans of (ts, tu) in the warp, then over the warps' totals.
+  int is = ts, iu = tu;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int x = __shfl_up_sync(0xffffffffu, is, o), y = __shfl_up_sync(0xffffffffu, iu, o);
+    if (lane >= o) { is += x; iu += y; }
   }
-  if (threadIdx.x == 1023) { offs[rows] = part[1023]; nz[0] = used[1023]; }
+  __shared__ int ws[8], wu[8];
+  __syncthreads();
+  if (lane == 31) { ws[w] = is; wu[w] = iu; }
+  __syncthreads();
+  int run = ps + is - ts, k_used = pu + iu - tu;
+  for (int k = 0; k < w; ++k) { run += ws[k]; k_used += wu[k]; }
+#pragma unroll
+  for (int k = 0; k < per; ++k) {
+    const int r = r0 + k;
+    if (r < rows) {
+      offs[r] = run; cursor[r] = run; run += c[k];
+      if (c[k] > 0) nz[1 + k_used++] = r;
+    }
+  }
+  if (b == nseg - 1 && threadIdx.x == 255) { offs[rows] = run; nz[0] = k_used; }
 }
 extern "C" __global__ void __launch_bounds__(256) fusec_scatter_fill(const int* idx, int* cursor, int* slots, int rows, int n) {
   const int s = blockIdx.x * 256 + threadIdx.x;
@@ -135,8 +173,9 @@ extern "C" __global__ void __launch_bounds__(256) fusec_scatter_fill(const int* 
 }
 extern "C" __global__ void __launch_bounds__(256) fusec_scatter_sort(const int* offs, const int* nz, const int* slots, int* sorted) {
   __shared__ int sl[SCATTER_SORT];
-  if ((int)blockIdx.x >= nz[0]) return;
-  const int r = nz[1 + blockIdx.x];
+  for (int b = blockIdx.x; b < nz[0]; b += gridDim.x) {
+  __syncthreads();
+  const int r = nz[1 + b];
   const int o = offs[r], len = offs[r + 1] - o;
   if (len <= SCATTER_SORT) {
     // Bitonic sort of the list padded to a power of two with INT_MAX.
@@ -157,7 +196,7 @@ extern "C" __global__ void __launch_bounds__(256) fusec_scatter_sort(const int* 
       }
     }
     for (int i = threadIdx.x; i < len; i += 256) sorted[o + i] = sl[i];
-    return;
+    continue;
   }
   // Longer lists (one index repeated more than SCATTER_SORT times): each entry's rank.
   for (int i = threadIdx.x; i < len; i += 256) {
@@ -166,11 +205,12 @@ extern "C" __global__ void __launch_bounds__(256) fusec_scatter_sort(const int* 
     for (int j = 0; j < len; ++j) k += slots[o + j] < v;
     sorted[o + k] = v;
   }
+  }
 }
 extern "C" __global__ void __launch_bounds__(256) fusec_scatter_sum(const float* src, const int* offs, const int* nz, const int* sorted, float* out, int cols) {
   __shared__ float part[8][32 * SCATTER_VEC];
-  if ((int)blockIdx.x >= nz[0]) return;
-  const int r = nz[1 + blockIdx.x], warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  for (int b = blockIdx.x; b < nz[0]; b += gridDim.x) {
+  const int r = nz[1 + b], warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int o = offs[r], len = offs[r + 1] - o;
   const int j0 = (int)((long long)len * warp / 8), j1 = (int)((long long)len * (warp + 1) / 8);
   for (int cb = 0; cb < cols; cb += 32 * SCATTER_VEC) {
@@ -200,6 +240,7 @@ extern "C" __global__ void __launch_bounds__(256) fusec_scatter_sum(const float*
       out[(long long)r * cols + cb + i] = v;
     }
     __syncthreads();
+  }
   }
 }
 extern "C" __global__ void __launch_bounds__(256) fusec_attn_softmax(float* sc, float* lse, int T, long long nrows, float scale) {

@@ -67,8 +67,10 @@ pub(crate) struct Seg<'p> {
 /// Whether a row program loads a bf16 view: its inputs then carry bf16's 2^-9 relative
 /// rounding, and `ex2.approx` (2^-22 relative, a few f32 ulps with the argument's scaling)
 /// costs nothing measurable in its results, where `expf` takes about ten instructions (the
-/// fused classifier was bound by them: 1.80 -> 1.59 ms on the H100; a `tanh` the same way
-/// left the memory-bound GELU backward at 0.152 ms, so `tanhf` stays).
+/// fused classifier was bound by them: 1.80 -> 1.59 ms on the H100). The same for `tanh`
+/// (`tanh.approx`, 2^-11 relative): the GELU backward, memory-bound on the H100 (an
+/// exp-based `tanh` did not move it there), was bound by `tanhf` on the H200 (SM 79%, DRAM
+/// 54%).
 pub(crate) fn reads_bf16(p: &Prog) -> bool {
     p.nodes.iter().any(|n| matches!(&n.expr, Expr::Load(v) if v.mem == Mem::Bf16))
 }
@@ -206,6 +208,7 @@ impl Seg<'_> {
                 UnaryOp::Log => format!("logf({})", v(a)),
                 UnaryOp::Sqrt => format!("sqrtf({})", v(a)),
                 UnaryOp::Rsqrt => format!("1.0f / sqrtf({})", v(a)),
+                UnaryOp::Tanh if self.fast_math => format!("fast_tanh({})", v(a)),
                 UnaryOp::Tanh => format!("tanhf({})", v(a)),
                 UnaryOp::Recip => format!("1.0f / {}", v(a)),
             },

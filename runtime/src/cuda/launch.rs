@@ -181,14 +181,21 @@ impl Builder<'_> {
     }
 
     /// The launches of a deterministic scatter-add (see `fusec_codegen_cuda::native`): the CSR
-    /// lists of positions per output row live in scratch (`count`, `offs`, `cursor`, `slots`,
-    /// `sorted`, and `nz`, the count and list of rows with positions: 32-bit words, `4 rows +
-    /// 2 n + 2` of them); the output is zeroed first.
+    /// lists of positions per output row live in scratch (`count`, two tallies per segment of
+    /// rows, `offs`, `cursor`, `slots`, `sorted`, and `nz`, the count and list of rows with
+    /// positions: 32-bit words, `4 rows + 2 n + 2 + 2 segments` of them); the output is
+    /// zeroed first.
     fn scatter_add(&mut self, s: &launches::ScatterAdd, err: Addr) -> Result<Vec<Step>, String> {
+        use fusec_codegen_cuda::native::{SCATTER_BLOCKS, SCATTER_SEG};
         let too_big =
             || format!("scatter_add: {} rows of {} columns and {} indices exceed the kernels' 32-bit indexing", s.rows, s.cols, s.n);
-        let words =
-            s.rows.checked_mul(4).and_then(|w| w.checked_add(s.n.checked_mul(2)?)).and_then(|w| w.checked_add(2)).ok_or_else(too_big)?;
+        let nseg = s.rows.div_ceil(SCATTER_SEG as usize);
+        let words = s
+            .rows
+            .checked_mul(4)
+            .and_then(|w| w.checked_add(s.n.checked_mul(2)?))
+            .and_then(|w| w.checked_add(2 + 2 * nseg))
+            .ok_or_else(too_big)?;
         let out_words = s.rows.checked_mul(s.cols).ok_or_else(too_big)?;
         if i32::try_from(words).is_err() || i32::try_from(s.cols).is_err() {
             return Err(too_big());
@@ -197,21 +204,23 @@ impl Builder<'_> {
             return Ok(vec![]);
         }
         self.need_scratch(words as u64 * 4);
-        let (rows, n) = (s.rows as u64, s.n as u64);
+        let (rows, n, segs) = (s.rows as u64, s.n as u64, 2 * nseg as u64);
         let at = |w: u64| Arg::Ptr(Addr::Scratch(w * 4));
-        let (count, offs, cursor, slots, sorted) = (at(0), at(rows), at(2 * rows + 1), at(3 * rows + 1), at(3 * rows + 1 + n));
-        let nz = at(3 * rows + 1 + 2 * n);
-        // One block per row some index points to, at most one per index.
-        let listed = s.rows.min(s.n).max(1) as u32;
-        let (ri, ni, ci) = (Arg::I32(s.rows as i32), Arg::I32(s.n as i32), Arg::I32(s.cols as i32));
+        // `count` and the segments' tallies first, zeroed together.
+        let (count, seg) = (at(0), at(rows));
+        let (offs, cursor) = (at(rows + segs), at(2 * rows + 1 + segs));
+        let (slots, sorted, nz) = (at(3 * rows + 1 + segs), at(3 * rows + 1 + segs + n), at(3 * rows + 1 + segs + 2 * n));
+        // Blocks walking the listed rows (at most one per index).
+        let listed = s.rows.min(s.n).clamp(1, SCATTER_BLOCKS as usize) as u32;
+        let (ri, ni, ci, si) = (Arg::I32(s.rows as i32), Arg::I32(s.n as i32), Arg::I32(s.cols as i32), Arg::I32(nseg as i32));
         let (src, idx, out) = (Arg::Ptr(Addr::Plan(s.src)), Arg::Ptr(Addr::Plan(s.idx)), Arg::Ptr(Addr::Plan(s.out)));
         let f = self.native.scatter;
         let by_index = blocks(n, 256);
         let block = [256, 1, 1];
         Ok(vec![
-            Step::Fill32 { dst: Addr::Scratch(0), bits: 0, n: s.rows },
-            Step::Kernel { f: f[0], grid: by_index, block, shared: 0, args: vec![idx, count, ri, ni, Arg::Ptr(err)] },
-            Step::Kernel { f: f[1], grid: [1, 1, 1], block: [1024, 1, 1], shared: 0, args: vec![count, offs, cursor, nz, ri] },
+            Step::Fill32 { dst: Addr::Scratch(0), bits: 0, n: s.rows + 2 * nseg },
+            Step::Kernel { f: f[0], grid: by_index, block, shared: 0, args: vec![idx, count, seg, si, ri, ni, Arg::Ptr(err)] },
+            Step::Kernel { f: f[1], grid: [nseg as u32, 1, 1], block, shared: 0, args: vec![count, seg, si, offs, cursor, nz, ri] },
             Step::Kernel { f: f[2], grid: by_index, block, shared: 0, args: vec![idx, cursor, slots, ri, ni] },
             Step::Kernel { f: f[3], grid: [listed, 1, 1], block, shared: 0, args: vec![offs, nz, slots, sorted] },
             Step::Fill32 { dst: Addr::Plan(s.out), bits: 0, n: out_words },
