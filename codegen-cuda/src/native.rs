@@ -9,7 +9,7 @@
 //!   the segments before it, and lists the rows some index points to), `sort`: each listed
 //!   row's list into increasing position (a bitonic sort in shared memory up to
 //!   [`SCATTER_SORT`] entries, ranks from global memory beyond), `sum`: per listed row, warp
-//!   `w` sums the `w`-th eighth of the sorted list 128 columns at a time, and the eight
+//!   `w` sums the `w`-th eighth of the sorted list 1,024 columns at a time, and the eight
 //!   partial rows are added in warp order. `sort` and `sum` take at most [`SCATTER_BLOCKS`]
 //!   blocks, each walking the listed rows. The order of every sum is a function of the
 //!   indices alone (no float atomics): same input, same bits. The other rows are zeroed by a
@@ -46,9 +46,11 @@ pub const SCATTER_SEG: u32 = 1024;
 pub const SCATTER_BLOCKS: u32 = 1024;
 /// List entries `fusec_scatter_sort` sorts in shared memory (32 KiB).
 pub const SCATTER_SORT: u32 = 8192;
-/// Columns a thread of `fusec_scatter_sum` adds at a time (one `float4`); a block's step is 32
-/// times that.
+/// Columns a thread of `fusec_scatter_sum` adds at a time (one `float4`).
 pub const SCATTER_VEC: u32 = 4;
+/// `float4` steps a lane of `fusec_scatter_sum` takes per list entry: a block adds
+/// `32 * SCATTER_VEC * SCATTER_STEPS` columns (1,024) of a row at a time.
+pub const SCATTER_STEPS: u32 = 8;
 /// Columns a thread of `fusec_gather` copies (one `float4`) when a row is a multiple of it.
 pub const GATHER_VEC: u32 = 4;
 /// Score rows per block (one warp each) of the attention kernels.
@@ -75,6 +77,8 @@ pub fn source() -> String {
             .replace("SCATTER_SORT", &SCATTER_SORT.to_string())
             .replace("SCATTER_VEC", &SCATTER_VEC.to_string())
             .replace("SCATTER_SEG", &SCATTER_SEG.to_string())
+            .replace("SCATTER_STEPS", &SCATTER_STEPS.to_string())
+            .replace("SCATTER_SPAN", &(32 * SCATTER_VEC * SCATTER_STEPS).to_string())
             .replace("GATHER_VEC", &GATHER_VEC.to_string()),
     );
     s
@@ -208,39 +212,46 @@ extern "C" __global__ void __launch_bounds__(256) fusec_scatter_sort(const int* 
   }
 }
 extern "C" __global__ void __launch_bounds__(256) fusec_scatter_sum(const float* src, const int* offs, const int* nz, const int* sorted, float* out, int cols) {
-  __shared__ float part[8][32 * SCATTER_VEC];
+  __shared__ float part[8][SCATTER_SPAN];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   for (int b = blockIdx.x; b < nz[0]; b += gridDim.x) {
-  const int r = nz[1 + b], warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int o = offs[r], len = offs[r + 1] - o;
-  const int j0 = (int)((long long)len * warp / 8), j1 = (int)((long long)len * (warp + 1) / 8);
-  for (int cb = 0; cb < cols; cb += 32 * SCATTER_VEC) {
-    const int c0 = cb + lane * SCATTER_VEC;
-    float a[SCATTER_VEC];
+    const int r = nz[1 + b], o = offs[r], len = offs[r + 1] - o;
+    const int j0 = (int)((long long)len * warp / 8), j1 = (int)((long long)len * (warp + 1) / 8);
+    // SCATTER_SPAN columns at a time (GPT-2's 768 in one step): every load of a list entry's
+    // columns in flight at once; the eight warps' partial rows added in warp order.
+    for (int cb = 0; cb < cols; cb += SCATTER_SPAN) {
+      float a[SCATTER_STEPS][SCATTER_VEC];
 #pragma unroll
-    for (int k = 0; k < SCATTER_VEC; ++k) a[k] = 0.0f;
-    if (cols % SCATTER_VEC == 0 && c0 < cols) {
-#pragma unroll 4
+      for (int u = 0; u < SCATTER_STEPS; ++u)
+#pragma unroll
+        for (int k = 0; k < SCATTER_VEC; ++k) a[u][k] = 0.0f;
       for (int j = j0; j < j1; ++j) {
-        const float4 v = *(const float4*)&src[(long long)sorted[o + j] * cols + c0];
-        a[0] = a[0] + v.x; a[1] = a[1] + v.y; a[2] = a[2] + v.z; a[3] = a[3] + v.w;
+        const float* row = src + (long long)sorted[o + j] * cols;
+#pragma unroll
+        for (int u = 0; u < SCATTER_STEPS; ++u) {
+          const int c0 = cb + (u * 32 + lane) * SCATTER_VEC;
+          if (cols % SCATTER_VEC == 0 && c0 < cols) {
+            const float4 v = *(const float4*)&row[c0];
+            a[u][0] = a[u][0] + v.x; a[u][1] = a[u][1] + v.y; a[u][2] = a[u][2] + v.z; a[u][3] = a[u][3] + v.w;
+          } else if (cols % SCATTER_VEC != 0) {
+#pragma unroll
+            for (int k = 0; k < SCATTER_VEC; ++k)
+              if (c0 + k < cols) a[u][k] = a[u][k] + row[c0 + k];
+          }
+        }
       }
-    } else {
-      for (int j = j0; j < j1; ++j)
 #pragma unroll
-        for (int k = 0; k < SCATTER_VEC; ++k)
-          if (c0 + k < cols) a[k] = a[k] + src[(long long)sorted[o + j] * cols + c0 + k];
-    }
+      for (int u = 0; u < SCATTER_STEPS; ++u)
 #pragma unroll
-    for (int k = 0; k < SCATTER_VEC; ++k) part[warp][lane * SCATTER_VEC + k] = a[k];
-    __syncthreads();
-    const int i = threadIdx.x;
-    if (i < 32 * SCATTER_VEC && cb + i < cols) {
-      float v = part[0][i];
-      for (int w = 1; w < 8; ++w) v = v + part[w][i];
-      out[(long long)r * cols + cb + i] = v;
+        for (int k = 0; k < SCATTER_VEC; ++k) part[warp][(u * 32 + lane) * SCATTER_VEC + k] = a[u][k];
+      __syncthreads();
+      for (int i = threadIdx.x; i < SCATTER_SPAN && cb + i < cols; i += 256) {
+        float v = part[0][i];
+        for (int w = 1; w < 8; ++w) v = v + part[w][i];
+        out[(long long)r * cols + cb + i] = v;
+      }
+      __syncthreads();
     }
-    __syncthreads();
-  }
   }
 }
 extern "C" __global__ void __launch_bounds__(256) fusec_attn_softmax(float* sc, float* lse, int T, long long nrows, float scale) {
