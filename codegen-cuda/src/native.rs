@@ -1,8 +1,8 @@
 //! Hand-written CUDA C for the ops that stay their own launches after fusion, in one module.
 //!
 //! - `fusec_gather`: embedding rows, a `float4` a thread (one element where rows are not whole
-//!   `float4`s); an index outside the table
-//!   writes 0 and raises the error word (`err[0] = 1`, `err[1]` the index, `err[2]` the position).
+//!   `float4`s); an index outside the table writes 0 and raises the error word (`err[0] = 1`,
+//!   `err[1]` the index, `err[2]` the position).
 //! - Scatter-add, the adjoint, deterministic, in [`SCATTER_ENTRIES`]' five launches: the
 //!   positions of each output row as a CSR list (`count`: integer atomics, which also tally
 //!   each segment of [`SCATTER_SEG`] rows; `offsets`: a block per segment scans its rows after
@@ -177,45 +177,45 @@ extern "C" __global__ void __launch_bounds__(256) fusec_scatter_fill(const int* 
 }
 extern "C" __global__ void __launch_bounds__(256) fusec_scatter_sort(const int* offs, const int* nz, const int* slots, int* sorted) {
   __shared__ int sl[SCATTER_SORT];
-  for (int b = blockIdx.x; b < nz[0]; b += gridDim.x) {
-  __syncthreads();
-  const int r = nz[1 + b];
-  const int o = offs[r], len = offs[r + 1] - o;
-  if (len <= SCATTER_SORT) {
-    // Bitonic sort of the list padded to a power of two with INT_MAX.
-    int p = 1;
-    while (p < len) p <<= 1;
-    for (int i = threadIdx.x; i < p; i += 256) sl[i] = i < len ? slots[o + i] : 0x7fffffff;
+  for (int lr = blockIdx.x; lr < nz[0]; lr += gridDim.x) {
     __syncthreads();
-    for (int k = 2; k <= p; k <<= 1) {
-      for (int j = k >> 1; j > 0; j >>= 1) {
-        for (int i = threadIdx.x; i < p; i += 256) {
-          const int l = i ^ j;
-          if (l > i) {
-            const int a = sl[i], b = sl[l];
-            if ((a > b) == ((i & k) == 0)) { sl[i] = b; sl[l] = a; }
+    const int r = nz[1 + lr];
+    const int o = offs[r], len = offs[r + 1] - o;
+    if (len <= SCATTER_SORT) {
+      // Bitonic sort of the list padded to a power of two with INT_MAX.
+      int p = 1;
+      while (p < len) p <<= 1;
+      for (int i = threadIdx.x; i < p; i += 256) sl[i] = i < len ? slots[o + i] : 0x7fffffff;
+      __syncthreads();
+      for (int k = 2; k <= p; k <<= 1) {
+        for (int j = k >> 1; j > 0; j >>= 1) {
+          for (int i = threadIdx.x; i < p; i += 256) {
+            const int l = i ^ j;
+            if (l > i) {
+              const int a = sl[i], b = sl[l];
+              if ((a > b) == ((i & k) == 0)) { sl[i] = b; sl[l] = a; }
+            }
           }
+          __syncthreads();
         }
-        __syncthreads();
       }
+      for (int i = threadIdx.x; i < len; i += 256) sorted[o + i] = sl[i];
+      continue;
     }
-    for (int i = threadIdx.x; i < len; i += 256) sorted[o + i] = sl[i];
-    continue;
-  }
-  // Longer lists (one index repeated more than SCATTER_SORT times): each entry's rank.
-  for (int i = threadIdx.x; i < len; i += 256) {
-    const int v = slots[o + i];
-    int k = 0;
-    for (int j = 0; j < len; ++j) k += slots[o + j] < v;
-    sorted[o + k] = v;
-  }
+    // Longer lists (one index repeated more than SCATTER_SORT times): each entry's rank.
+    for (int i = threadIdx.x; i < len; i += 256) {
+      const int v = slots[o + i];
+      int k = 0;
+      for (int j = 0; j < len; ++j) k += slots[o + j] < v;
+      sorted[o + k] = v;
+    }
   }
 }
 extern "C" __global__ void __launch_bounds__(256) fusec_scatter_sum(const float* src, const int* offs, const int* nz, const int* sorted, float* out, int cols) {
   __shared__ float part[8][SCATTER_SPAN];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  for (int b = blockIdx.x; b < nz[0]; b += gridDim.x) {
-    const int r = nz[1 + b], o = offs[r], len = offs[r + 1] - o;
+  for (int lr = blockIdx.x; lr < nz[0]; lr += gridDim.x) {
+    const int r = nz[1 + lr], o = offs[r], len = offs[r + 1] - o;
     const int j0 = (int)((long long)len * warp / 8), j1 = (int)((long long)len * (warp + 1) / 8);
     // SCATTER_SPAN columns at a time (GPT-2's 768 in one step): every load of a list entry's
     // columns in flight at once; the eight warps' partial rows added in warp order.
