@@ -21,11 +21,15 @@ type Ret = c_int;
 /// `nvmlDevice_t`, an opaque pointer.
 type Handle = *mut c_void;
 
-/// The question put to NVML in the background ([`start`]), for [`compute_capability`] to take.
-static ASKING: Mutex<Option<JoinHandle<Option<(i32, i32)>>>> = Mutex::new(None);
+/// A compute capability `(major, minor)`, if NVML gave one.
+type Answer = Option<(i32, i32)>;
 
-/// Starts asking NVML on a background thread (with the driver's start, at the beginning of the
-/// process: on a freshly started machine NVML took 0.24 s, which the passes then hide).
+/// The question put to NVML in the background ([`start`]), for [`compute_capability`] to take.
+static ASKING: Mutex<Option<JoinHandle<Answer>>> = Mutex::new(None);
+
+/// Starts asking NVML on a background thread, with the driver's start at the beginning of the
+/// process. (On a freshly started H200 machine NVML answers only once the GPU is initialized,
+/// about 1 s after start, as the driver does; on a used one in 30–120 ms.)
 pub(crate) fn start() {
     *ASKING.lock().unwrap_or_else(|e| e.into_inner()) = Some(std::thread::spawn(ask));
 }
@@ -33,14 +37,14 @@ pub(crate) fn start() {
 /// The compute capability `(major, minor)` shared by every GPU of the host, from NVML (the
 /// answer to [`start`]'s question, else asked now); `None` when NVML cannot say, the GPUs
 /// differ, or `FUSEC_NVML=0`.
-pub(crate) fn compute_capability() -> Option<(i32, i32)> {
+pub(crate) fn compute_capability() -> Answer {
     match ASKING.lock().unwrap_or_else(|e| e.into_inner()).take() {
         Some(h) => h.join().ok().flatten(),
         None => ask(),
     }
 }
 
-fn ask() -> Option<(i32, i32)> {
+fn ask() -> Answer {
     if std::env::var_os("FUSEC_NVML").is_some_and(|v| v == "0") {
         return None;
     }
