@@ -61,25 +61,34 @@ impl Online {
     /// The per-column code for `v{arg}` (the maximum's argument: `-inf` where masked): kept
     /// for the step's update with `w > 1`, else the update itself.
     pub fn update(&self, arg: NodeId, w: u32) -> String {
-        let (m, s) = (self.max, self.sum);
         if w > 1 {
-            return format!("      x{s}[j] = v{arg};\n");
+            return format!("      x{}[j] = v{arg};\n", self.sum);
         }
-        format!(
-            "      {{ const float x = v{arg};\n        if (x > a{m} || x != x) {{ o{s} = o{s} * fast_exp(a{m} - x); a{m} = x; }}\n        \
-             if (x > __uint_as_float(0x{NEG_INF:x}u)) o{s} = o{s} + fast_exp(x - a{m}); }}\n"
-        )
+        format!("      {{ const float x = v{arg};\n        {}\n        {} }}\n", self.rescale("x"), self.term("x"))
     }
 
     /// After a step of `w` columns: the running maximum moves to the step's at most once, then
     /// the step's terms are added.
     pub fn step(&self, w: u32) -> String {
-        let (m, s) = (self.max, self.sum);
+        let s = self.sum;
         format!(
-            "      {{ float x = x{s}[0];\n#pragma unroll\n        for (int j = 1; j < {w}; ++j) x = max_nan(x, x{s}[j]);\n        \
-             if (x > a{m} || x != x) {{ o{s} = o{s} * fast_exp(a{m} - x); a{m} = x; }}\n#pragma unroll\n        \
-             for (int j = 0; j < {w}; ++j) if (x{s}[j] > __uint_as_float(0x{NEG_INF:x}u)) o{s} = o{s} + fast_exp(x{s}[j] - a{m}); }}\n"
+            "      {{ float x = x{s}[0];\n#pragma unroll\n        for (int j = 1; j < {w}; ++j) x = max_nan(x, x{s}[j]);\n        {}\n\
+             #pragma unroll\n        for (int j = 0; j < {w}; ++j) {} }}\n",
+            self.rescale("x"),
+            self.term(&format!("x{s}[j]"))
         )
+    }
+
+    /// Moves the running maximum up to `x` (or to NaN), rescaling the running sum.
+    fn rescale(&self, x: &str) -> String {
+        let (m, s) = (self.max, self.sum);
+        format!("if ({x} > a{m} || {x} != {x}) {{ o{s} = o{s} * fast_exp(a{m} - {x}); a{m} = {x}; }}")
+    }
+
+    /// Adds `exp(x - m)` to the running sum unless `x` is masked (`-inf`).
+    fn term(&self, x: &str) -> String {
+        let (m, s) = (self.max, self.sum);
+        format!("if ({x} > __uint_as_float(0x{NEG_INF:x}u)) o{s} = o{s} + fast_exp({x} - a{m});")
     }
 
     /// After the team's maximum `v{max}`: the sum, rescaled to it and reduced over the team.

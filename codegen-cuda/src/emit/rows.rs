@@ -86,7 +86,6 @@ impl Seg<'_> {
         let merged = online.as_ref().map(|_| 1);
         let staged = self.stage_plan(tpb, &codes, merged);
         let kept = self.keep_plan(team, k_slots, &codes, &staged);
-        let is_online_max = |rr: NodeId| online.as_ref().is_some_and(|o| o.max == rr);
         if in_smem || !staged.is_empty() {
             let _ = writeln!(out, "  extern __shared__ __align__(16) unsigned char stage[];");
         }
@@ -246,7 +245,7 @@ impl Seg<'_> {
                         ReduceOp::Max => "team_max",
                     };
                     let _ = writeln!(out, "    const float v{rr} = {f}<{team}>(a{rr}, sh);");
-                    if let Some(o) = online.as_ref().filter(|_| is_online_max(rr)) {
+                    if let Some(o) = online.as_ref().filter(|o| o.max == rr) {
                         out.push_str(&o.close(team));
                     }
                 }
@@ -369,7 +368,8 @@ impl Seg<'_> {
     /// thread. `codes` are the passes' [`Seg::pass_code`]s; staged views are not kept.
     fn keep_plan(&self, team: u32, k_slots: u64, codes: &[(Vec<NodeId>, u32, bool)], staged: &[(View, u32)]) -> Vec<Kept> {
         let cols = self.p.cols;
-        let mut seen: Vec<(Kept, usize)> = vec![];
+        // Each view with the passes that load it, `None` once one of them has another shape.
+        let mut seen: Vec<(Kept, Option<usize>)> = vec![];
         for (pass, (body, w, unrolled)) in self.plan.passes.iter().zip(codes) {
             let w = *w;
             let steps = if *unrolled { k_slots / w as u64 } else { cols.div_ceil(team as u64 * w as u64) };
@@ -382,10 +382,9 @@ impl Seg<'_> {
                     continue;
                 }
                 match seen.iter_mut().find(|(k, _)| k.view == *v) {
-                    Some((k, n)) if k.w == w && k.steps == steps => *n += 1,
-                    // The same view in a pass of another shape: not kept.
-                    Some((_, n)) => *n = usize::MAX / 2,
-                    None => seen.push((Kept { view: v.clone(), first: pass.level, w, steps }, 1)),
+                    Some((k, n)) if k.w == w && k.steps == steps => *n = n.map(|n| n + 1),
+                    Some((_, n)) => *n = None,
+                    None => seen.push((Kept { view: v.clone(), first: pass.level, w, steps }, Some(1))),
                 }
             }
         }
@@ -393,7 +392,7 @@ impl Seg<'_> {
         let mut kept = vec![];
         for (k, n) in seen {
             let r = k.steps * k.w as u64 * mem_bytes(k.view.mem) / 4;
-            if (2..usize::MAX / 4).contains(&n) && regs + r <= MAX_KEPT_REGS {
+            if n.is_some_and(|n| n >= 2) && regs + r <= MAX_KEPT_REGS {
                 regs += r;
                 kept.push(k);
             }
