@@ -264,6 +264,27 @@ fn rows_wider_than_a_warp_can_keep_column_partials_for_match_the_cpu() {
 
 #[test]
 #[ignore = "needs an NVIDIA GPU: run with --ignored on the device"]
+fn a_classifier_over_gpt2_vocabulary_rows_matches_the_cpu() {
+    // bf16 logits of 50,304 columns (100 KiB a row, GPT-2's padded vocabulary), 3,072 rows:
+    // the fused classifier's online pass and in-place gradient at the size the 124M step runs
+    // them. Loss and every gradient against the CPU target.
+    let cfg = Gpt2Config { layers: 1, heads: 2, channels: 64, vocab: 50257, padded_vocab: 50304, max_seq: 768 };
+    let (b, t) = (4, 768);
+    let fwd = build_gpt2(&cfg, "wide_vocab");
+    let run = programs_with(&fwd, b, t, &PipelineOptions { precision: fusec_passes::amp::Precision::Bf16, ..PipelineOptions::default() });
+    let step = run.step().unwrap();
+    let (mut cpu, _) = CpuExecutor::new(&run, 8, false).unwrap();
+    let (want_loss, want) = loss_and_grads(&mut cpu, &fwd, step, &cfg, b, t);
+    let (mut gpu, _) = CudaExecutor::new(&run, &cuda(false, false)).unwrap_or_else(|e| panic!("{e}"));
+    let (loss, got) = loss_and_grads(&mut gpu, &fwd, step, &cfg, b, t);
+    let (err, name) = worst_grad_error(&got, &want);
+    eprintln!("vocabulary 50304, bf16: loss {loss} vs cpu {want_loss}, worst gradient relative L2 {err:e} ({name})");
+    assert!((loss - want_loss).abs() <= 1e-3 * want_loss.abs(), "loss {loss} vs {want_loss}");
+    assert!(err <= 2e-2, "gradient of {name}: relative L2 error {err:e}");
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --ignored on the device"]
 fn nccl_all_reduce_is_exact_across_every_gpu_of_the_host() {
     // One rank per visible GPU (one on a single-GPU machine: the one-rank communicator).
     let r = fusec_runtime::dist::nccl::all_reduce_check(1 << 20, 3).unwrap_or_else(|e| panic!("{e}"));

@@ -2,7 +2,7 @@
 //! host, 2 threads took ~50 ms a module and 16 threads ~370 ms, the same ~0.5 s for a cold
 //! GPT-2 124M build either way. So a binary that calls [`enable`] (fusec does, at start-up)
 //! spreads a cold build's modules over a few children of itself (`fusec nvrtc-worker`), each
-//! compiling its share in turn; [`serve`] is the child's side. `fusec run --target cuda`
+//! taking the next module when it is free; [`serve`] is the child's side. `fusec run --target cuda`
 //! starts them at once ([`prestart`]), so their loading of libnvrtc overlaps the driver's.
 //!
 //! Protocol, over the child's stdin and stdout: a request is the architecture, the module name
@@ -13,6 +13,7 @@
 use std::io::{BufReader, BufWriter, Read, Write};
 use std::path::PathBuf;
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -114,9 +115,10 @@ pub fn serve() -> Result<(), String> {
     Ok(())
 }
 
-/// Compiles `items` (name, source) in child processes, sizes balanced across them, and closes
-/// every child; `None` when workers are off or there are fewer than two modules. A module
-/// whose worker failed comes back as `None` in its slot.
+/// Compiles `items` (name, source) in child processes and closes every child; `None` when
+/// workers are off or there are fewer than two modules. Each child takes the next module of
+/// `items` as soon as it is free (so put the slowest first: see [`super::compile_cost`]). A
+/// module whose worker failed comes back as `None` in its slot.
 pub(super) fn compile_all(items: &[(&str, &str)], arch: &str) -> Option<Vec<Option<Compiled>>> {
     let mut workers: Vec<Worker> = std::mem::take(&mut *READY.lock().unwrap_or_else(|e| e.into_inner()));
     let n = procs().min(items.len());
@@ -130,26 +132,20 @@ pub(super) fn compile_all(items: &[(&str, &str)], arch: &str) -> Option<Vec<Opti
     while workers.len() < n {
         workers.push(Worker::spawn()?);
     }
-    // Largest first, each to the least loaded worker.
-    let mut order: Vec<usize> = (0..items.len()).collect();
-    order.sort_by_key(|&i| std::cmp::Reverse(items[i].1.len()));
-    let mut shares: Vec<(usize, Vec<usize>)> = vec![(0, vec![]); n];
-    for i in order {
-        let s = shares.iter_mut().min_by_key(|s| s.0).expect("at least two");
-        s.0 += items[i].1.len();
-        s.1.push(i);
-    }
+    let next = AtomicUsize::new(0);
     let mut out: Vec<Option<Compiled>> = (0..items.len()).map(|_| None).collect();
     std::thread::scope(|scope| {
         let handles: Vec<_> = workers
             .into_iter()
-            .zip(shares)
-            .map(|(mut w, (_, share))| {
+            .map(|mut w| {
+                let next = &next;
                 scope.spawn(move || {
                     let mut done = vec![];
-                    for i in share {
+                    loop {
+                        let i = next.fetch_add(1, Ordering::Relaxed);
+                        let Some(&(name, source)) = items.get(i) else { break };
                         let t0 = Instant::now();
-                        match w.compile(arch, items[i].0, items[i].1) {
+                        match w.compile(arch, name, source) {
                             Ok(r) => done.push((i, (r, t0.elapsed()))),
                             Err(_) => break,
                         }

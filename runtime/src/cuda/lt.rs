@@ -228,12 +228,14 @@ pub(crate) struct LtPlans {
     index: HashMap<LtKey, usize>,
     /// Launches that use a plan.
     pub launches: usize,
+    /// Time spent making the plans (cuBLASLt's heuristic).
+    pub planning: std::time::Duration,
 }
 
 impl LtPlans {
     /// No plans yet.
     pub fn new(handle: lt::cublasLtHandle_t, workspace: usize) -> LtPlans {
-        LtPlans { handle, workspace, plans: vec![], index: HashMap::new(), launches: 0 }
+        LtPlans { handle, workspace, plans: vec![], index: HashMap::new(), launches: 0, planning: std::time::Duration::ZERO }
     }
 
     /// The plan for one more launch of `key` (made at its first use); `None` when cuBLASLt has
@@ -241,14 +243,15 @@ impl LtPlans {
     pub fn plan(&mut self, key: &LtKey) -> Result<Option<usize>, String> {
         let i = match self.index.get(key) {
             Some(&i) => i,
-            None => match LtGemm::new(self.handle, key, self.workspace)? {
-                Some(p) => {
-                    self.plans.push(p);
-                    self.index.insert(*key, self.plans.len() - 1);
-                    self.plans.len() - 1
-                }
-                None => return Ok(None),
-            },
+            None => {
+                let t0 = std::time::Instant::now();
+                let plan = LtGemm::new(self.handle, key, self.workspace)?;
+                self.planning += t0.elapsed();
+                let Some(p) = plan else { return Ok(None) };
+                self.plans.push(p);
+                self.index.insert(*key, self.plans.len() - 1);
+                self.plans.len() - 1
+            }
         };
         self.launches += 1;
         Ok(Some(i))

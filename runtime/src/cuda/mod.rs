@@ -179,7 +179,8 @@ impl CudaExecutor {
             programs.insert(*p, Compiled { launches, io: io.clone() });
         }
 
-        let (lt_plans, lt_launches) = b.lt.take().map_or((vec![], 0), |lt| (lt.plans, lt.launches));
+        let (lt_plans, lt_launches, planning) = b.lt.take().map_or((vec![], 0, Duration::ZERO), |lt| (lt.plans, lt.launches, lt.planning));
+        phase("launch lists");
         let align = |x: u64| x.div_ceil(ALIGN) * ALIGN;
         let scratch_base = align(plan.planned_bytes);
         let static_base = scratch_base + align(b.scratch);
@@ -187,7 +188,12 @@ impl CudaExecutor {
         dev.allocate(total, CUBLAS_WORKSPACE)?;
         let words: Vec<u64> = b.words.iter().map(|w| w.map_or(0, |a| resolve(dev.base, scratch_base, static_base, a))).collect();
         dev.upload(dev.base + static_base, &words)?;
-        phase("launch lists+alloc");
+        phase("alloc");
+        // The cuBLASLt plans were made among the launch lists: shown as a phase of their own.
+        if let Some(i) = phases.iter().position(|p| p.0 == "launch lists") {
+            phases[i].1 = phases[i].1.saturating_sub(planning);
+            phases.insert(i + 1, ("cuBLASLt plans", planning));
+        }
 
         let used = dev.used_bytes();
         let max_launches = programs.values().map(|c| c.launches.len()).max().unwrap_or(0);
