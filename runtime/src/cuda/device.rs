@@ -31,7 +31,9 @@ pub(crate) fn guard<T>(what: &str, f: impl FnOnce() -> Result<T, String>) -> Res
 }
 
 /// GPU 0's context and a cuBLAS handle (as an address), with how long each took to make.
-type Opened = (Arc<CudaContext>, usize, [(&'static str, Duration); 2]);
+/// The context, the cuBLAS handle, a warmed-up cuBLASLt handle if the library is there, and
+/// how long the driver and cuBLAS took.
+type Opened = (Arc<CudaContext>, usize, Option<usize>, [(&'static str, Duration); 2]);
 
 /// The driver being opened in the background ([`start_driver`]), for [`Device::open`] to take.
 static OPENING: Mutex<Option<JoinHandle<Result<Opened, String>>>> = Mutex::new(None);
@@ -53,8 +55,15 @@ fn open_driver() -> Result<Opened, String> {
     guard("CUDA", || {
         let ctx = CudaContext::new(0).map_err(|e| format!("CUDA driver present but no usable GPU: {e:?}"))?;
         let t1 = Instant::now();
+        // cuBLASLt beside cuBLAS, on a thread of its own: its first heuristic query took
+        // 104-110 ms in every process (H200), after the passes had waited for the device.
+        let lt = std::thread::spawn({
+            let ctx = ctx.clone();
+            move || ctx.bind_to_thread().ok().and_then(|_| super::lt::open_warm()).map(|h| h as usize)
+        });
         let handle = cudarc::cublas::result::create_handle().map_err(|e| format!("cuBLAS handle: {e:?}"))?;
-        Ok((ctx, handle as usize, [("driver", t1 - t0), ("cuBLAS", t1.elapsed())]))
+        let lt = lt.join().ok().flatten();
+        Ok((ctx, handle as usize, lt, [("driver", t1 - t0), ("cuBLAS", t1.elapsed())]))
     })
 }
 
@@ -107,7 +116,7 @@ impl Device {
     /// fp32).
     pub fn open(tf32: bool) -> Result<Device, String> {
         let pending = OPENING.lock().unwrap_or_else(|e| e.into_inner()).take();
-        let (ctx, handle, open_times) = match pending {
+        let (ctx, handle, warm_lt, open_times) = match pending {
             Some(h) => h.join().unwrap_or_else(|_| Err("opening the CUDA driver failed".into()))?,
             None => open_driver()?,
         };
@@ -125,10 +134,15 @@ impl Device {
             }
             let s = stream.cu_stream();
             // SAFETY: only tries to open the library.
-            let lt = if tf32 && unsafe { cudarc::cublaslt::sys::is_culib_present() } {
-                Some(cudarc::cublaslt::result::create_handle().map_err(|e| format!("cuBLASLt handle: {e:?}"))?)
-            } else {
-                None
+            let warm_lt = warm_lt.map(|h| h as cudarc::cublaslt::sys::cublasLtHandle_t);
+            let lt = match warm_lt {
+                Some(h) if tf32 => Some(h),
+                Some(h) => {
+                    // SAFETY: a handle made for this process and not used elsewhere.
+                    unsafe { cudarc::cublaslt::sys::cublasLtDestroy(h) };
+                    None
+                }
+                None => None,
             };
             Ok(Device {
                 ctx,

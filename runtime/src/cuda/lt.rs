@@ -82,6 +82,21 @@ unsafe fn set<T>(desc: lt::cublasLtMatmulDesc_t, attr: lt::cublasLtMatmulDescAtt
     ck(lt::cublasLtMatmulDescSetAttribute(desc, attr, v as *const T as *const c_void, std::mem::size_of::<T>()), "set attribute")
 }
 
+/// A cuBLASLt handle (bound to the calling thread's context) after one heuristic query for a
+/// typical bf16 product with the GELU epilogue, which pays the library's start-up (about 0.1 s)
+/// ahead of the build's plans; `None` when the library is missing or refuses.
+pub(crate) fn open_warm() -> Option<lt::cublasLtHandle_t> {
+    // SAFETY: only tries to open the library.
+    if !unsafe { lt::is_culib_present() } {
+        return None;
+    }
+    let handle = cudarc::cublaslt::result::create_handle().ok()?;
+    let call = ColMajor { trans_a: false, trans_b: false, m: 1024, n: 1024, k: 1024, lda: 1024, ldb: 1024, ldc: 1024 };
+    let key = LtKey { call, epilogue: Epilogue::GeluAuxBias, types: LtTypes::Bf16 { out: DType::BF16, align: 256 } };
+    drop(LtGemm::new(handle, &key, 32 << 20));
+    Some(handle)
+}
+
 impl LtGemm {
     /// The plan of `key`, using at most `max_workspace` bytes; `Ok(None)` when cuBLASLt has no
     /// algorithm for it (or, for bf16 plans, rejects one of their attributes).
