@@ -168,6 +168,15 @@ fn every_kernel_of_the_tiny_and_124m_steps_compiles_with_nvrtc() {
     eprintln!("NVRTC {:?}", c.nvrtc_version());
     let img = nvrtc::compile(&native::source(), native::NAME, "sm_80").unwrap_or_else(|e| panic!("{e}"));
     assert!(!img.ptx);
+    // The hand-written kernels as the build compiles them: each module with its own entries only.
+    for (i, entries) in native::MODULES.iter().enumerate() {
+        let src = native::module_source(i);
+        let defined = src.lines().filter(|l| l.starts_with("extern \"C\"")).count();
+        assert_eq!(defined, entries.len(), "module {i}");
+        assert!(entries.iter().all(|e| src.contains(&format!(" {e}("))), "module {i}");
+        let img = nvrtc::compile(&src, &native::module_name(i), "sm_80").unwrap_or_else(|e| panic!("{e}"));
+        assert!(!img.ptx);
+    }
     for d in [8, 16, 32, 64] {
         let img = nvrtc::compile(&flash::source(d, DType::F32), &flash::name(d, DType::F32), "sm_80").unwrap_or_else(|e| panic!("{e}"));
         assert!(!img.ptx, "flash attention, head size {d}: a CUBIN");

@@ -1,9 +1,8 @@
 //! The build's kernels: code generation (each distinct fused kernel's CUDA C once, whatever the
-//! architecture), the modules of one architecture (those kernels, the hand-written module, the
+//! architecture), the modules of one architecture (those kernels, the hand-written modules, the
 //! flash attention modules the run uses), their images from NVRTC or the disk cache, and their
 //! functions once loaded into the device.
 
-use std::cmp::Ordering;
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -55,7 +54,7 @@ pub(super) struct Modules {
     /// The architecture they are compiled for.
     pub arch: (i32, i32),
     /// (name, source): the fused kernels in [`Sources::kernels`]' order, the hand-written
-    /// module, then one module per flash entry.
+    /// modules ([`native::MODULES`]), then one module per flash entry.
     pub items: Vec<(String, String)>,
     /// The attention kinds that have flash modules.
     pub flash: Vec<(usize, DType)>,
@@ -69,7 +68,7 @@ pub(super) struct Modules {
 pub(super) struct Functions {
     /// Each fused kernel source's entries, in [`Sources::kernels`]' order.
     pub kernels: Vec<Vec<CUfunction>>,
-    /// The hand-written module's entries, as `NATIVE_ENTRIES` names them.
+    /// The hand-written modules' entries, as `NATIVE_ENTRIES` names them.
     pub native: Vec<CUfunction>,
     /// Each flash kind's forward and two backward kernels.
     pub flash: HashMap<(usize, DType), [CUfunction; 3]>,
@@ -83,7 +82,7 @@ impl Modules {
     pub fn new(src: &Sources, arch: (i32, i32), opts: &CudaOptions) -> Result<Modules, String> {
         let compiler = Compiler::new(&sm(arch))?;
         let mut items: Vec<(String, String)> = src.kernels.iter().map(|s| (s.ident.clone(), s.source.clone())).collect();
-        items.push((native::NAME.to_string(), native::source()));
+        items.extend((0..native::MODULES.len()).map(|i| (native::module_name(i), native::module_source(i))));
         let flash_mods: Vec<(usize, DType)> = src
             .attention
             .iter()
@@ -111,14 +110,16 @@ impl Modules {
         if self.images.len() != self.items.len() {
             return Err("internal: modules loaded before they were compiled".into());
         }
-        let n = src.kernels.len();
+        let (n, nn) = (src.kernels.len(), native::MODULES.len());
         let mut funcs: Vec<Vec<CUfunction>> = vec![];
         for (i, img) in self.images.iter().enumerate() {
             let img = img.as_ref().map_err(|e| e.clone())?;
-            let names: Vec<&str> = match i.cmp(&n) {
-                Ordering::Less => src.kernels[i].launches.iter().map(|l| l.entry.as_str()).collect(),
-                Ordering::Equal => NATIVE_ENTRIES.to_vec(),
-                Ordering::Greater => vec![flash::ENTRIES[(i - n - 1) % flash::ENTRIES.len()]],
+            let names: Vec<&str> = if i < n {
+                src.kernels[i].launches.iter().map(|l| l.entry.as_str()).collect()
+            } else if i < n + nn {
+                native::MODULES[i - n].to_vec()
+            } else {
+                vec![flash::ENTRIES[(i - n - nn) % flash::ENTRIES.len()]]
             };
             let named = |e: String| format!("kernel `{}`: {e}", self.items[i].0);
             let f = dev.functions(self.compiler.key(&self.items[i].1), &img.bytes, &names).map_err(named)?;
@@ -129,9 +130,21 @@ impl Modules {
             }
             funcs.push(f);
         }
-        let one: Vec<CUfunction> = funcs.drain(n + 1..).map(|f| f[0]).collect();
+        let one: Vec<CUfunction> = funcs.drain(n + nn..).map(|f| f[0]).collect();
         let flash = self.flash.iter().zip(one.chunks_exact(3)).map(|(k, f)| (*k, [f[0], f[1], f[2]])).collect();
-        let native = funcs.pop().ok_or("internal: no hand-written module")?;
+        let native: Vec<CUfunction> = funcs.drain(n..).flatten().collect();
+        if native.len() != NATIVE_ENTRIES.len() {
+            return Err("internal: the hand-written modules' entries".into());
+        }
         Ok(Functions { kernels: funcs, native, flash })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_native_entries_are_the_hand_written_modules_entries_in_order() {
+        let modules: Vec<&str> = fusec_codegen_cuda::native::MODULES.iter().flat_map(|m| m.iter().copied()).collect();
+        assert_eq!(modules, super::NATIVE_ENTRIES.to_vec());
     }
 }

@@ -109,7 +109,8 @@ pub(crate) struct Native {
     pub flash: HashMap<(usize, DType), [CUfunction; 3]>,
 }
 
-/// Entry names of [`Native`], in field order, then `fusec_round_bf16` (the executor's).
+/// Entry names of [`Native`], in field order, then `fusec_round_bf16` (the executor's): the
+/// entries of [`fusec_codegen_cuda::native::MODULES`], in order (a test checks).
 pub(crate) const NATIVE_ENTRIES: [&str; 14] = [
     "fusec_gather",
     "fusec_scatter_count",
