@@ -2,18 +2,19 @@
 //!
 //! Tiles are those of [`gemm_f32`](super::gemm_f32) (a pure function of the shape, so the
 //! result does not depend on the thread count). Each tile's product is accumulated in f32 by
-//! one of two paths, chosen by the instruction-set level ([`Isa::bf16_dot`]):
+//! the path of the instruction-set level:
 //!
-//! - **dot products** (`avx512bf16`, module `dot`): operands packed as bf16 pairs and
+//! - **dot products** (`avx512bf16`, [`Isa::bf16_dot`]): operands packed as bf16 pairs and
 //!   multiplied by `vdpbf16ps` (32 products into 16 f32 sums per instruction, twice the
 //!   multiply rate of f32 FMA; the pair's two products are added to the sum one after the other,
 //!   with denormals flushed to zero, as the instruction defines);
-//! - **widened operands** (every other level, module `widen`): the tile's rows of `op(a)` and
-//!   columns of `op(b)` widened to f32 (exactly) in per-thread scratch and multiplied by the
-//!   `gemm` crate's f32 kernels.
+//! - **FMA micro-kernels on widened operands** (`avx512`: 12 x 32 in zmm, `avx2`: 6 x 16 in
+//!   ymm): the operands widened to f32 (exactly) as they are packed (module `packed`);
+//! - **widened tiles** (`scalar`, module `widen`): the tile's rows of `op(a)` and columns of
+//!   `op(b)` widened in per-thread scratch and multiplied by the `gemm` crate's f32 kernels.
 //!
 //! Measured on an AVX512-BF16 host (AMD EPYC, Zen 4) by `gemm_bench`, the dot products are the
-//! faster path (see the README), so `avx512bf16` uses them. The two paths sum in different
+//! faster path (see the README), so `avx512bf16` uses them. The paths sum in different
 //! orders: they agree within f32 accumulation error, not bit for bit.
 //!
 //! The epilogue runs on the tile's f32 products while they are in cache and rounds where the
@@ -25,6 +26,9 @@
 //! which defines the node as a bf16 matmul then a cast, rounds it first). Values agree with the
 //! interpreter's to one bf16 rounding where the f32 sum falls on the other side of a rounding
 //! boundary than the exact sum.
+//!
+//! The epilogue's loops are compiled for the level too (AVX2 or AVX-512 copies of
+//! `Job::finish_rows`; this crate is otherwise compiled for SSE2): the same bits, wider vectors.
 //!
 //! Steady-state calls allocate nothing here (scratch is per thread and grows only); the widened
 //! path's `gemm` crate calls allocate their packing buffers.
@@ -99,8 +103,9 @@ pub fn gemm_bf16_on(
         bias: bias.map(|v| Raw(v.as_ptr().cast_mut() as *mut u16)),
         y: out,
         pre: pre_gelu.map(|v| Raw(v.as_mut_ptr() as *mut u16)),
+        isa: if isa.supported() { isa } else { Isa::Scalar },
     };
-    let isa = if isa.supported() { isa } else { Isa::Scalar };
+    let isa = job.isa;
     for_each_task(job.tiling.tasks(), threads, &|t| {
         // SAFETY: the pointers come from slices checked against the spec above, distinct tasks
         // write disjoint tiles of `y` and `pre_gelu`, and the host supports `isa`.
@@ -133,6 +138,8 @@ struct Job {
     bias: Option<Raw<u16>>,
     y: Out,
     pre: Option<Raw<u16>>,
+    /// The level the tiles and their epilogue run at (one the host supports).
+    isa: Isa,
 }
 
 // SAFETY: tasks read the operands and write disjoint tiles of the results.
@@ -145,6 +152,33 @@ impl Job {
     /// # Safety
     /// `prod` must hold the tile's rows; the job's pointers must cover the spec.
     unsafe fn finish(&self, tile: &Tile, prod: &mut [f32], ld: usize) {
+        match self.isa {
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 | Isa::Avx512Bf16 => self.finish_avx512(tile, prod, ld),
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => self.finish_avx2(tile, prod, ld),
+            _ => self.finish_rows(tile, prod, ld),
+        }
+    }
+
+    /// [`Job::finish_rows`] compiled for AVX2: its loops (rounding, bias, stores) 8 lanes wide;
+    /// this crate's own code is compiled for SSE2 (4 lanes) otherwise.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn finish_avx2(&self, tile: &Tile, prod: &mut [f32], ld: usize) {
+        self.finish_rows(tile, prod, ld)
+    }
+
+    /// [`Job::finish_rows`] compiled for AVX-512 (16 lanes).
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+    unsafe fn finish_avx512(&self, tile: &Tile, prod: &mut [f32], ld: usize) {
+        self.finish_rows(tile, prod, ld)
+    }
+
+    /// The epilogue of the tile's rows (see [`Job::finish`]); inlined into the level's copy.
+    #[inline(always)]
+    unsafe fn finish_rows(&self, tile: &Tile, prod: &mut [f32], ld: usize) {
         let s = &self.spec;
         let n = s.n;
         let off = self.tiling.y_offset(tile, n);
@@ -202,7 +236,7 @@ fn high_bits(x: f32) -> u16 {
 
 /// The epilogue of one row of f32 products (`t`, overwritten), rounding as the module docs say;
 /// one loop per step (one in all for a plain or biased bf16 product) so that each vectorizes.
-#[inline]
+#[inline(always)]
 fn finish_row(s: &GemmSpec, t: &mut [f32], bias: Option<&[u16]>, y: Row<'_>, pre: Option<&mut [u16]>) {
     match y {
         // An f32 product: never rounded to bf16.
