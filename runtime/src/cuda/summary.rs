@@ -55,8 +55,9 @@ pub struct CudaBuild {
     /// The whole build: asking NVML, the wait for the device, memory planning, code
     /// generation, NVRTC (or the cache), module loading, the launch lists and the allocation.
     pub compile_time: Duration,
-    /// Opening the driver and context, and cuBLAS: on a background thread from the process
-    /// start ([`super::start_driver`]), else inside the `waited for both` phase.
+    /// Opening the driver and context, and cuBLAS (with cuBLASLt's warm-up beside it): on a
+    /// background thread from the process start ([`super::start_driver`]), else inside the
+    /// `waited for both` phase.
     pub opened: [(&'static str, Duration); 2],
     /// Where `compile_time` went, one phase after the other, in order: `NVML`, then with an
     /// architecture from NVML `memplan`, `codegen`, `nvrtc`, `waited for both` (the driver and
