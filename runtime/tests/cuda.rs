@@ -235,6 +235,27 @@ fn flash_attention_and_cublaslt_epilogues_match_the_cpu_for_several_head_sizes()
     }
 }
 
+/// One Grad run of the GPT-2 `cfg` on batch `(b, t)` in `precision`, on the GPU and on the CPU
+/// target (`threads` threads): the GPU's loss, the CPU's, and the worst parameter gradient's
+/// relative L2 error with its name.
+fn gpu_against_cpu(
+    cfg: &Gpt2Config,
+    name: &str,
+    (b, t): (usize, usize),
+    precision: fusec_passes::amp::Precision,
+    threads: usize,
+) -> (f64, f64, f64, String) {
+    let fwd = build_gpt2(cfg, name);
+    let run = programs_with(&fwd, b, t, &PipelineOptions { precision, ..PipelineOptions::default() });
+    let step = run.step().unwrap();
+    let (mut cpu, _) = CpuExecutor::new(&run, threads, false).unwrap();
+    let (want_loss, want) = loss_and_grads(&mut cpu, &fwd, step, cfg, b, t);
+    let (mut gpu, _) = CudaExecutor::new(&run, &cuda(false, false)).unwrap_or_else(|e| panic!("{e}"));
+    let (loss, got) = loss_and_grads(&mut gpu, &fwd, step, cfg, b, t);
+    let (err, worst) = worst_grad_error(&got, &want);
+    (loss, want_loss, err, worst)
+}
+
 #[test]
 #[ignore = "needs an NVIDIA GPU: run with --ignored on the device"]
 fn rows_wider_than_a_warp_can_keep_column_partials_for_match_the_cpu() {
@@ -243,16 +264,8 @@ fn rows_wider_than_a_warp_can_keep_column_partials_for_match_the_cpu() {
     // the LayerNorm forward's unrolled steps end past the row. 256 rows: block-wide teams.
     for (heads, channels) in [(25, 1600), (26, 1040)] {
         let cfg = Gpt2Config { layers: 1, heads, channels, vocab: 256, padded_vocab: 256, max_seq: 64 };
-        let (b, t) = (4, 64);
-        let fwd = build_gpt2(&cfg, "wide_rows");
         for precision in [fusec_passes::amp::Precision::F32, fusec_passes::amp::Precision::Bf16] {
-            let run = programs_with(&fwd, b, t, &PipelineOptions { precision, ..PipelineOptions::default() });
-            let step = run.step().unwrap();
-            let (mut cpu, _) = CpuExecutor::new(&run, 2, false).unwrap();
-            let (want_loss, want) = loss_and_grads(&mut cpu, &fwd, step, &cfg, b, t);
-            let (mut gpu, _) = CudaExecutor::new(&run, &cuda(false, false)).unwrap_or_else(|e| panic!("{e}"));
-            let (loss, got) = loss_and_grads(&mut gpu, &fwd, step, &cfg, b, t);
-            let (err, name) = worst_grad_error(&got, &want);
+            let (loss, want_loss, err, name) = gpu_against_cpu(&cfg, "wide_rows", (4, 64), precision, 2);
             eprintln!("C = {channels}, {precision:?}: loss {loss} vs cpu {want_loss}, worst gradient relative L2 {err:e} ({name})");
             // fp32 without TF32: summation order only; bf16: a rounding may fall the other way.
             let (loss_tol, grad_tol) = if precision.is_bf16() { (1e-3, 2e-2) } else { (1e-5, 1e-4) };
@@ -269,15 +282,7 @@ fn a_classifier_over_gpt2_vocabulary_rows_matches_the_cpu() {
     // the fused classifier's online pass and in-place gradient at the size the 124M step runs
     // them. Loss and every gradient against the CPU target.
     let cfg = Gpt2Config { layers: 1, heads: 2, channels: 64, vocab: 50257, padded_vocab: 50304, max_seq: 768 };
-    let (b, t) = (4, 768);
-    let fwd = build_gpt2(&cfg, "wide_vocab");
-    let run = programs_with(&fwd, b, t, &PipelineOptions { precision: fusec_passes::amp::Precision::Bf16, ..PipelineOptions::default() });
-    let step = run.step().unwrap();
-    let (mut cpu, _) = CpuExecutor::new(&run, 8, false).unwrap();
-    let (want_loss, want) = loss_and_grads(&mut cpu, &fwd, step, &cfg, b, t);
-    let (mut gpu, _) = CudaExecutor::new(&run, &cuda(false, false)).unwrap_or_else(|e| panic!("{e}"));
-    let (loss, got) = loss_and_grads(&mut gpu, &fwd, step, &cfg, b, t);
-    let (err, name) = worst_grad_error(&got, &want);
+    let (loss, want_loss, err, name) = gpu_against_cpu(&cfg, "wide_vocab", (4, 768), fusec_passes::amp::Precision::Bf16, 8);
     eprintln!("vocabulary 50304, bf16: loss {loss} vs cpu {want_loss}, worst gradient relative L2 {err:e} ({name})");
     assert!((loss - want_loss).abs() <= 1e-3 * want_loss.abs(), "loss {loss} vs {want_loss}");
     assert!(err <= 2e-2, "gradient of {name}: relative L2 error {err:e}");
