@@ -66,9 +66,10 @@ pub const EPILOGUE_Y_BF16: i32 = 32;
 /// The module's name (for error messages and the profiler).
 pub const NAME: &str = "fusec_native";
 
-/// The hand-written kernels, as the modules they are compiled in (in order; the runtime takes
-/// the entries in this order). One module took 0.9 s of NVRTC on a freshly started VM, the
-/// longest of a cold build; four compile side by side.
+/// The hand-written kernels, as the modules they are compiled in. The runtime takes the
+/// entries in this order: its `Native` fields (`runtime/src/cuda/launch.rs`), then
+/// `fusec_round_bf16`. One module took 0.9 s of NVRTC on a freshly started VM, the longest of
+/// a cold build; four compile side by side.
 pub const MODULES: [&[&str]; 4] = [
     &["fusec_gather", "fusec_scatter_count", "fusec_scatter_offsets", "fusec_scatter_fill"],
     &["fusec_scatter_sort", "fusec_scatter_sum"],

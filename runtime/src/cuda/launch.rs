@@ -92,7 +92,7 @@ pub(crate) struct Launch {
     pub side: bool,
 }
 
-/// The hand-written kernels' entries.
+/// The hand-written kernels' entries, in the order of `fusec_codegen_cuda::native::MODULES`.
 pub(crate) struct Native {
     pub gather: CUfunction,
     /// [`fusec_codegen_cuda::native::SCATTER_ENTRIES`], in order.
@@ -108,25 +108,6 @@ pub(crate) struct Native {
     /// storage type of `qkv`.
     pub flash: HashMap<(usize, DType), [CUfunction; 3]>,
 }
-
-/// Entry names of [`Native`], in field order, then `fusec_round_bf16` (the executor's): the
-/// entries of [`fusec_codegen_cuda::native::MODULES`], in order (a test checks).
-pub(crate) const NATIVE_ENTRIES: [&str; 14] = [
-    "fusec_gather",
-    "fusec_scatter_count",
-    "fusec_scatter_offsets",
-    "fusec_scatter_fill",
-    "fusec_scatter_sort",
-    "fusec_scatter_sum",
-    "fusec_attn_softmax",
-    "fusec_attn_probs",
-    "fusec_attn_dscores",
-    "fusec_iota_f32",
-    "fusec_iota_i32",
-    "fusec_gemm_epilogue",
-    "fusec_gemm_epilogue_mixed",
-    "fusec_round_bf16",
-];
 
 /// A compiled fused kernel: its source (launch rules) and one function per rule.
 pub(crate) struct Loaded {
