@@ -245,3 +245,35 @@ fn bf16_epilogues_fall_back_to_the_epilogue_kernel() {
     // Without TF32 no cuBLASLt handle is opened: the kernel again.
     check_on_gpu(&epilogue_cases(), &CudaOptions { tf32: false, ..opts(true) }, false);
 }
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn independent_products_of_one_shape_run_as_one_batched_call() {
+    // Three weight-gradient-like products (bf16 operands, f32 results) that share no buffer run
+    // as one batched cuBLAS call (`gemm_batch3`) and match the interpreter (which products may
+    // merge: the unit tests of `batch.rs`).
+    let mut src = String::new();
+    for i in 0..3 {
+        src += &format!("  %{} = input \"x{i}\" : bf16[64, 24]\n  %{} = input \"d{i}\" : bf16[64, 40]\n", 3 * i, 3 * i + 1);
+        src += &format!(
+            "  %{} = gemm %{}, %{} {{trans_a = true, trans_b = false, bias = false, gelu = false, accumulate = false}} : f32[24, 40]\n  output \"w{i}\" = %{}\n",
+            3 * i + 2,
+            3 * i,
+            3 * i + 1,
+            3 * i + 2
+        );
+    }
+    let c = Case { name: "batched", src, lt: false };
+    check_on_gpu(std::slice::from_ref(&c), &opts(true), false);
+    let g = parse(&c);
+    let (feeds, _) = reference(&g, 5);
+    let (mut ex, _) = CudaExecutor::new(&program(g), &CudaOptions { profile: true, ..opts(true) }).unwrap();
+    for (name, t) in &feeds {
+        ex.set(name, t.clone()).unwrap();
+    }
+    // The first run is the profile's warm-up; the second is timed.
+    ex.run(Program::Step).unwrap();
+    ex.run(Program::Step).unwrap();
+    let names: Vec<String> = ex.profile().unwrap().rows().iter().map(|(n, _)| n.to_string()).collect();
+    assert!(names.iter().any(|n| n == "gemm_batch3"), "no batched launch: {names:?}");
+}

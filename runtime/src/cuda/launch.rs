@@ -20,7 +20,9 @@
 //!    `fusec_gemm_epilogue` when everything is f32, else `fusec_gemm_epilogue_mixed`
 //!    (bf16 bias, pre-activation, result or accumulator).
 //!
-//! Operands and results other than f32 and bf16 (f16) are refused with an error.
+//! Operands and results other than f32 and bf16 (f16) are refused with an error. Runs of
+//! consecutive independent plain bf16 products of one shape then become one batched call
+//! (`batch.rs`).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -65,6 +67,9 @@ pub(crate) enum Step {
     GemmLt { plan: usize, a: Addr, b: Addr, c: Addr, bias: Addr, aux: Addr },
     /// A pointer-array batched product; the `A`, `B`, `C` arrays follow each other at `arrays`.
     GemmArrays { call: ColMajor, arrays: Addr, batch: i32 },
+    /// Products of bf16 operands merged into one pointer-array call (`batch.rs`): arrays as
+    /// in `GemmArrays`, an `out` result, `beta` 0 or 1, f32 accumulation.
+    GemmBatched { call: ColMajor, arrays: Addr, batch: i32, out: DType, beta: f32 },
     /// A kernel launch.
     Kernel { f: CUfunction, grid: [u32; 3], block: [u32; 3], shared: u32, args: Vec<Arg> },
     /// `n` 32-bit words set to `bits`.
@@ -315,7 +320,7 @@ impl Builder<'_> {
                 f.waits = l.waits.iter().map(|&j| index_of[j]).collect();
             }
         }
-        Ok(out)
+        Ok(self.batch_products(out, &mut index_of))
     }
 
     /// A product's steps, on the fastest of the paths in the module docs that applies.

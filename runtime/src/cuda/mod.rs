@@ -27,6 +27,7 @@
 //! program; `FUSEC_CUDA_SYNC=1` waits after every launch so the error names it.
 
 mod attention;
+mod batch;
 mod device;
 mod kernels;
 mod launch;
@@ -377,6 +378,36 @@ impl CudaExecutor {
                     *batch,
                 );
                 ckb(r, "cuBLAS batched sgemm")
+            }
+            Step::GemmBatched { call: k, arrays, batch, out, beta } => {
+                let base = self.addr(*arrays);
+                let n = *batch as u64 * 8;
+                let bf16 = blas::cudaDataType::CUDA_R_16BF;
+                let ct = if *out == DType::BF16 { bf16 } else { blas::cudaDataType::CUDA_R_32F };
+                let (al, be) = (&one as *const f32 as *const c_void, beta as *const f32 as *const c_void);
+                let r = blas::cublasGemmBatchedEx(
+                    d.blas,
+                    op(k.trans_a),
+                    op(k.trans_b),
+                    k.m,
+                    k.n,
+                    k.k,
+                    al,
+                    base as *const *const c_void,
+                    bf16,
+                    k.lda,
+                    (base + n) as *const *const c_void,
+                    bf16,
+                    k.ldb,
+                    be,
+                    (base + 2 * n) as *const *mut c_void,
+                    ct,
+                    k.ldc,
+                    *batch,
+                    blas::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                    blas::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                );
+                ckb(r, "cuBLAS batched bf16 product")
             }
             Step::Kernel { f, grid, block, shared, args } => {
                 let mut vals: Vec<u64> = args
