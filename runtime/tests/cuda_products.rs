@@ -252,18 +252,16 @@ fn independent_products_of_one_shape_run_as_one_batched_call() {
     // Three weight-gradient-like products (bf16 operands, f32 results) that share no buffer run
     // as one batched cuBLAS call (`gemm_batch3`) and match the interpreter (which products may
     // merge: the unit tests of `batch.rs`).
-    let mut src = String::new();
+    let (mut src, mut outputs) = (String::new(), String::new());
     for i in 0..3 {
-        src += &format!("  %{} = input \"x{i}\" : bf16[64, 24]\n  %{} = input \"d{i}\" : bf16[64, 40]\n", 3 * i, 3 * i + 1);
+        let (x, d, w) = (3 * i, 3 * i + 1, 3 * i + 2);
+        src += &format!("  %{x} = input \"x{i}\" : bf16[64, 24]\n  %{d} = input \"d{i}\" : bf16[64, 40]\n");
         src += &format!(
-            "  %{} = gemm %{}, %{} {{trans_a = true, trans_b = false, bias = false, gelu = false, accumulate = false}} : f32[24, 40]\n  output \"w{i}\" = %{}\n",
-            3 * i + 2,
-            3 * i,
-            3 * i + 1,
-            3 * i + 2
+            "  %{w} = gemm %{x}, %{d} {{trans_a = true, trans_b = false, bias = false, gelu = false, accumulate = false}} : f32[24, 40]\n"
         );
+        outputs += &format!("  output \"w{i}\" = %{w}\n");
     }
-    let c = Case { name: "batched", src, lt: false };
+    let c = raw("batched", &(src + &outputs));
     check_on_gpu(std::slice::from_ref(&c), &opts(true), false);
     let g = parse(&c);
     let (feeds, _) = reference(&g, 5);

@@ -179,8 +179,22 @@ pub fn supported(d: usize) -> bool {
     HEAD_SIZES.contains(&d) && !(std::env::var("FUSEC_FLASH_BF16").is_ok_and(|v| v == "tf32") && super::tf32::supported(d))
 }
 
+/// Threads of a block of the Hopper forward (two warpgroups).
+pub const WG_THREADS: u32 = 256;
+/// Query rows of a block of the Hopper forward (64 a warpgroup).
+pub const WG_ROWS: u32 = 128;
+
+/// Whether the forward at head size `d` runs on Hopper's warpgroup MMAs (`bf16_fwd_wg.cu`) when
+/// compiled for NVRTC architecture `arch`: head size 64 on `sm_90a`, unless
+/// `FUSEC_FLASH_WGMMA=0` keeps the `mma.sync` forward (for comparisons). The two forwards give
+/// the same bits (the same sums in the same order); the Hopper one is 13% faster on an H100.
+pub fn wgmma_forward(d: usize, arch: &str) -> bool {
+    d == 64 && arch == "sm_90a" && std::env::var("FUSEC_FLASH_WGMMA").map_or(true, |v| v != "0")
+}
+
 const COMMON: &str = include_str!("bf16_common.cuh");
 const FWD: &str = include_str!("bf16_fwd.cu");
+const FWD_WG: &str = include_str!("bf16_fwd_wg.cu");
 const BWD: &str = include_str!("bf16_bwd.cu");
 
 /// The CUDA C of the three kernels for head size `d` (see [`supported`]) with shapes `c`.
@@ -189,7 +203,17 @@ pub fn source(d: usize, c: &Config) -> String {
     let mut s = format!("#define HD {d}\n");
     s.push_str(&c.defines());
     s.push_str(COMMON);
+    // The Hopper forward where the compile targets sm_90a (see `wgmma_forward`).
+    let wg = d == 64 && std::env::var("FUSEC_FLASH_WGMMA").map_or(true, |v| v != "0");
+    if wg {
+        s.push_str(&format!("#if defined(__CUDA_ARCH_FEAT_SM90_ALL)\n#define WG_N {}\n", WG_THREADS / 128));
+        s.push_str(FWD_WG);
+        s.push_str("#else\n");
+    }
     s.push_str(FWD);
+    if wg {
+        s.push_str("#endif\n");
+    }
     s.push_str(BWD);
     s
 }

@@ -140,12 +140,18 @@ impl Geometry {
     }
 }
 
-/// The launch geometry of the [`ENTRIES`] for head size `d` on storage `dtype`.
-pub fn geometry(d: usize, dtype: DType) -> [Geometry; 3] {
+/// The launch geometry of the [`ENTRIES`] for head size `d` on storage `dtype`, compiled for
+/// `arch` (an NVRTC architecture such as `sm_90a`, which changes the bf16 forward: see
+/// [`bf16::wgmma_forward`]).
+pub fn geometry(d: usize, dtype: DType, arch: &str) -> [Geometry; 3] {
     match family(d, dtype) {
         Some(Family::Bf16) => {
             let c = bf16::Config::for_head(d);
-            [c.fwd, c.dq, c.dkv].map(|s| Geometry { threads: s.threads(), rows: s.rows(), tiles_in_z: true })
+            let mut g = [c.fwd, c.dq, c.dkv].map(|s| Geometry { threads: s.threads(), rows: s.rows(), tiles_in_z: true });
+            if bf16::wgmma_forward(d, arch) {
+                g[0] = Geometry { threads: bf16::WG_THREADS, rows: bf16::WG_ROWS, tiles_in_z: true };
+            }
+            g
         }
         _ => [Geometry { threads: tf32::THREADS, rows: tf32::TILE, tiles_in_z: false }; 3],
     }

@@ -203,6 +203,19 @@ impl Compiler {
         self.version
     }
 
+    /// The architecture modules are compiled for (e.g. `sm_90a`).
+    pub fn arch(&self) -> &str {
+        &self.arch
+    }
+
+    /// On an sm_90 GPU with NVRTC 12 or newer, compiles for `sm_90a` instead (the same GPUs,
+    /// plus Hopper's architecture-specific instructions: `wgmma` in the flash forward).
+    pub fn prefer_arch_specific(&mut self) {
+        if self.arch == "sm_90" && self.version.0 >= 12 {
+            self.arch = "sm_90a".into();
+        }
+    }
+
     /// The cache key of a source.
     pub fn key(&self, source: &str) -> [u8; 32] {
         let mut h = Sha256::new();

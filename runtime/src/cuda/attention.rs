@@ -42,7 +42,7 @@ impl Builder<'_> {
             dt => return Err(format!("attention on {dt} storage is not supported by the CUDA target (f32 or bf16)")),
         }
         if let Some(f) = flash_fns {
-            let geo = flash::geometry(d, a.dtype);
+            let geo = flash::geometry(d, a.dtype, &self.native.flash_arch);
             let kernel =
                 |i: usize, args: Vec<Arg>| Step::Kernel { f: f[i], grid: geo[i].grid(t, h, s), block: geo[i].block(), shared: 0, args };
             // Products done, the causal half: 2 forward, 3 for dq and 4 for dk, dv.

@@ -181,6 +181,7 @@ mod tests {
             gemm_epilogue: f,
             gemm_epilogue_mixed: f,
             flash: HashMap::new(),
+            flash_arch: "sm_80".into(),
         };
         let mut b = Builder { native: &native, words: vec![], scratch: 0, lt: None };
         let mut index_of: Vec<usize> = (0..launches.len()).collect();

@@ -80,7 +80,8 @@ impl Modules {
     /// TF32 are allowed, bf16 attention always (the score-matrix path is f32 only: see
     /// `attention`), both on sm_80+ for supported head sizes.
     pub fn new(src: &Sources, arch: (i32, i32), opts: &CudaOptions) -> Result<Modules, String> {
-        let compiler = Compiler::new(&sm(arch))?;
+        let mut compiler = Compiler::new(&sm(arch))?;
+        compiler.prefer_arch_specific();
         let mut items: Vec<(String, String)> = src.kernels.iter().map(|s| (s.ident.clone(), s.source.clone())).collect();
         items.extend((0..native::MODULES.len()).map(|i| (native::module_name(i), native::module_source(i))));
         let flash_mods: Vec<(usize, DType)> = src

@@ -112,6 +112,8 @@ pub(crate) struct Native {
     /// The flash-attention entries ([`fusec_codegen_cuda::flash::ENTRIES`]) per head size and
     /// storage type of `qkv`.
     pub flash: HashMap<(usize, DType), [CUfunction; 3]>,
+    /// The NVRTC architecture they were compiled for (their launch geometry depends on it).
+    pub flash_arch: String,
 }
 
 /// A compiled fused kernel: its source (launch rules) and one function per rule.
@@ -439,6 +441,7 @@ mod tests {
             gemm_epilogue: f(8),
             gemm_epilogue_mixed: f(9),
             flash: HashMap::new(),
+            flash_arch: "sm_80".into(),
         }
     }
 

@@ -48,6 +48,7 @@ use std::time::{Duration, Instant};
 use cudarc::cublas::sys as blas;
 use cudarc::driver::sys;
 use fusec_ir::interp::{round_to, Tensor};
+use fusec_codegen_cuda::flash;
 use fusec_ir::DType;
 use fusec_passes::memplan::ALIGN;
 
@@ -169,6 +170,7 @@ impl CudaExecutor {
             gemm_epilogue: nf[11],
             gemm_epilogue_mixed: nf[12],
             flash: flash_funcs,
+            flash_arch: mods.compiler.arch().to_string(),
         };
 
         let lt = dev.lt.filter(|_| opts.lt_epilogues).map(|h| lt::LtPlans::new(h, CUBLAS_WORKSPACE as usize));
@@ -225,7 +227,12 @@ impl CudaExecutor {
             scratch_bytes: b.scratch,
             step_plan: plan.step_plan,
             lt_epilogues: lt_launches,
-            attention: attention_summary(&src.attention, &mods.flash),
+            attention: attention_summary(&src.attention, &mods.flash)
+                + if mods.flash.iter().any(|&(d, dt)| dt == DType::BF16 && flash::bf16::wgmma_forward(d, mods.compiler.arch())) {
+                    "; forward on Hopper warpgroup MMAs (wgmma)"
+                } else {
+                    ""
+                },
         };
         let sync_each = std::env::var_os("FUSEC_CUDA_SYNC").is_some_and(|v| v != "0");
         let ex = CudaExecutor {

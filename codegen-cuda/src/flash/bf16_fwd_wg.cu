@@ -1,0 +1,180 @@
+// Forward on Hopper (sm_90a, head size 64; see flash/bf16.rs): warpgroup MMAs
+// (`wgmma.mma_async`). WG_N warpgroups of 64 query rows each; key tiles of 64 keys. q (each
+// warpgroup's 64 rows, loaded once) and k and v (double-buffered) go by cp.async into the
+// 128-byte swizzled layout wgmma reads from shared memory: 16-byte chunk c of row r at
+// r * 128 + ((c ^ (r % 8)) * 16), tiles 1024-byte aligned. `s = q k^T` reads both operands from
+// shared memory; `o += p v` takes p from registers (the A fragments of mma.sync m16n8k16, a
+// warp's 16 rows each), so the softmax is the mma.sync forward's on the same accumulator layout
+// and the results are its bits. (q as a register operand as well gave wrong scores from the
+// second key tile on: its registers did not survive the first tile's products.)
+#define WG_THREADS (WG_N * 128)
+#define WG_BM (WG_N * 64)
+#define WG_BN 64
+#define WG_TILE (WG_BN * 128)
+
+// Rows [r0, r0 + WG_BN) of k or v (64 columns from `base`, row stride `stride`) into the swizzled
+// tile at `sm`; rows at or past T are zeros.
+__device__ __forceinline__ void load_sw(u32 sm, const elem* base, long long stride, int r0, int T) {
+#pragma unroll
+  for (int k = 0; k < WG_BN * 8 / WG_THREADS; ++k) {
+    const int i = k * WG_THREADS + (int)threadIdx.x, r = i >> 3, c = i & 7, row = r0 + r;
+    const bool valid = row < T;
+    cp16(sm + (u32)(r * 128 + ((c ^ (r & 7)) << 4)), base + (long long)(valid ? row : 0) * stride + c * 8, valid);
+  }
+}
+// The shared-memory descriptor of a swizzled tile from byte address `a`: start >> 4, leading
+// offset 1 (unused by swizzled layouts), 1024 bytes between groups of 8 rows, 128-byte swizzle.
+__device__ __forceinline__ unsigned long long wg_desc(u32 a) {
+  return (unsigned long long)((a & 0x3FFFF) >> 4) | (1ull << 16) | (64ull << 32) | (1ull << 62);
+}
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wg_wait() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+// Pins 32 accumulators after a wait: the compiler sees the wgmma asm as writing them at issue,
+// so without this it may move their readers above the wait.
+__device__ __forceinline__ void wg_pin(float* d) {
+#pragma unroll
+  for (int i = 0; i < 32; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+// Shared-memory writes of this thread (cp.async) made visible to wgmma's reads.
+__device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
+#define WG_D32(d)                                                                                                              \
+  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]),       \
+      "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]),     \
+      "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),     \
+      "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+// d (64 x 64 f32, the warpgroup's accumulator fragments) += a b, where a (64 x 16) is a shared
+// tile stored [m][k] and b (16 x 64) one stored [n][k] (both K-major: `q k^T`).
+__device__ __forceinline__ void wgmma_ss(float* d, unsigned long long da, unsigned long long db) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, "
+               "%14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+               : WG_D32(d)
+               : "l"(da), "l"(db), "r"(1));
+}
+// d += a b with a (64 x 16 bf16) in registers (the A fragments of mma.sync m16n8k16, a warp's
+// 16 rows each) and b (16 x 64) a shared tile stored [k][n] (N-major: `v` in `p v`).
+__device__ __forceinline__ void wgmma_n(float* d, const u32* a, unsigned long long desc) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, "
+               "%14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, "
+               "p, 1, 1, 1;\n}\n"
+               : WG_D32(d)
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
+}
+
+#if !defined(FUSEC_FLASH_ONLY) || FUSEC_FLASH_ONLY == 0
+extern "C" __global__ void __launch_bounds__(WG_THREADS, FWD_MINB) fusec_flash_fwd(const elem* qkv, elem* out, float* lse, int T, int H, float scale) {
+  // Each warpgroup's 64 rows of q (8 KiB, swizzled), then two stages of k and v (8 KiB each).
+  __shared__ __align__(1024) elem sm[WG_N * 4096 + 2 * WG_TILE];
+  const int nt = (T + WG_BM - 1) / WG_BM, qt = nt - 1 - (int)blockIdx.z, h = blockIdx.x;
+  const long long s = blockIdx.y, C = (long long)H * HD, rs = 3 * C;
+  const elem* q = qkv + s * T * rs + h * HD;
+  const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int q0 = qt * WG_BM, wr = w * 16, wr0 = q0 + wr, wg0 = q0 + (w >> 2) * 64;
+  const float scale2 = scale * LOG2E;
+  const u32 qs = smem_u32(sm), sb = qs + WG_N * 8192, qw = qs + (w >> 2) * 8192;
+#pragma unroll
+  for (int i = 0; i < WG_N; ++i) load_sw(qs + i * 8192, q, rs, q0 + 64 * i, T);
+  const int nkt = (min(q0 + WG_BM, T) + WG_BN - 1) / WG_BN;
+  load_sw(sb, q + C, rs, 0, T);
+  load_sw(sb + WG_TILE, q + 2 * C, rs, 0, T);
+  cp_commit();
+  float o[32], m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
+#pragma unroll
+  for (int i = 0; i < 32; ++i) o[i] = 0.0f;
+  for (int j = 0; j < nkt; ++j) {
+    if (j + 1 < nkt) {
+      const u32 st = sb + ((j + 1) & 1) * 2 * WG_TILE;
+      load_sw(st, q + C, rs, (j + 1) * WG_BN, T);
+      load_sw(st + WG_TILE, q + 2 * C, rs, (j + 1) * WG_BN, T);
+      cp_commit();
+      cp_wait<1>();
+    } else {
+      cp_wait<0>();
+    }
+    fence_async_smem();
+    __syncthreads();
+    const u32 ks = sb + (j & 1) * 2 * WG_TILE, vs = ks + WG_TILE;
+    const int k0 = j * WG_BN;
+    // Keys past the warpgroup's last row: nothing to do (uniform over the warpgroup).
+    if (k0 <= wg0 + 63) {
+      float sc[32];
+#pragma unroll
+      for (int i = 0; i < 32; ++i) sc[i] = 0.0f;
+      wg_fence();
+#pragma unroll
+      for (int kk = 0; kk < KD; ++kk) wgmma_ss(sc, wg_desc(qw + kk * 32), wg_desc(ks + kk * 32));
+      wg_commit();
+      wg_wait();
+      wg_pin(sc);
+      const bool mask = k0 + WG_BN - 1 > wg0;
+      float ms[2], alpha[2];
+      bool same = true;
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int row = wr0 + g + 8 * hh;
+        float mx = m[hh];
+#pragma unroll
+        for (int nb = 0; nb < 8; ++nb)
+#pragma unroll
+          for (int e = 2 * hh; e < 2 * hh + 2; ++e) {
+            if (mask && k0 + nb * 8 + 2 * t + (e & 1) > row) sc[4 * nb + e] = NEG_INF;
+            mx = fmaxf(mx, sc[4 * nb + e]);
+          }
+        mx = quad_max(mx);
+        ms[hh] = mx == NEG_INF ? 0.0f : mx * scale2;
+        alpha[hh] = ex2(fmaf(m[hh], scale2, -ms[hh]));
+        same = same && alpha[hh] == 1.0f;
+        m[hh] = mx;
+      }
+      if (!__all_sync(FULL, same)) {
+#pragma unroll
+        for (int i = 0; i < 32; ++i) o[i] *= alpha[(i >> 1) & 1];
+      }
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        float sum = l[hh] * alpha[hh];
+#pragma unroll
+        for (int nb = 0; nb < 8; ++nb)
+#pragma unroll
+          for (int e = 2 * hh; e < 2 * hh + 2; ++e) {
+            const float p = ex2(fmaf(sc[4 * nb + e], scale2, -ms[hh]));
+            sum += p;
+            sc[4 * nb + e] = p;
+          }
+        l[hh] = sum;
+      }
+      // The accumulators of key tiles 2p and 2p + 1 are the A fragment of keys [16p, 16p + 16).
+      u32 pa[4][4];
+#pragma unroll
+      for (int p = 0; p < 4; ++p) {
+        pa[p][0] = pack2(sc[8 * p], sc[8 * p + 1]);
+        pa[p][1] = pack2(sc[8 * p + 2], sc[8 * p + 3]);
+        pa[p][2] = pack2(sc[8 * p + 4], sc[8 * p + 5]);
+        pa[p][3] = pack2(sc[8 * p + 6], sc[8 * p + 7]);
+      }
+      wg_fence();
+#pragma unroll
+      for (int p = 0; p < 4; ++p) wgmma_n(o, pa[p], wg_desc(vs + p * 2048));
+      wg_commit();
+      wg_wait();
+      wg_pin(o);
+    }
+    __syncthreads();
+  }
+  float inv[1][2];
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const float sum = quad_sum(l[hh]);
+    inv[0][hh] = 1.0f / sum;
+    const int row = wr0 + g + 8 * hh;
+    if (t == 0 && row < T) lse[(s * H + h) * T + row] = fmaf(m[hh], scale2, log2f(sum)) * LN2;
+  }
+  elem* so = sm + WG_N * 4096;
+  stage_acc<1>(so, (const float(*)[ND][4])o, wr, g, t, inv);
+  __syncthreads();
+  store_tile<WG_BM, WG_THREADS>(out + s * T * C + h * HD, C, so, q0, T);
+}
+#endif
