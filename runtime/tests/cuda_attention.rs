@@ -34,7 +34,7 @@ fn run_gpu(gpu: &mut CudaExecutor, feeds: &HashMap<String, Tensor>) -> Vec<Vec<f
 }
 
 /// What the attention summary adds where the forward runs on Hopper's warpgroup MMAs.
-const HOPPER_FORWARD: &str = "; forward on Hopper warpgroup MMAs (wgmma)";
+const HOPPER_FORWARD: &str = "; forward and dk/dv on Hopper warpgroup MMAs (wgmma)";
 
 #[test]
 #[ignore = "needs an NVIDIA GPU: run with --ignored on the device"]
@@ -57,7 +57,7 @@ fn bf16_flash_attention_matches_the_interpreter_and_repeats_bit_for_bit() {
             // The interpreter computes in f64 and rounds `out` and `dqkv` to bf16, `lse` to f32.
             let want = interp::run(&g, &run.bind, &feeds, Rounding::F32).unwrap();
             let (mut gpu, build) = CudaExecutor::new(&run, &CudaOptions::default()).unwrap_or_else(|e| panic!("{e}"));
-            // On Hopper (sm_90a) the head size 64 forward runs on warpgroup MMAs, and says so.
+            // On Hopper (sm_90a) the head size 64 forward and dk/dv run on warpgroup MMAs, and say so.
             let summary = format!("flash on bf16 storage ({kernels}, head size {d})");
             assert!(build.attention == summary || build.attention == summary.clone() + HOPPER_FORWARD, "{}", build.attention);
             let got = run_gpu(&mut gpu, &feeds);

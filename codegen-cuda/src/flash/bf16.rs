@@ -183,18 +183,41 @@ pub fn supported(d: usize) -> bool {
 pub const WG_THREADS: u32 = 256;
 /// Query rows of a block of the Hopper forward (64 a warpgroup).
 pub const WG_ROWS: u32 = 128;
+/// Dynamic shared memory of a block of the Hopper `dk/dv` kernel (`DKVW_SMEM`): k and v, two
+/// stages of q and dout, the statistics, and 1 KiB to align the tiles.
+pub const DKV_WG_SHARED: u32 = 16384 + 2 * 16384 + 1024 + 1024;
+/// Dynamic shared memory of a block of the Hopper `dq` kernel (`DQW_SMEM`): q and dout of both
+/// warpgroups, two stages of k and v, the row sums, and 1 KiB to align the tiles.
+pub const DQ_WG_SHARED: u32 = 2 * 16384 + 2 * 16384 + 2 * 64 * 4 + 1024;
 
-/// Whether the forward at head size `d` runs on Hopper's warpgroup MMAs (`bf16_fwd_wg.cu`) when
-/// compiled for NVRTC architecture `arch`: head size 64 on `sm_90a`, unless
-/// `FUSEC_FLASH_WGMMA=0` keeps the `mma.sync` forward (for comparisons). The two forwards give
-/// the same bits (the same sums in the same order); the Hopper one is 13% faster on an H100.
-pub fn wgmma_forward(d: usize, arch: &str) -> bool {
-    d == 64 && arch == "sm_90a" && std::env::var("FUSEC_FLASH_WGMMA").map_or(true, |v| v != "0")
+/// Whether the forward and `dk/dv` at head size `d` run on Hopper's warpgroup MMAs
+/// (`bf16_fwd_wg.cu`, `bf16_bwd_wg.cu`) when compiled for NVRTC architecture `arch`: head size
+/// 64 on `sm_90a`, unless `FUSEC_FLASH_WGMMA=0` keeps the `mma.sync` kernels (for comparisons).
+/// They give the `mma.sync` kernels' bits (the same sums in the same order).
+pub fn wgmma(d: usize, arch: &str) -> bool {
+    wgmma_source(d) && arch == "sm_90a"
+}
+
+/// Whether `dq` runs on warpgroup MMAs too: [`wgmma`] and `FUSEC_FLASH_WGMMA_DQ=1` (opt-in: the
+/// kernel matched the `mma.sync` one bit for bit in a standalone harness on an H200, 0.158 ->
+/// 0.125 ms at the 124M shape, but has not yet run through the GPU tests).
+pub fn wgmma_dq(d: usize, arch: &str) -> bool {
+    wgmma(d, arch) && dq_opted_in()
+}
+
+fn dq_opted_in() -> bool {
+    std::env::var("FUSEC_FLASH_WGMMA_DQ").is_ok_and(|v| v == "1")
+}
+
+/// Whether the module source for head size `d` carries the Hopper kernels.
+fn wgmma_source(d: usize) -> bool {
+    d == 64 && std::env::var("FUSEC_FLASH_WGMMA").map_or(true, |v| v != "0")
 }
 
 const COMMON: &str = include_str!("bf16_common.cuh");
 const FWD: &str = include_str!("bf16_fwd.cu");
 const FWD_WG: &str = include_str!("bf16_fwd_wg.cu");
+const BWD_WG: &str = include_str!("bf16_bwd_wg.cu");
 const BWD: &str = include_str!("bf16_bwd.cu");
 
 /// The CUDA C of the three kernels for head size `d` (see [`supported`]) with shapes `c`.
@@ -203,11 +226,15 @@ pub fn source(d: usize, c: &Config) -> String {
     let mut s = format!("#define HD {d}\n");
     s.push_str(&c.defines());
     s.push_str(COMMON);
-    // The Hopper forward where the compile targets sm_90a (see `wgmma_forward`).
-    let wg = d == 64 && std::env::var("FUSEC_FLASH_WGMMA").map_or(true, |v| v != "0");
+    // The Hopper kernels where the compile targets sm_90a (see `wgmma`).
+    let wg = wgmma_source(d);
     if wg {
-        s.push_str(&format!("#if defined(__CUDA_ARCH_FEAT_SM90_ALL)\n#define WG_N {}\n", WG_THREADS / 128));
+        s.push_str(&format!("#if defined(__CUDA_ARCH_FEAT_SM90_ALL)\n#define WG_N {}\n#define FUSEC_WG_DKV\n", WG_THREADS / 128));
+        if dq_opted_in() {
+            s.push_str("#define FUSEC_WG_DQ\n");
+        }
         s.push_str(FWD_WG);
+        s.push_str(BWD_WG);
         s.push_str("#else\n");
     }
     s.push_str(FWD);

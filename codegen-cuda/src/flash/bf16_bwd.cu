@@ -73,7 +73,7 @@ __device__ __forceinline__ void dq_chunk(float (*dq)[ND][4], const u32 (*qf)[KD]
   }
 }
 
-#if !defined(FUSEC_FLASH_ONLY) || FUSEC_FLASH_ONLY == 1
+#if (!defined(FUSEC_FLASH_ONLY) || FUSEC_FLASH_ONLY == 1) && !defined(FUSEC_WG_DQ)
 extern "C" __global__ void __launch_bounds__(DQ_THREADS, DQ_MINB) fusec_flash_bwd_dq(const elem* qkv, const elem* out, const float* lse, const elem* dout,
                                                                           elem* dqkv, float* stats, int T, int H, float scale) {
   __shared__ __align__(128) elem sm[DQ_SMEM];
@@ -259,7 +259,7 @@ __device__ __forceinline__ void dkv_load(u32 sb, u32 stt_sb, int stage, int qt, 
   cp_commit();
 }
 
-#if !defined(FUSEC_FLASH_ONLY) || FUSEC_FLASH_ONLY == 2
+#if (!defined(FUSEC_FLASH_ONLY) || FUSEC_FLASH_ONLY == 2) && !defined(FUSEC_WG_DKV)
 extern "C" __global__ void __launch_bounds__(DKV_THREADS, DKV_MINB) fusec_flash_bwd_dkv(const elem* qkv, const float* lse, const elem* dout, const float* stats,
                                                                             elem* dqkv, int T, int H, float scale) {
   __shared__ __align__(128) elem sm[DKV_SMEM];

@@ -12,12 +12,12 @@
 #define WG_BN 64
 #define WG_TILE (WG_BN * 128)
 
-// Rows [r0, r0 + WG_BN) of k or v (64 columns from `base`, row stride `stride`) into the swizzled
-// tile at `sm`; rows at or past T are zeros.
-__device__ __forceinline__ void load_sw(u32 sm, const elem* base, long long stride, int r0, int T) {
+// Rows [r0, r0 + R) of a 64-column bf16 matrix (from `base`, row stride `stride`) into the
+// swizzled tile at `sm`, by NT threads; rows at or past T are zeros.
+template <int R, int NT> __device__ __forceinline__ void load_sw(u32 sm, const elem* base, long long stride, int r0, int T) {
 #pragma unroll
-  for (int k = 0; k < WG_BN * 8 / WG_THREADS; ++k) {
-    const int i = k * WG_THREADS + (int)threadIdx.x, r = i >> 3, c = i & 7, row = r0 + r;
+  for (int k = 0; k < R * 8 / NT; ++k) {
+    const int i = k * NT + (int)threadIdx.x, r = i >> 3, c = i & 7, row = r0 + r;
     const bool valid = row < T;
     cp16(sm + (u32)(r * 128 + ((c ^ (r & 7)) << 4)), base + (long long)(valid ? row : 0) * stride + c * 8, valid);
   }
@@ -76,10 +76,10 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, FWD_MINB) fusec_flash_f
   const float scale2 = scale * LOG2E;
   const u32 qs = smem_u32(sm), sb = qs + WG_N * 8192, qw = qs + (w >> 2) * 8192;
 #pragma unroll
-  for (int i = 0; i < WG_N; ++i) load_sw(qs + i * 8192, q, rs, q0 + 64 * i, T);
+  for (int i = 0; i < WG_N; ++i) load_sw<64, WG_THREADS>(qs + i * 8192, q, rs, q0 + 64 * i, T);
   const int nkt = (min(q0 + WG_BM, T) + WG_BN - 1) / WG_BN;
-  load_sw(sb, q + C, rs, 0, T);
-  load_sw(sb + WG_TILE, q + 2 * C, rs, 0, T);
+  load_sw<WG_BN, WG_THREADS>(sb, q + C, rs, 0, T);
+  load_sw<WG_BN, WG_THREADS>(sb + WG_TILE, q + 2 * C, rs, 0, T);
   cp_commit();
   float o[32], m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
 #pragma unroll
@@ -87,8 +87,8 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, FWD_MINB) fusec_flash_f
   for (int j = 0; j < nkt; ++j) {
     if (j + 1 < nkt) {
       const u32 st = sb + ((j + 1) & 1) * 2 * WG_TILE;
-      load_sw(st, q + C, rs, (j + 1) * WG_BN, T);
-      load_sw(st + WG_TILE, q + 2 * C, rs, (j + 1) * WG_BN, T);
+      load_sw<WG_BN, WG_THREADS>(st, q + C, rs, (j + 1) * WG_BN, T);
+      load_sw<WG_BN, WG_THREADS>(st + WG_TILE, q + 2 * C, rs, (j + 1) * WG_BN, T);
       cp_commit();
       cp_wait<1>();
     } else {

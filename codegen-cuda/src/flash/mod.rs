@@ -121,6 +121,8 @@ pub struct Geometry {
     /// Whether the tile index is the grid's `z` (`(H, S, tiles)`, the bf16 kernels: blocks of
     /// every head start heaviest first) rather than its `x` (`(tiles, H, S)`).
     pub tiles_in_z: bool,
+    /// Bytes of dynamic shared memory a block takes (0: static only).
+    pub shared: u32,
 }
 
 impl Geometry {
@@ -142,18 +144,22 @@ impl Geometry {
 
 /// The launch geometry of the [`ENTRIES`] for head size `d` on storage `dtype`, compiled for
 /// `arch` (an NVRTC architecture such as `sm_90a`, which changes the bf16 forward: see
-/// [`bf16::wgmma_forward`]).
+/// [`bf16::wgmma`]).
 pub fn geometry(d: usize, dtype: DType, arch: &str) -> [Geometry; 3] {
     match family(d, dtype) {
         Some(Family::Bf16) => {
             let c = bf16::Config::for_head(d);
-            let mut g = [c.fwd, c.dq, c.dkv].map(|s| Geometry { threads: s.threads(), rows: s.rows(), tiles_in_z: true });
-            if bf16::wgmma_forward(d, arch) {
-                g[0] = Geometry { threads: bf16::WG_THREADS, rows: bf16::WG_ROWS, tiles_in_z: true };
+            let mut g = [c.fwd, c.dq, c.dkv].map(|s| Geometry { threads: s.threads(), rows: s.rows(), tiles_in_z: true, shared: 0 });
+            if bf16::wgmma(d, arch) {
+                g[0] = Geometry { threads: bf16::WG_THREADS, rows: bf16::WG_ROWS, tiles_in_z: true, shared: 0 };
+                if bf16::wgmma_dq(d, arch) {
+                    g[1] = Geometry { threads: bf16::WG_THREADS, rows: bf16::WG_ROWS, tiles_in_z: true, shared: bf16::DQ_WG_SHARED };
+                }
+                g[2] = Geometry { threads: 128, rows: 64, tiles_in_z: true, shared: bf16::DKV_WG_SHARED };
             }
             g
         }
-        _ => [Geometry { threads: tf32::THREADS, rows: tf32::TILE, tiles_in_z: false }; 3],
+        _ => [Geometry { threads: tf32::THREADS, rows: tf32::TILE, tiles_in_z: false, shared: 0 }; 3],
     }
 }
 

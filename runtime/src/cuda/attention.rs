@@ -44,7 +44,7 @@ impl Builder<'_> {
         if let Some(f) = flash_fns {
             let geo = flash::geometry(d, a.dtype, &self.native.flash_arch);
             let kernel =
-                |i: usize, args: Vec<Arg>| Step::Kernel { f: f[i], grid: geo[i].grid(t, h, s), block: geo[i].block(), shared: 0, args };
+                |i: usize, args: Vec<Arg>| Step::Kernel { f: f[i], grid: geo[i].grid(t, h, s), block: geo[i].block(), shared: geo[i].shared, args };
             // Products done, the causal half: 2 forward, 3 for dq and 4 for dk, dv.
             let half = (s * h * t * t * d) as u64;
             let (ti, hi) = (Arg::I32(t as i32), Arg::I32(h as i32));

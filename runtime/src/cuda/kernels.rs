@@ -132,6 +132,12 @@ impl Modules {
             funcs.push(f);
         }
         let one: Vec<CUfunction> = funcs.drain(n + nn..).map(|f| f[0]).collect();
+        // Flash kernels with dynamic shared memory above the default are allowed it.
+        for (&(d, dt), f) in self.flash.iter().zip(one.chunks_exact(3)) {
+            for (func, geo) in f.iter().zip(flash::geometry(d, dt, self.compiler.arch())) {
+                dev.allow_shared(*func, geo.shared).map_err(|e| format!("flash attention, head size {d}: {e}"))?;
+            }
+        }
         let flash = self.flash.iter().zip(one.chunks_exact(3)).map(|(k, f)| (*k, [f[0], f[1], f[2]])).collect();
         let native: Vec<CUfunction> = funcs.drain(n..).flatten().collect();
         if native.len() != native::MODULES.iter().map(|m| m.len()).sum::<usize>() {

@@ -228,8 +228,8 @@ impl CudaExecutor {
             step_plan: plan.step_plan,
             lt_epilogues: lt_launches,
             attention: attention_summary(&src.attention, &mods.flash)
-                + if mods.flash.iter().any(|&(d, dt)| dt == DType::BF16 && flash::bf16::wgmma_forward(d, mods.compiler.arch())) {
-                    "; forward on Hopper warpgroup MMAs (wgmma)"
+                + if mods.flash.iter().any(|&(d, dt)| dt == DType::BF16 && flash::bf16::wgmma(d, mods.compiler.arch())) {
+                    "; forward and dk/dv on Hopper warpgroup MMAs (wgmma)"
                 } else {
                     ""
                 },

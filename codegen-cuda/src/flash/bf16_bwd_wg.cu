@@ -1,0 +1,240 @@
+// The backward on Hopper (sm_90a, head size 64; see flash/bf16.rs and bf16_fwd_wg.cu for the
+// layouts and helpers). Both kernels give the mma.sync kernels' bits.
+//
+// dk, dv: (see flash/bf16.rs and bf16_fwd_wg.cu for the
+// layouts and helpers): one warpgroup of 64 keys a block. k and v stay in swizzled shared
+// tiles (the A operands of s^T = k q^T and dp^T = v dout^T); each 64-query tile of q and dout is
+// double-buffered by cp.async with its (rowsum, lse log2(e)) pairs; p^T and ds^T go from the
+// accumulators into registers as the A operands of dv += p^T dout and dk += ds^T q, whose B
+// operands are the same q and dout tiles read N-major. Dynamic shared memory: 16 KiB of k and v,
+// two stages of 16 KiB, 1 KiB of statistics, and 1 KiB to align the tiles to 1024 bytes.
+#define DKVW_SMEM (16384 + 2 * 16384 + 1024 + 1024)
+
+#if !defined(FUSEC_FLASH_ONLY) || FUSEC_FLASH_ONLY == 2
+extern "C" __global__ void __launch_bounds__(128, 2) fusec_flash_bwd_dkv(const elem* qkv, const float* lse, const elem* dout, const float* stats,
+                                                                    elem* dqkv, int T, int H, float scale) {
+  extern __shared__ unsigned char dyn[];
+  const int kt = blockIdx.z, h = blockIdx.x;
+  const long long s = blockIdx.y, C = (long long)H * HD, rs = 3 * C, bh = s * H + h;
+  const elem* q = qkv + s * T * rs + h * HD;
+  const elem* dO = dout + s * T * C + h * HD;
+  const float* sts = stats + 2 * bh * T;
+  const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int k0 = kt * 64, wk0 = k0 + w * 16;
+  const float scale2 = scale * LOG2E;
+  (void)lse;
+  const u32 base = (smem_u32(dyn) + 1023u) & ~1023u, ks = base, vs = base + 8192, sb = base + 16384, stt = base + 16384 + 2 * 16384;
+  elem* sm = (elem*)(dyn + (base - smem_u32(dyn)));
+  load_sw<64, 128>(ks, q + C, rs, k0, T);
+  load_sw<64, 128>(vs, q + 2 * C, rs, k0, T);
+  // Query tiles from the one holding key k0 to the end (64-row tiles: k0's tile is the diagonal).
+  const int qt0 = kt, nqt = (T + 63) / 64;
+  auto load = [&](int stage, int qt) {
+    const u32 st = sb + stage * 16384;
+    load_sw<64, 128>(st, q, rs, qt * 64, T);
+    load_sw<64, 128>(st + 8192, dO, C, qt * 64, T);
+    for (int r = threadIdx.x; r < 64; r += 128) {
+      const int row = qt * 64 + r;
+      cp8(stt + (stage * 64 + r) * 8, sts + 2 * (row < T ? row : 0), row < T);
+    }
+    cp_commit();
+  };
+  load(0, qt0);
+  float dk[32], dv[32];
+#pragma unroll
+  for (int i = 0; i < 32; ++i) dk[i] = dv[i] = 0.0f;
+  for (int qt = qt0; qt < nqt; ++qt) {
+    const int i = qt - qt0;
+    if (qt + 1 < nqt) {
+      load((i + 1) & 1, qt + 1);
+      cp_wait<1>();
+    } else {
+      cp_wait<0>();
+    }
+    fence_async_smem();
+    __syncthreads();
+    const u32 qs = sb + (i & 1) * 16384, ds = qs + 8192;
+    const float2* st2 = (const float2*)(dyn + (stt - smem_u32(dyn))) + (i & 1) * 64;
+    float sc[32], dp[32];
+#pragma unroll
+    for (int e = 0; e < 32; ++e) sc[e] = dp[e] = 0.0f;
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < KD; ++kk) wgmma_ss(sc, wg_desc(ks + kk * 32), wg_desc(qs + kk * 32));
+#pragma unroll
+    for (int kk = 0; kk < KD; ++kk) wgmma_ss(dp, wg_desc(vs + kk * 32), wg_desc(ds + kk * 32));
+    wg_commit();
+    wg_wait();
+    wg_pin(sc);
+    wg_pin(dp);
+    // Rows are keys (16 w + g, + 8), columns queries; the diagonal tile is masked (query < key).
+    const bool mask = qt == kt;
+#pragma unroll
+    for (int nb = 0; nb < 8; ++nb) {
+      const float4 qs2 = *(const float4*)(st2 + nb * 8 + 2 * t);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float rsum = (e & 1) ? qs2.z : qs2.x, l2 = (e & 1) ? qs2.w : qs2.y;
+        float p = ex2(fmaf(sc[4 * nb + e], scale2, -l2));
+        if (mask && qt * 64 + nb * 8 + 2 * t + (e & 1) < wk0 + g + 8 * (e >> 1)) p = 0.0f;
+        sc[4 * nb + e] = p;
+        dp[4 * nb + e] = p * (dp[4 * nb + e] - rsum);
+      }
+    }
+    u32 pa[4][4], da[4][4];
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        pa[p][r] = pack2(sc[8 * p + 2 * r], sc[8 * p + 2 * r + 1]);
+        da[p][r] = pack2(dp[8 * p + 2 * r], dp[8 * p + 2 * r + 1]);
+      }
+    }
+    wg_fence();
+#pragma unroll
+    for (int p = 0; p < 4; ++p) wgmma_n(dv, pa[p], wg_desc(ds + p * 2048));
+#pragma unroll
+    for (int p = 0; p < 4; ++p) wgmma_n(dk, da[p], wg_desc(qs + p * 2048));
+    wg_commit();
+    wg_wait();
+    wg_pin(dv);
+    wg_pin(dk);
+    __syncthreads();
+  }
+  float one[1][2] = {{1.0f, 1.0f}}, sc2[1][2] = {{scale, scale}};
+  elem* dst = dqkv + s * T * rs + h * HD;
+  stage_acc<1>(sm + 8192, (const float(*)[ND][4])dk, w * 16, g, t, sc2);
+  stage_acc<1>(sm + 8192 + 64 * LDS, (const float(*)[ND][4])dv, w * 16, g, t, one);
+  __syncthreads();
+  store_tile<64, 128>(dst + C, rs, sm + 8192, k0, T);
+  store_tile<64, 128>(dst + 2 * C, rs, sm + 8192 + 64 * LDS, k0, T);
+}
+#endif
+
+// dq on Hopper: WG_N warpgroups of 64 query rows a block; each warpgroup's q and dout rows stay in
+// swizzled shared tiles (the A operands of s = q k^T and dp = dout v^T), 64-key tiles of k and v
+// are double-buffered; ds goes from the accumulators into registers as the A operand of
+// dq += ds k. Writes the row statistics dk/dv reads, as the mma.sync kernel does. Dynamic shared
+// memory: q and dout (16 KiB a warpgroup), two stages of k and v (32 KiB), the row sums, and
+// 1 KiB to align the tiles. Opt-in (`FUSEC_FLASH_WGMMA_DQ=1`, which defines FUSEC_WG_DQ): checked
+// bit for bit against the mma.sync kernel in a standalone harness, not yet by the GPU tests.
+#define DQW_SMEM (WG_N * 16384 + 2 * 16384 + WG_N * 64 * 4 + 1024)
+#ifndef DQW_MINB
+#define DQW_MINB 2
+#endif
+
+#if (!defined(FUSEC_FLASH_ONLY) || FUSEC_FLASH_ONLY == 1) && defined(FUSEC_WG_DQ)
+extern "C" __global__ void __launch_bounds__(WG_THREADS, DQW_MINB) fusec_flash_bwd_dq(const elem* qkv, const elem* out, const float* lse, const elem* dout,
+                                                                 elem* dqkv, float* stats, int T, int H, float scale) {
+  extern __shared__ unsigned char dyn[];
+  const int nt = (T + WG_BM - 1) / WG_BM, qt = nt - 1 - (int)blockIdx.z, h = blockIdx.x;
+  const long long s = blockIdx.y, C = (long long)H * HD, rs = 3 * C, bh = s * H + h;
+  const elem* q = qkv + s * T * rs + h * HD;
+  const elem* o = out + s * T * C + h * HD;
+  const elem* dO = dout + s * T * C + h * HD;
+  const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int q0 = qt * WG_BM, wr = w * 16, wr0 = q0 + wr, wg0 = q0 + (w >> 2) * 64;
+  const float scale2 = scale * LOG2E;
+  const u32 base = (smem_u32(dyn) + 1023u) & ~1023u, qs = base, dos = base + WG_N * 8192, sb = base + WG_N * 16384;
+  const u32 qw = qs + (w >> 2) * 8192, dw = dos + (w >> 2) * 8192;
+  unsigned char* const b8 = dyn + (base - smem_u32(dyn));
+  float* dsm = (float*)(b8 + WG_N * 16384 + 2 * 16384);
+#pragma unroll
+  for (int i = 0; i < WG_N; ++i) {
+    load_sw<64, WG_THREADS>(qs + i * 8192, q, rs, q0 + 64 * i, T);
+    load_sw<64, WG_THREADS>(dos + i * 8192, dO, C, q0 + 64 * i, T);
+  }
+  load_sw<WG_BN, WG_THREADS>(sb, q + C, rs, 0, T);
+  load_sw<WG_BN, WG_THREADS>(sb + WG_TILE, q + 2 * C, rs, 0, T);
+  cp_commit();
+  // rowsum(dout * out) of the warp's rows: CH lanes a row, 8 columns a lane, a fixed butterfly.
+#pragma unroll
+  for (int i = 0; i < 16 / (32 / CH); ++i) {
+    const int rl = wr + i * (32 / CH) + lane / CH, row = q0 + rl, c = (lane % CH) * 8;
+    float acc = 0.0f;
+    if (row < T) {
+      const uint4 a = *(const uint4*)(dO + (long long)row * C + c), b = *(const uint4*)(o + (long long)row * C + c);
+      const u32 av[4] = {a.x, a.y, a.z, a.w}, bv[4] = {b.x, b.y, b.z, b.w};
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        acc = fmaf(__uint_as_float(av[k] << 16), __uint_as_float(bv[k] << 16), acc);
+        acc = fmaf(__uint_as_float(av[k] & 0xffff0000u), __uint_as_float(bv[k] & 0xffff0000u), acc);
+      }
+    }
+#pragma unroll
+    for (int k = CH / 2; k >= 1; k >>= 1) acc += __shfl_xor_sync(FULL, acc, k);
+    if (lane % CH == 0) {
+      dsm[rl] = acc;
+      if (row < T) *(float2*)(stats + 2 * (bh * T + row)) = make_float2(acc, lse[bh * T + row] * LOG2E);
+    }
+  }
+  __syncthreads();
+  float lr[2], dr[2];
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const int rl = wr + g + 8 * hh, row = q0 + rl;
+    lr[hh] = row < T ? lse[bh * T + row] * LOG2E : 0.0f;
+    dr[hh] = dsm[rl];
+  }
+  const int nkt = (min(q0 + WG_BM, T) + WG_BN - 1) / WG_BN;
+  float dq[32];
+#pragma unroll
+  for (int i = 0; i < 32; ++i) dq[i] = 0.0f;
+  for (int j = 0; j < nkt; ++j) {
+    if (j + 1 < nkt) {
+      const u32 st = sb + ((j + 1) & 1) * 2 * WG_TILE;
+      load_sw<WG_BN, WG_THREADS>(st, q + C, rs, (j + 1) * WG_BN, T);
+      load_sw<WG_BN, WG_THREADS>(st + WG_TILE, q + 2 * C, rs, (j + 1) * WG_BN, T);
+      cp_commit();
+      cp_wait<1>();
+    } else {
+      cp_wait<0>();
+    }
+    fence_async_smem();
+    __syncthreads();
+    const u32 ks = sb + (j & 1) * 2 * WG_TILE, vs = ks + WG_TILE;
+    const int k0 = j * WG_BN;
+    if (k0 <= wg0 + 63) {
+      float sc[32], dp[32];
+#pragma unroll
+      for (int i = 0; i < 32; ++i) sc[i] = dp[i] = 0.0f;
+      wg_fence();
+#pragma unroll
+      for (int kk = 0; kk < KD; ++kk) wgmma_ss(sc, wg_desc(qw + kk * 32), wg_desc(ks + kk * 32));
+#pragma unroll
+      for (int kk = 0; kk < KD; ++kk) wgmma_ss(dp, wg_desc(dw + kk * 32), wg_desc(vs + kk * 32));
+      wg_commit();
+      wg_wait();
+      wg_pin(sc);
+      wg_pin(dp);
+      const bool mask = k0 + WG_BN - 1 > wg0;
+#pragma unroll
+      for (int nb = 0; nb < 8; ++nb)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int hh = e >> 1;
+          float p = ex2(fmaf(sc[4 * nb + e], scale2, -lr[hh]));
+          if (mask && k0 + nb * 8 + 2 * t + (e & 1) > wr0 + g + 8 * hh) p = 0.0f;
+          sc[4 * nb + e] = p * (dp[4 * nb + e] - dr[hh]);
+        }
+      u32 da[4][4];
+#pragma unroll
+      for (int p = 0; p < 4; ++p)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) da[p][r] = pack2(sc[8 * p + 2 * r], sc[8 * p + 2 * r + 1]);
+      wg_fence();
+#pragma unroll
+      for (int p = 0; p < 4; ++p) wgmma_n(dq, da[p], wg_desc(ks + p * 2048));
+      wg_commit();
+      wg_wait();
+      wg_pin(dq);
+    }
+    __syncthreads();
+  }
+  float muls[1][2] = {{scale, scale}};
+  elem* so = (elem*)(b8 + WG_N * 16384);
+  stage_acc<1>(so, (const float(*)[ND][4])dq, wr, g, t, muls);
+  __syncthreads();
+  store_tile<WG_BM, WG_THREADS>(dqkv + s * T * rs + h * HD, rs, so, q0, T);
+}
+#endif
