@@ -209,7 +209,7 @@ impl Compiler {
     }
 
     /// On an sm_90 GPU with NVRTC 12 or newer, compiles for `sm_90a` instead (the same GPUs,
-    /// plus Hopper's architecture-specific instructions: `wgmma` in the flash forward).
+    /// plus Hopper's architecture-specific instructions: `wgmma` in the flash kernels).
     pub fn prefer_arch_specific(&mut self) {
         if self.arch == "sm_90" && self.version.0 >= 12 {
             self.arch = "sm_90a".into();
