@@ -1,8 +1,7 @@
 // The backward on Hopper (sm_90a, head size 64; see flash/bf16.rs and bf16_fwd_wg.cu for the
 // layouts and helpers). Both kernels give the mma.sync kernels' bits.
 //
-// dk, dv: (see flash/bf16.rs and bf16_fwd_wg.cu for the
-// layouts and helpers): one warpgroup of 64 keys a block. k and v stay in swizzled shared
+// dk, dv: one warpgroup of 64 keys a block. k and v stay in swizzled shared
 // tiles (the A operands of s^T = k q^T and dp^T = v dout^T); each 64-query tile of q and dout is
 // double-buffered by cp.async with its (rowsum, lse log2(e)) pairs; p^T and ds^T go from the
 // accumulators into registers as the A operands of dv += p^T dout and dk += ds^T q, whose B
