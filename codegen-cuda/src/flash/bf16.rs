@@ -261,4 +261,22 @@ mod tests {
         let odd = Config { dq: Shape::new(4, 2, 64, 24, 1), ..Config::default_for(64) };
         assert!(odd.check(64).is_err(), "chunks are whole 16-row steps");
     }
+
+    #[test]
+    fn the_hopper_kernels_are_chosen_by_the_compiled_architecture() {
+        use crate::flash::geometry;
+        use fusec_ir::DType;
+        // Only sm_90a (and head size 64) takes the wgmma forward and dk/dv; dq stays opt-in.
+        let (plain, hopper) = (geometry(64, DType::BF16, "sm_90"), geometry(64, DType::BF16, "sm_90a"));
+        assert!(plain.iter().all(|g| g.shared == 0));
+        assert_eq!((hopper[0].threads, hopper[0].rows, hopper[0].shared), (WG_THREADS, WG_ROWS, 0));
+        assert_eq!(hopper[1], plain[1]);
+        assert_eq!((hopper[2].threads, hopper[2].rows, hopper[2].shared), (128, 64, DKV_WG_SHARED));
+        assert_eq!(geometry(128, DType::BF16, "sm_90a"), geometry(128, DType::BF16, "sm_90"));
+        // The source carries both forwards, the Hopper one behind sm_90a's feature macro.
+        let src = source(64, &Config::default_for(64));
+        let hop = src.find("#if defined(__CUDA_ARCH_FEAT_SM90_ALL)").expect("the Hopper branch");
+        assert!(src[hop..].contains("#define FUSEC_WG_DKV") && src[hop..].contains("#else"));
+        assert!(!source(128, &Config::default_for(128)).contains("__CUDA_ARCH_FEAT_SM90_ALL"));
+    }
 }
