@@ -39,12 +39,29 @@ const HOPPER_FORWARD: &str = "; forward and dk/dv on Hopper warpgroup MMAs (wgmm
 #[test]
 #[ignore = "needs an NVIDIA GPU: run with --ignored on the device"]
 fn bf16_flash_attention_matches_the_interpreter_and_repeats_bit_for_bit() {
-    // (head size, the kernels it runs on); (batch, heads, length).
+    // (head size, the kernels it runs on).
     let heads = [(32, "bf16 tensor cores"), (64, "bf16 tensor cores"), (128, "bf16 tensor cores"), (48, "TF32 tensor cores")];
+    check_bf16_flash(&heads);
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --ignored on the device"]
+fn the_opt_in_hopper_dq_matches_the_interpreter_and_repeats_bit_for_bit() {
+    // `FUSEC_FLASH_WGMMA_DQ=1` puts `dq` on warpgroup MMAs too where the others are (sm_90a);
+    // elsewhere this repeats the head size 64 cases of the test above. Run with
+    // `--test-threads 1`: the variable is the process's.
+    std::env::set_var("FUSEC_FLASH_WGMMA_DQ", "1");
+    check_bf16_flash(&[(64, "bf16 tensor cores")]);
+    std::env::remove_var("FUSEC_FLASH_WGMMA_DQ");
+}
+
+/// Each head size against the interpreter at several shapes, then the same inputs again for
+/// the same bits; every case runs and the failures are listed at the end.
+fn check_bf16_flash(heads: &[(usize, &str)]) {
+    // (batch, heads, length).
     let shapes = [(3, 2, 1), (2, 3, 17), (2, 2, 100), (1, 3, 1024)];
-    // Every case runs; the failures are listed at the end.
     let mut failures = vec![];
-    for (d, kernels) in heads {
+    for &(d, kernels) in heads {
         for (b, h, t) in shapes {
             if d == 48 && t == 1024 {
                 continue; // the TF32 kernels have their own tests; keep the interpreter's time down
