@@ -4,7 +4,8 @@
 //! backward recomputes `p` from the saved log-sum-exp (Scores, Softmax with `lse` given), then
 //! `dp = dout v^T` (GradDp), `ds = scale p (dp - rowsum(dout out))` (GradDs), and `dq = ds k`,
 //! `dk = ds^T q`, `dv = p^T dout` (GradQkv). Each stage is its own launch, so the profile times
-//! the GEMMs as GEMMs.
+//! the GEMMs as GEMMs. The products skip the zeros above the diagonal: they run per block of
+//! [`CAUSAL_BLOCK`] rows over the keys up to the block's last row.
 //!
 //! Everything computes in f32. On bf16 storage each head's rows of `q`, `k`, `v`, `out` and
 //! `dout` are widened (exactly) into per-thread buffers right before the stage reads them, and
@@ -177,7 +178,9 @@ unsafe fn head_stage(stage: AttnStage, dm: AttnDims, scale: f32, a: &Ptrs, sh: u
     match stage {
         AttnStage::Scores => {
             let (q, k) = (a.qkv.view(part(0), t, d, 3 * c, b0), a.qkv.view(part(1), t, d, 3 * c, b1));
-            matmul_strided(t, t, d, p.as_mut_ptr(), t as isize, q, k.t(), false)
+            for (r0, n, keys) in causal_blocks(t) {
+                matmul_strided(n, keys, d, p.as_mut_ptr().add(r0 * t), t as isize, shift(q, r0, 0), k.t(), false)
+            }
         }
         AttnStage::Softmax { recompute } => {
             let lse = std::slice::from_raw_parts_mut(a.lse.add(sh * t), t);
@@ -190,12 +193,16 @@ unsafe fn head_stage(stage: AttnStage, dm: AttnDims, scale: f32, a: &Ptrs, sh: u
         AttnStage::Values => {
             let v = a.qkv.view(part(2), t, d, 3 * c, b0);
             let (dst, rs) = a.out.target(row, t, d, c, b1);
-            matmul_strided(t, d, t, dst, rs, pm, v, false);
+            for (r0, n, keys) in causal_blocks(t) {
+                matmul_strided(n, d, keys, dst.offset(r0 as isize * rs), rs, shift(pm, r0, 0), v, false);
+            }
             a.out.commit(row, t, d, c, b1);
         }
         AttnStage::GradDp => {
             let (dout, v) = (a.dout.view(row, t, d, c, b0), a.qkv.view(part(2), t, d, 3 * c, b1));
-            matmul_strided(t, t, d, a.ds.add(sh * t * t), t as isize, dout, v.t(), false)
+            for (r0, n, keys) in causal_blocks(t) {
+                matmul_strided(n, keys, d, a.ds.add(sh * t * t + r0 * t), t as isize, shift(dout, r0, 0), v.t(), false)
+            }
         }
         AttnStage::GradDs => {
             let (dout, out) = (a.dout.view(row, t, d, c, b0), a.out.view(row, t, d, c, b1));
@@ -213,11 +220,41 @@ unsafe fn head_stage(stage: AttnStage, dm: AttnDims, scale: f32, a: &Ptrs, sh: u
             let (q, k, dout) = (a.qkv.view(part(0), t, d, 3 * c, b0), a.qkv.view(part(1), t, d, 3 * c, b1), a.dout.view(row, t, d, c, b2));
             for (which, lhs, rhs) in [(0, dsm, k), (1, dsm.t(), q), (2, pm.t(), dout)] {
                 let (dst, rs) = a.dqkv.target(part(which), t, d, 3 * c, b3);
-                matmul_strided(t, d, t, dst, rs, lhs, rhs, false);
+                for (r0, n, keys) in causal_blocks(t) {
+                    let at = dst.offset(r0 as isize * rs);
+                    if which == 0 {
+                        // dq: a query row reads the keys up to its own.
+                        matmul_strided(n, d, keys, at, rs, shift(lhs, r0, 0), rhs, false);
+                    } else {
+                        // dk, dv: a key's sums run over the query rows from its own on.
+                        matmul_strided(n, d, t - r0, at, rs, shift(lhs, r0, r0), shift(rhs, r0, 0), false);
+                    }
+                }
                 a.dqkv.commit(part(which), t, d, 3 * c, b3);
             }
         }
     }
+}
+
+/// Rows of a causal block: the products run block by block, each over the keys up to its last
+/// row (for `dk`, `dv`: over the query rows from its first key on), so the zeros above the
+/// diagonal are not multiplied. At `T = 256` the products do 62.5% of the full work.
+const CAUSAL_BLOCK: usize = 64;
+
+/// The causal row blocks of `t` rows: (first row, rows, keys up to the block's last row).
+fn causal_blocks(t: usize) -> impl Iterator<Item = (usize, usize, usize)> {
+    (0..t).step_by(CAUSAL_BLOCK).map(move |r0| {
+        let n = CAUSAL_BLOCK.min(t - r0);
+        (r0, n, r0 + n)
+    })
+}
+
+/// `m` from row `r` and column `c` on.
+///
+/// # Safety
+/// The element must lie inside `m`'s memory.
+unsafe fn shift(m: Mat, r: usize, c: usize) -> Mat {
+    Mat { ptr: m.ptr.offset(r as isize * m.rs + c as isize * m.cs), ..m }
 }
 
 /// `p[i, j] = exp(scale * scores[i, j] - lse_i)` for `j <= i`, 0 above the diagonal. With
