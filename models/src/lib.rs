@@ -8,7 +8,7 @@ mod config;
 mod decode;
 mod gpt2;
 
-pub use attention::bf16_attention_graph;
+pub use attention::{bf16_attention_graph, f32_attention_graph};
 pub use config::{presets, Gpt2Config};
 pub use decode::{cache_shape, decoder_graph, decoder_tokens_input, key_cache_name, value_cache_name};
 pub use gpt2::{build_gpt2, logits_graph};

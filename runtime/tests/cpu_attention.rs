@@ -7,31 +7,12 @@ use std::collections::HashMap;
 
 use fusec_ir::interp::{self, Rounding};
 use fusec_ir::rng::Rng;
-use fusec_ir::{testkit, Graph};
-use fusec_models::bf16_attention_graph;
+use fusec_ir::testkit;
+use fusec_models::{bf16_attention_graph, f32_attention_graph};
 use fusec_passes::pipeline::{compile, Mode, PipelineOptions};
 use fusec_runtime::cpu::CpuExecutor;
 use fusec_runtime::executor::Executor;
 use fusec_runtime::programs::{Program, RunPrograms};
-
-/// The attention graph on f32 storage (`bf16_attention_graph` without its casts).
-fn f32_attention_graph(heads: usize, d: usize) -> Graph {
-    let (c, c3, scale) = (heads * d, 3 * heads * d, 1.0 / (d as f64).sqrt());
-    let attrs = format!("{{heads = {heads}, scale = {scale:?}}}");
-    let src = format!(
-        "graph f32_attention(B, T) {{
-  %0 = input \"qkv\" : f32[B, T, {c3}]
-  %1 = input \"dout\" : f32[B, T, {c}]
-  %2, %3 = attention %0 {attrs} : f32[B, T, {c}], f32[B, {heads}, T]
-  %4 = attention_grad %0, %2, %3, %1 {attrs} : f32[B, T, {c3}]
-  output \"out\" = %2
-  output \"lse\" = %3
-  output \"dqkv\" = %4
-}}
-"
-    );
-    fusec_ir::text::parse(&src, "f32_attention.graph").unwrap_or_else(|e| panic!("{e}\n{src}"))
-}
 
 #[test]
 fn cpu_attention_matches_the_interpreter_across_causal_blocks() {
