@@ -183,10 +183,10 @@ pub fn supported(d: usize) -> bool {
 pub const WG_THREADS: u32 = 256;
 /// Query rows of a block of the Hopper forward (64 a warpgroup).
 pub const WG_ROWS: u32 = 128;
-/// Dynamic shared memory of a block of the Hopper `dk/dv` kernel (`DKVW_SMEM`): k and v, two
+/// Dynamic shared memory of a block of the Hopper `dk/dv` kernel (its one definition): k and v, two
 /// stages of q and dout, the statistics, and 1 KiB to align the tiles.
 pub const DKV_WG_SHARED: u32 = 16384 + 2 * 16384 + 1024 + 1024;
-/// Dynamic shared memory of a block of the Hopper `dq` kernel (`DQW_SMEM`): q and dout of both
+/// Dynamic shared memory of a block of the Hopper `dq` kernel (its one definition): q and dout of both
 /// warpgroups, two stages of k and v, the row sums, and 1 KiB to align the tiles.
 pub const DQ_WG_SHARED: u32 = 2 * 16384 + 2 * 16384 + 2 * 64 * 4 + 1024;
 

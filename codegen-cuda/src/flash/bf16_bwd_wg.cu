@@ -5,9 +5,9 @@
 // tiles (the A operands of s^T = k q^T and dp^T = v dout^T); each 64-query tile of q and dout is
 // double-buffered by cp.async with its (rowsum, lse log2(e)) pairs; p^T and ds^T go from the
 // accumulators into registers as the A operands of dv += p^T dout and dk += ds^T q, whose B
-// operands are the same q and dout tiles read N-major. Dynamic shared memory: 16 KiB of k and v,
-// two stages of 16 KiB, 1 KiB of statistics, and 1 KiB to align the tiles to 1024 bytes.
-#define DKVW_SMEM (16384 + 2 * 16384 + 1024 + 1024)
+// operands are the same q and dout tiles read N-major. Dynamic shared memory (its size is
+// flash::bf16::DKV_WG_SHARED): 16 KiB of k and v, two stages of 16 KiB, 1 KiB of statistics,
+// and 1 KiB to align the tiles to 1024 bytes.
 
 #if !defined(FUSEC_FLASH_ONLY) || FUSEC_FLASH_ONLY == 2
 extern "C" __global__ void __launch_bounds__(128, 2) fusec_flash_bwd_dkv(const elem* qkv, const float* lse, const elem* dout, const float* stats,
@@ -114,10 +114,9 @@ extern "C" __global__ void __launch_bounds__(128, 2) fusec_flash_bwd_dkv(const e
 // swizzled shared tiles (the A operands of s = q k^T and dp = dout v^T), 64-key tiles of k and v
 // are double-buffered; ds goes from the accumulators into registers as the A operand of
 // dq += ds k. Writes the row statistics dk/dv reads, as the mma.sync kernel does. Dynamic shared
-// memory: q and dout (16 KiB a warpgroup), two stages of k and v (32 KiB), the row sums, and
-// 1 KiB to align the tiles. Opt-in (`FUSEC_FLASH_WGMMA_DQ=1`, which defines FUSEC_WG_DQ): checked
+// memory (flash::bf16::DQ_WG_SHARED): q and dout (16 KiB a warpgroup), two stages of k and v
+// (32 KiB), the row sums, and 1 KiB to align the tiles. Opt-in (`FUSEC_FLASH_WGMMA_DQ=1`, which defines FUSEC_WG_DQ): checked
 // bit for bit against the mma.sync kernel in a standalone harness, not yet by the GPU tests.
-#define DQW_SMEM (WG_N * 16384 + 2 * 16384 + WG_N * 64 * 4 + 1024)
 #ifndef DQW_MINB
 #define DQW_MINB 2
 #endif

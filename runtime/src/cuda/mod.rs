@@ -264,6 +264,13 @@ impl CudaExecutor {
         self.peak
     }
 
+    /// The device addresses of a pointer-array product's `A`, `B` and `C` tables, `batch`
+    /// pointers each, one after the other from `at`.
+    fn pointer_arrays(&self, at: Addr, batch: i32) -> [u64; 3] {
+        let (base, n) = (self.addr(at), batch as u64 * 8);
+        [base, base + n, base + 2 * n]
+    }
+
     fn addr(&self, a: Addr) -> u64 {
         resolve(self.dev.base, self.scratch_base, self.static_base, a)
     }
@@ -364,8 +371,7 @@ impl CudaExecutor {
                 )
             }
             Step::GemmArrays { call: k, arrays, batch } => {
-                let base = self.addr(*arrays);
-                let n = *batch as u64 * 8;
+                let [pa, pb, pc] = self.pointer_arrays(*arrays, *batch);
                 let zero = 0f32;
                 let r = blas::cublasSgemmBatched(
                     d.blas,
@@ -375,20 +381,19 @@ impl CudaExecutor {
                     k.n,
                     k.k,
                     &one,
-                    base as *const *const f32,
+                    pa as *const *const f32,
                     k.lda,
-                    (base + n) as *const *const f32,
+                    pb as *const *const f32,
                     k.ldb,
                     &zero,
-                    (base + 2 * n) as *const *mut f32,
+                    pc as *const *mut f32,
                     k.ldc,
                     *batch,
                 );
                 ckb(r, "cuBLAS batched sgemm")
             }
             Step::GemmBatched { call: k, arrays, batch, out, beta } => {
-                let base = self.addr(*arrays);
-                let n = *batch as u64 * 8;
+                let [pa, pb, pc] = self.pointer_arrays(*arrays, *batch);
                 let bf16 = blas::cudaDataType::CUDA_R_16BF;
                 let ct = if *out == DType::BF16 { bf16 } else { blas::cudaDataType::CUDA_R_32F };
                 let (al, be) = (&one as *const f32 as *const c_void, beta as *const f32 as *const c_void);
@@ -400,14 +405,14 @@ impl CudaExecutor {
                     k.n,
                     k.k,
                     al,
-                    base as *const *const c_void,
+                    pa as *const *const c_void,
                     bf16,
                     k.lda,
-                    (base + n) as *const *const c_void,
+                    pb as *const *const c_void,
                     bf16,
                     k.ldb,
                     be,
-                    (base + 2 * n) as *const *mut c_void,
+                    pc as *const *mut c_void,
                     ct,
                     k.ldc,
                     *batch,
