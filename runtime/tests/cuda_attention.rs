@@ -33,8 +33,8 @@ fn run_gpu(gpu: &mut CudaExecutor, feeds: &HashMap<String, Tensor>) -> Vec<Vec<f
     ["out", "lse", "dqkv"].iter().map(|n| gpu.output(Program::Step, n).unwrap().data).collect()
 }
 
-/// What the attention summary adds where the forward runs on Hopper's warpgroup MMAs.
-const HOPPER_FORWARD: &str = "; forward and dk/dv on Hopper warpgroup MMAs (wgmma)";
+/// What the attention summary adds where the kernels run on Hopper's warpgroup MMAs.
+const HOPPER: &str = "; on Hopper warpgroup MMAs (wgmma)";
 
 #[test]
 #[ignore = "needs an NVIDIA GPU: run with --ignored on the device"]
@@ -46,13 +46,33 @@ fn bf16_flash_attention_matches_the_interpreter_and_repeats_bit_for_bit() {
 
 #[test]
 #[ignore = "needs an NVIDIA GPU: run with --ignored on the device"]
-fn the_opt_in_hopper_dq_matches_the_interpreter_and_repeats_bit_for_bit() {
-    // `FUSEC_FLASH_WGMMA_DQ=1` puts `dq` on warpgroup MMAs too where the others are (sm_90a);
-    // elsewhere this repeats the head size 64 cases of the test above. Run with
-    // `--test-threads 1`: the variable is the process's.
-    std::env::set_var("FUSEC_FLASH_WGMMA_DQ", "1");
-    check_bf16_flash(&[(64, "bf16 tensor cores")]);
-    std::env::remove_var("FUSEC_FLASH_WGMMA_DQ");
+fn the_hopper_kernels_give_the_mma_sync_kernels_bits() {
+    // On sm_90a the head size 64 kernels run on warpgroup MMAs; `FUSEC_FLASH_WGMMA=0` keeps the
+    // `mma.sync` ones. Both sum the same products in the same order, so every output is the
+    // same bits. Elsewhere both runs take the `mma.sync` kernels. Run with `--test-threads 1`:
+    // the variable is the process's.
+    let mut failures = vec![];
+    for (b, h, t) in [(3, 2, 1), (2, 3, 17), (2, 2, 100), (2, 3, 1024)] {
+        let (g, run) = attention_run(h, 64, b, t);
+        let mut feeds = testkit::random_feeds(&g, &run.bind, &mut Rng::new(5 + t as u64), 1).unwrap();
+        feeds.get_mut("qkv").unwrap().data.iter_mut().for_each(|x| *x *= 2.0);
+        let mut outputs = vec![];
+        for wgmma in ["1", "0"] {
+            std::env::set_var("FUSEC_FLASH_WGMMA", wgmma);
+            let (mut gpu, build) = CudaExecutor::new(&run, &CudaOptions::default()).unwrap_or_else(|e| panic!("{e}"));
+            eprintln!("B {b}, H {h}, T {t}, FUSEC_FLASH_WGMMA={wgmma}: {}", build.attention);
+            outputs.push(run_gpu(&mut gpu, &feeds));
+        }
+        std::env::remove_var("FUSEC_FLASH_WGMMA");
+        for (i, name) in ["out", "lse", "dqkv"].into_iter().enumerate() {
+            let (a, b2) = (&outputs[0][i], &outputs[1][i]);
+            let differ = a.iter().zip(b2).filter(|(x, y)| x.to_bits() != y.to_bits()).count();
+            if differ > 0 {
+                failures.push(format!("B {b}, H {h}, T {t}: {name}: {differ} of {} values differ", a.len()));
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{} failures:\n{}", failures.len(), failures.join("\n"));
 }
 
 /// Each head size against the interpreter at several shapes, then the same inputs again for
@@ -74,9 +94,9 @@ fn check_bf16_flash(heads: &[(usize, &str)]) {
             // The interpreter computes in f64 and rounds `out` and `dqkv` to bf16, `lse` to f32.
             let want = interp::run(&g, &run.bind, &feeds, Rounding::F32).unwrap();
             let (mut gpu, build) = CudaExecutor::new(&run, &CudaOptions::default()).unwrap_or_else(|e| panic!("{e}"));
-            // On Hopper (sm_90a) the head size 64 forward and dk/dv run on warpgroup MMAs, and say so.
+            // On Hopper (sm_90a) the head size 64 kernels run on warpgroup MMAs, and say so.
             let summary = format!("flash on bf16 storage ({kernels}, head size {d})");
-            assert!(build.attention == summary || build.attention == summary.clone() + HOPPER_FORWARD, "{}", build.attention);
+            assert!(build.attention == summary || build.attention == summary.clone() + HOPPER, "{}", build.attention);
             let got = run_gpu(&mut gpu, &feeds);
             for (i, name) in ["out", "lse", "dqkv"].into_iter().enumerate() {
                 let w = &want[i].data;

@@ -190,23 +190,12 @@ pub const DKV_WG_SHARED: u32 = 16384 + 2 * 16384 + 1024 + 1024;
 /// warpgroups, two stages of k and v, the row sums, and 1 KiB to align the tiles.
 pub const DQ_WG_SHARED: u32 = 2 * 16384 + 2 * 16384 + 2 * 64 * 4 + 1024;
 
-/// Whether the forward and `dk/dv` at head size `d` run on Hopper's warpgroup MMAs
+/// Whether the three kernels at head size `d` run on Hopper's warpgroup MMAs
 /// (`bf16_fwd_wg.cu`, `bf16_bwd_wg.cu`) when compiled for NVRTC architecture `arch`: head size
 /// 64 on `sm_90a`, unless `FUSEC_FLASH_WGMMA=0` keeps the `mma.sync` kernels (for comparisons).
 /// They give the `mma.sync` kernels' bits (the same sums in the same order).
 pub fn wgmma(d: usize, arch: &str) -> bool {
     wgmma_source(d) && arch == "sm_90a"
-}
-
-/// Whether `dq` runs on warpgroup MMAs too: [`wgmma`] and `FUSEC_FLASH_WGMMA_DQ=1` (opt-in: the
-/// kernel matched the `mma.sync` one bit for bit in a standalone harness on an H200, 0.158 ->
-/// 0.125 ms at the 124M shape, but has not yet run through the GPU tests).
-pub fn wgmma_dq(d: usize, arch: &str) -> bool {
-    wgmma(d, arch) && dq_opted_in()
-}
-
-fn dq_opted_in() -> bool {
-    std::env::var("FUSEC_FLASH_WGMMA_DQ").is_ok_and(|v| v == "1")
 }
 
 /// Whether the module source for head size `d` carries the Hopper kernels.
@@ -226,22 +215,19 @@ pub fn source(d: usize, c: &Config) -> String {
     let mut s = format!("#define HD {d}\n");
     s.push_str(&c.defines());
     s.push_str(COMMON);
-    // The Hopper kernels where the compile targets sm_90a (see `wgmma`).
+    // The Hopper kernels where the compile targets sm_90a (see `wgmma`), else the mma.sync ones.
     let wg = wgmma_source(d);
     if wg {
-        s.push_str(&format!("#if defined(__CUDA_ARCH_FEAT_SM90_ALL)\n#define WG_N {}\n#define FUSEC_WG_DKV\n", WG_THREADS / 128));
-        if dq_opted_in() {
-            s.push_str("#define FUSEC_WG_DQ\n");
-        }
+        s.push_str(&format!("#if defined(__CUDA_ARCH_FEAT_SM90_ALL)\n#define WG_N {}\n", WG_THREADS / 128));
         s.push_str(FWD_WG);
         s.push_str(BWD_WG);
         s.push_str("#else\n");
     }
     s.push_str(FWD);
+    s.push_str(BWD);
     if wg {
         s.push_str("#endif\n");
     }
-    s.push_str(BWD);
     s
 }
 
@@ -266,17 +252,18 @@ mod tests {
     fn the_hopper_kernels_are_chosen_by_the_compiled_architecture() {
         use crate::flash::geometry;
         use fusec_ir::DType;
-        // Only sm_90a (and head size 64) takes the wgmma forward and dk/dv; dq stays opt-in.
+        // Only sm_90a (and head size 64) takes the wgmma kernels.
         let (plain, hopper) = (geometry(64, DType::BF16, "sm_90"), geometry(64, DType::BF16, "sm_90a"));
         assert!(plain.iter().all(|g| g.shared == 0));
         assert_eq!((hopper[0].threads, hopper[0].rows, hopper[0].shared), (WG_THREADS, WG_ROWS, 0));
-        assert_eq!(hopper[1], plain[1]);
+        assert_eq!((hopper[1].threads, hopper[1].rows, hopper[1].shared), (WG_THREADS, WG_ROWS, DQ_WG_SHARED));
         assert_eq!((hopper[2].threads, hopper[2].rows, hopper[2].shared), (128, 64, DKV_WG_SHARED));
         assert_eq!(geometry(128, DType::BF16, "sm_90a"), geometry(128, DType::BF16, "sm_90"));
-        // The source carries both forwards, the Hopper one behind sm_90a's feature macro.
+        // The source carries both families, the Hopper one behind sm_90a's feature macro.
         let src = source(64, &Config::default_for(64));
-        let hop = src.find("#if defined(__CUDA_ARCH_FEAT_SM90_ALL)").expect("the Hopper branch");
-        assert!(src[hop..].contains("#define FUSEC_WG_DKV") && src[hop..].contains("#else"));
+        let (hop, other) = (src.find("#if defined(__CUDA_ARCH_FEAT_SM90_ALL)").expect("the Hopper branch"), src.find("\n#else\n").expect("the other"));
+        let kernels = |s: &str| s.matches("extern \"C\" __global__").count();
+        assert_eq!((kernels(&src[hop..other]), kernels(&src[other..])), (3, 3));
         assert!(!source(128, &Config::default_for(128)).contains("__CUDA_ARCH_FEAT_SM90_ALL"));
     }
 }

@@ -73,7 +73,7 @@ __device__ __forceinline__ void dq_chunk(float (*dq)[ND][4], const u32 (*qf)[KD]
   }
 }
 
-#if (!defined(FUSEC_FLASH_ONLY) || FUSEC_FLASH_ONLY == 1) && !defined(FUSEC_WG_DQ)
+#if !defined(FUSEC_FLASH_ONLY) || FUSEC_FLASH_ONLY == 1
 extern "C" __global__ void __launch_bounds__(DQ_THREADS, DQ_MINB) fusec_flash_bwd_dq(const elem* qkv, const elem* out, const float* lse, const elem* dout,
                                                                           elem* dqkv, float* stats, int T, int H, float scale) {
   __shared__ __align__(128) elem sm[DQ_SMEM];
@@ -90,27 +90,7 @@ extern "C" __global__ void __launch_bounds__(DQ_THREADS, DQ_MINB) fusec_flash_bw
   load_tile<DQ_BM, DQ_THREADS>(sb, q, rs, q0, T);
   load_tile<DQ_BM, DQ_THREADS>(sb + DQ_BM * LDS * 2, dO, C, q0, T);
   cp_commit();
-  // rowsum(dout * out) of the warp's rows: CH lanes a row, 8 columns a lane, a fixed butterfly.
-#pragma unroll
-  for (int i = 0; i < 16 * DQ_MT / (32 / CH); ++i) {
-    const int rl = wr + i * (32 / CH) + lane / CH, row = q0 + rl, c = (lane % CH) * 8;
-    float acc = 0.0f;
-    if (row < T) {
-      const uint4 a = *(const uint4*)(dO + (long long)row * C + c), b = *(const uint4*)(o + (long long)row * C + c);
-      const u32 av[4] = {a.x, a.y, a.z, a.w}, bv[4] = {b.x, b.y, b.z, b.w};
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        acc = fmaf(__uint_as_float(av[k] << 16), __uint_as_float(bv[k] << 16), acc);
-        acc = fmaf(__uint_as_float(av[k] & 0xffff0000u), __uint_as_float(bv[k] & 0xffff0000u), acc);
-      }
-    }
-#pragma unroll
-    for (int k = CH / 2; k >= 1; k >>= 1) acc += __shfl_xor_sync(FULL, acc, k);
-    if (lane % CH == 0) {
-      dsm[rl] = acc;
-      if (row < T) *(float2*)(stats + 2 * (bh * T + row)) = make_float2(acc, lse[bh * T + row] * LOG2E);
-    }
-  }
+  dq_rowsums<16 * DQ_MT>(dsm, stats, dO, o, lse, C, bh, T, q0, wr, lane);
   cp_wait<0>();
   __syncthreads();
   u32 qf[DQ_MT][KD][4], df[DQ_MT][KD][4];
@@ -259,7 +239,7 @@ __device__ __forceinline__ void dkv_load(u32 sb, u32 stt_sb, int stage, int qt, 
   cp_commit();
 }
 
-#if (!defined(FUSEC_FLASH_ONLY) || FUSEC_FLASH_ONLY == 2) && !defined(FUSEC_WG_DKV)
+#if !defined(FUSEC_FLASH_ONLY) || FUSEC_FLASH_ONLY == 2
 extern "C" __global__ void __launch_bounds__(DKV_THREADS, DKV_MINB) fusec_flash_bwd_dkv(const elem* qkv, const float* lse, const elem* dout, const float* stats,
                                                                             elem* dqkv, int T, int H, float scale) {
   __shared__ __align__(128) elem sm[DKV_SMEM];

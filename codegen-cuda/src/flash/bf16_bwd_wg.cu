@@ -9,6 +9,20 @@
 // flash::bf16::DKV_WG_SHARED): 16 KiB of k and v, two stages of 16 KiB, 1 KiB of statistics,
 // and 1 KiB to align the tiles to 1024 bytes.
 
+// Query tile qt's q and dout rows (swizzled, at sb + stage * 16 KiB) and its (rowsum, lse log2 e)
+// pairs (at stt + stage * 512) into stage `stage` of the dk/dv kernel, one commit.
+__device__ __forceinline__ void dkv_wg_load(u32 sb, u32 stt, const elem* q, const elem* dO, const float* sts, long long rs, long long C,
+                                            int stage, int qt, int T) {
+  const u32 st = sb + stage * 16384;
+  load_sw<64, 128>(st, q, rs, qt * 64, T);
+  load_sw<64, 128>(st + 8192, dO, C, qt * 64, T);
+  for (int r = threadIdx.x; r < 64; r += 128) {
+    const int row = qt * 64 + r;
+    cp8(stt + (stage * 64 + r) * 8, sts + 2 * (row < T ? row : 0), row < T);
+  }
+  cp_commit();
+}
+
 #if !defined(FUSEC_FLASH_ONLY) || FUSEC_FLASH_ONLY == 2
 extern "C" __global__ void __launch_bounds__(128, 2) fusec_flash_bwd_dkv(const elem* qkv, const float* lse, const elem* dout, const float* stats,
                                                                     elem* dqkv, int T, int H, float scale) {
@@ -28,24 +42,14 @@ extern "C" __global__ void __launch_bounds__(128, 2) fusec_flash_bwd_dkv(const e
   load_sw<64, 128>(vs, q + 2 * C, rs, k0, T);
   // Query tiles from the one holding key k0 to the end (64-row tiles: k0's tile is the diagonal).
   const int qt0 = kt, nqt = (T + 63) / 64;
-  auto load = [&](int stage, int qt) {
-    const u32 st = sb + stage * 16384;
-    load_sw<64, 128>(st, q, rs, qt * 64, T);
-    load_sw<64, 128>(st + 8192, dO, C, qt * 64, T);
-    for (int r = threadIdx.x; r < 64; r += 128) {
-      const int row = qt * 64 + r;
-      cp8(stt + (stage * 64 + r) * 8, sts + 2 * (row < T ? row : 0), row < T);
-    }
-    cp_commit();
-  };
-  load(0, qt0);
+  dkv_wg_load(sb, stt, q, dO, sts, rs, C, 0, qt0, T);
   float dk[32], dv[32];
 #pragma unroll
   for (int i = 0; i < 32; ++i) dk[i] = dv[i] = 0.0f;
   for (int qt = qt0; qt < nqt; ++qt) {
     const int i = qt - qt0;
     if (qt + 1 < nqt) {
-      load((i + 1) & 1, qt + 1);
+      dkv_wg_load(sb, stt, q, dO, sts, rs, C, (i + 1) & 1, qt + 1, T);
       cp_wait<1>();
     } else {
       cp_wait<0>();
@@ -81,19 +85,11 @@ extern "C" __global__ void __launch_bounds__(128, 2) fusec_flash_bwd_dkv(const e
       }
     }
     u32 pa[4][4], da[4][4];
-#pragma unroll
-    for (int p = 0; p < 4; ++p) {
-#pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        pa[p][r] = pack2(sc[8 * p + 2 * r], sc[8 * p + 2 * r + 1]);
-        da[p][r] = pack2(dp[8 * p + 2 * r], dp[8 * p + 2 * r + 1]);
-      }
-    }
+    wg_pack_a(pa, sc);
+    wg_pack_a(da, dp);
     wg_fence();
-#pragma unroll
-    for (int p = 0; p < 4; ++p) wgmma_n(dv, pa[p], wg_desc(ds + p * 2048));
-#pragma unroll
-    for (int p = 0; p < 4; ++p) wgmma_n(dk, da[p], wg_desc(qs + p * 2048));
+    wgmma_n64(dv, pa, ds);
+    wgmma_n64(dk, da, qs);
     wg_commit();
     wg_wait();
     wg_pin(dv);
@@ -115,13 +111,12 @@ extern "C" __global__ void __launch_bounds__(128, 2) fusec_flash_bwd_dkv(const e
 // are double-buffered; ds goes from the accumulators into registers as the A operand of
 // dq += ds k. Writes the row statistics dk/dv reads, as the mma.sync kernel does. Dynamic shared
 // memory (flash::bf16::DQ_WG_SHARED): q and dout (16 KiB a warpgroup), two stages of k and v
-// (32 KiB), the row sums, and 1 KiB to align the tiles. Opt-in (`FUSEC_FLASH_WGMMA_DQ=1`, which defines FUSEC_WG_DQ): checked
-// bit for bit against the mma.sync kernel in a standalone harness, not yet by the GPU tests.
+// (32 KiB), the row sums, and 1 KiB to align the tiles.
 #ifndef DQW_MINB
 #define DQW_MINB 2
 #endif
 
-#if (!defined(FUSEC_FLASH_ONLY) || FUSEC_FLASH_ONLY == 1) && defined(FUSEC_WG_DQ)
+#if !defined(FUSEC_FLASH_ONLY) || FUSEC_FLASH_ONLY == 1
 extern "C" __global__ void __launch_bounds__(WG_THREADS, DQW_MINB) fusec_flash_bwd_dq(const elem* qkv, const elem* out, const float* lse, const elem* dout,
                                                                  elem* dqkv, float* stats, int T, int H, float scale) {
   extern __shared__ unsigned char dyn[];
@@ -142,30 +137,8 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, DQW_MINB) fusec_flash_b
     load_sw<64, WG_THREADS>(qs + i * 8192, q, rs, q0 + 64 * i, T);
     load_sw<64, WG_THREADS>(dos + i * 8192, dO, C, q0 + 64 * i, T);
   }
-  load_sw<WG_BN, WG_THREADS>(sb, q + C, rs, 0, T);
-  load_sw<WG_BN, WG_THREADS>(sb + WG_TILE, q + 2 * C, rs, 0, T);
-  cp_commit();
-  // rowsum(dout * out) of the warp's rows: CH lanes a row, 8 columns a lane, a fixed butterfly.
-#pragma unroll
-  for (int i = 0; i < 16 / (32 / CH); ++i) {
-    const int rl = wr + i * (32 / CH) + lane / CH, row = q0 + rl, c = (lane % CH) * 8;
-    float acc = 0.0f;
-    if (row < T) {
-      const uint4 a = *(const uint4*)(dO + (long long)row * C + c), b = *(const uint4*)(o + (long long)row * C + c);
-      const u32 av[4] = {a.x, a.y, a.z, a.w}, bv[4] = {b.x, b.y, b.z, b.w};
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        acc = fmaf(__uint_as_float(av[k] << 16), __uint_as_float(bv[k] << 16), acc);
-        acc = fmaf(__uint_as_float(av[k] & 0xffff0000u), __uint_as_float(bv[k] & 0xffff0000u), acc);
-      }
-    }
-#pragma unroll
-    for (int k = CH / 2; k >= 1; k >>= 1) acc += __shfl_xor_sync(FULL, acc, k);
-    if (lane % CH == 0) {
-      dsm[rl] = acc;
-      if (row < T) *(float2*)(stats + 2 * (bh * T + row)) = make_float2(acc, lse[bh * T + row] * LOG2E);
-    }
-  }
+  wg_load_kv(sb, q + C, q + 2 * C, rs, 0, T);
+  dq_rowsums<16>(dsm, stats, dO, o, lse, C, bh, T, q0, wr, lane);
   __syncthreads();
   float lr[2], dr[2];
 #pragma unroll
@@ -179,18 +152,7 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, DQW_MINB) fusec_flash_b
 #pragma unroll
   for (int i = 0; i < 32; ++i) dq[i] = 0.0f;
   for (int j = 0; j < nkt; ++j) {
-    if (j + 1 < nkt) {
-      const u32 st = sb + ((j + 1) & 1) * 2 * WG_TILE;
-      load_sw<WG_BN, WG_THREADS>(st, q + C, rs, (j + 1) * WG_BN, T);
-      load_sw<WG_BN, WG_THREADS>(st + WG_TILE, q + 2 * C, rs, (j + 1) * WG_BN, T);
-      cp_commit();
-      cp_wait<1>();
-    } else {
-      cp_wait<0>();
-    }
-    fence_async_smem();
-    __syncthreads();
-    const u32 ks = sb + (j & 1) * 2 * WG_TILE, vs = ks + WG_TILE;
+    const u32 ks = wg_next_kv(sb, q + C, q + 2 * C, rs, j, nkt, T), vs = ks + WG_TILE;
     const int k0 = j * WG_BN;
     if (k0 <= wg0 + 63) {
       float sc[32], dp[32];
@@ -216,13 +178,9 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, DQW_MINB) fusec_flash_b
           sc[4 * nb + e] = p * (dp[4 * nb + e] - dr[hh]);
         }
       u32 da[4][4];
-#pragma unroll
-      for (int p = 0; p < 4; ++p)
-#pragma unroll
-        for (int r = 0; r < 4; ++r) da[p][r] = pack2(sc[8 * p + 2 * r], sc[8 * p + 2 * r + 1]);
+      wg_pack_a(da, sc);
       wg_fence();
-#pragma unroll
-      for (int p = 0; p < 4; ++p) wgmma_n(dq, da[p], wg_desc(ks + p * 2048));
+      wgmma_n64(dq, da, ks);
       wg_commit();
       wg_wait();
       wg_pin(dq);

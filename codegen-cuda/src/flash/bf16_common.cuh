@@ -52,6 +52,33 @@ __device__ __forceinline__ float ex2(float x) {
   return y;
 }
 // QUAD_REDUCTIONS
+// rowsum(dout * out) of a warp's ROWS rows from local row `wr` of the query tile at q0: CH lanes
+// a row, 8 columns a lane, a fixed butterfly. Into dsm[local row] and, with lse log2(e), into
+// the (rowsum, lse log2 e) pairs of `stats` that the dk/dv kernel reads.
+template <int ROWS>
+__device__ __forceinline__ void dq_rowsums(float* dsm, float* stats, const elem* dO, const elem* o, const float* lse, long long C,
+                                           long long bh, int T, int q0, int wr, int lane) {
+#pragma unroll
+  for (int i = 0; i < ROWS / (32 / CH); ++i) {
+    const int rl = wr + i * (32 / CH) + lane / CH, row = q0 + rl, c = (lane % CH) * 8;
+    float acc = 0.0f;
+    if (row < T) {
+      const uint4 a = *(const uint4*)(dO + (long long)row * C + c), b = *(const uint4*)(o + (long long)row * C + c);
+      const u32 av[4] = {a.x, a.y, a.z, a.w}, bv[4] = {b.x, b.y, b.z, b.w};
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        acc = fmaf(__uint_as_float(av[k] << 16), __uint_as_float(bv[k] << 16), acc);
+        acc = fmaf(__uint_as_float(av[k] & 0xffff0000u), __uint_as_float(bv[k] & 0xffff0000u), acc);
+      }
+    }
+#pragma unroll
+    for (int k = CH / 2; k >= 1; k >>= 1) acc += __shfl_xor_sync(FULL, acc, k);
+    if (lane % CH == 0) {
+      dsm[rl] = acc;
+      if (row < T) *(float2*)(stats + 2 * (bh * T + row)) = make_float2(acc, lse[bh * T + row] * LOG2E);
+    }
+  }
+}
 // Rows [r0, r0 + R) of a row-major bf16 matrix (row stride `stride` elements, HD columns from
 // `base`) into shared memory at byte address `sm` (rows of LDS elements), by NT threads, 16
 // bytes each; rows at or past T are zeros.

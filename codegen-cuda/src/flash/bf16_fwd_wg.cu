@@ -64,6 +64,40 @@ __device__ __forceinline__ void wgmma_n(float* d, const u32* a, unsigned long lo
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
 }
 
+// Key tile k0's k and v (64 rows each) into the stage at `st` (v at st + WG_TILE), one commit.
+__device__ __forceinline__ void wg_load_kv(u32 st, const elem* k, const elem* v, long long rs, int k0, int T) {
+  load_sw<WG_BN, WG_THREADS>(st, k, rs, k0, T);
+  load_sw<WG_BN, WG_THREADS>(st + WG_TILE, v, rs, k0, T);
+  cp_commit();
+}
+// The key-tile pipeline of the Hopper kernels (two stages of k and v from `sb`): starts key tile
+// j + 1's loads where there is one, waits for tile j's and makes them visible to wgmma. Returns
+// tile j's k address (its v follows at + WG_TILE).
+__device__ __forceinline__ u32 wg_next_kv(u32 sb, const elem* k, const elem* v, long long rs, int j, int nkt, int T) {
+  if (j + 1 < nkt) {
+    wg_load_kv(sb + ((j + 1) & 1) * 2 * WG_TILE, k, v, rs, (j + 1) * WG_BN, T);
+    cp_wait<1>();
+  } else {
+    cp_wait<0>();
+  }
+  fence_async_smem();
+  __syncthreads();
+  return sb + (j & 1) * 2 * WG_TILE;
+}
+// The 64 x 64 accumulator `a` as bf16 A fragments of 16-column slices: slice p is columns
+// [16p, 16p + 16), the accumulators of n-tiles 2p and 2p + 1.
+__device__ __forceinline__ void wg_pack_a(u32 (*pa)[4], const float* a) {
+#pragma unroll
+  for (int p = 0; p < 4; ++p)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) pa[p][r] = pack2(a[8 * p + 2 * r], a[8 * p + 2 * r + 1]);
+}
+// d += a b for `a` packed by wg_pack_a and b the 64-row N-major swizzled tile at `b`.
+__device__ __forceinline__ void wgmma_n64(float* d, const u32 (*pa)[4], u32 b) {
+#pragma unroll
+  for (int p = 0; p < 4; ++p) wgmma_n(d, pa[p], wg_desc(b + p * 2048));
+}
+
 #if !defined(FUSEC_FLASH_ONLY) || FUSEC_FLASH_ONLY == 0
 extern "C" __global__ void __launch_bounds__(WG_THREADS, FWD_MINB) fusec_flash_fwd(const elem* qkv, elem* out, float* lse, int T, int H, float scale) {
   // Each warpgroup's 64 rows of q (8 KiB, swizzled), then two stages of k and v (8 KiB each).
@@ -78,25 +112,12 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, FWD_MINB) fusec_flash_f
 #pragma unroll
   for (int i = 0; i < WG_N; ++i) load_sw<64, WG_THREADS>(qs + i * 8192, q, rs, q0 + 64 * i, T);
   const int nkt = (min(q0 + WG_BM, T) + WG_BN - 1) / WG_BN;
-  load_sw<WG_BN, WG_THREADS>(sb, q + C, rs, 0, T);
-  load_sw<WG_BN, WG_THREADS>(sb + WG_TILE, q + 2 * C, rs, 0, T);
-  cp_commit();
+  wg_load_kv(sb, q + C, q + 2 * C, rs, 0, T);
   float o[32], m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
 #pragma unroll
   for (int i = 0; i < 32; ++i) o[i] = 0.0f;
   for (int j = 0; j < nkt; ++j) {
-    if (j + 1 < nkt) {
-      const u32 st = sb + ((j + 1) & 1) * 2 * WG_TILE;
-      load_sw<WG_BN, WG_THREADS>(st, q + C, rs, (j + 1) * WG_BN, T);
-      load_sw<WG_BN, WG_THREADS>(st + WG_TILE, q + 2 * C, rs, (j + 1) * WG_BN, T);
-      cp_commit();
-      cp_wait<1>();
-    } else {
-      cp_wait<0>();
-    }
-    fence_async_smem();
-    __syncthreads();
-    const u32 ks = sb + (j & 1) * 2 * WG_TILE, vs = ks + WG_TILE;
+    const u32 ks = wg_next_kv(sb, q + C, q + 2 * C, rs, j, nkt, T), vs = ks + WG_TILE;
     const int k0 = j * WG_BN;
     // Keys past the warpgroup's last row: nothing to do (uniform over the warpgroup).
     if (k0 <= wg0 + 63) {
@@ -148,16 +169,9 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, FWD_MINB) fusec_flash_f
       }
       // The accumulators of key tiles 2p and 2p + 1 are the A fragment of keys [16p, 16p + 16).
       u32 pa[4][4];
-#pragma unroll
-      for (int p = 0; p < 4; ++p) {
-        pa[p][0] = pack2(sc[8 * p], sc[8 * p + 1]);
-        pa[p][1] = pack2(sc[8 * p + 2], sc[8 * p + 3]);
-        pa[p][2] = pack2(sc[8 * p + 4], sc[8 * p + 5]);
-        pa[p][3] = pack2(sc[8 * p + 6], sc[8 * p + 7]);
-      }
+      wg_pack_a(pa, sc);
       wg_fence();
-#pragma unroll
-      for (int p = 0; p < 4; ++p) wgmma_n(o, pa[p], wg_desc(vs + p * 2048));
+      wgmma_n64(o, pa, vs);
       wg_commit();
       wg_wait();
       wg_pin(o);

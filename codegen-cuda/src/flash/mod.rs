@@ -152,9 +152,7 @@ pub fn geometry(d: usize, dtype: DType, arch: &str) -> [Geometry; 3] {
             let mut g = [c.fwd, c.dq, c.dkv].map(|s| Geometry { threads: s.threads(), rows: s.rows(), tiles_in_z: true, shared: 0 });
             if bf16::wgmma(d, arch) {
                 g[0] = Geometry { threads: bf16::WG_THREADS, rows: bf16::WG_ROWS, tiles_in_z: true, shared: 0 };
-                if bf16::wgmma_dq(d, arch) {
-                    g[1] = Geometry { threads: bf16::WG_THREADS, rows: bf16::WG_ROWS, tiles_in_z: true, shared: bf16::DQ_WG_SHARED };
-                }
+                g[1] = Geometry { threads: bf16::WG_THREADS, rows: bf16::WG_ROWS, tiles_in_z: true, shared: bf16::DQ_WG_SHARED };
                 g[2] = Geometry { threads: 128, rows: 64, tiles_in_z: true, shared: bf16::DKV_WG_SHARED };
             }
             g

@@ -229,7 +229,7 @@ impl CudaExecutor {
             lt_epilogues: lt_launches,
             attention: attention_summary(&src.attention, &mods.flash)
                 + if mods.flash.iter().any(|&(d, dt)| dt == DType::BF16 && flash::bf16::wgmma(d, mods.compiler.arch())) {
-                    "; forward and dk/dv on Hopper warpgroup MMAs (wgmma)"
+                    "; on Hopper warpgroup MMAs (wgmma)"
                 } else {
                     ""
                 },
