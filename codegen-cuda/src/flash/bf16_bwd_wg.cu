@@ -64,17 +64,7 @@ extern "C" __global__ void __launch_bounds__(128, DKVW_MINB) fusec_flash_bwd_dkv
     const u32 qs = sb + (i & 1) * 16384, ds = qs + 8192;
     const float2* st2 = (const float2*)(dyn + (stt - smem_u32(dyn))) + (i & 1) * 64;
     float sc[32], dp[32];
-#pragma unroll
-    for (int e = 0; e < 32; ++e) sc[e] = dp[e] = 0.0f;
-    wg_fence();
-#pragma unroll
-    for (int kk = 0; kk < KD; ++kk) wgmma_ss(sc, wg_desc(ks + kk * 32), wg_desc(qs + kk * 32));
-#pragma unroll
-    for (int kk = 0; kk < KD; ++kk) wgmma_ss(dp, wg_desc(vs + kk * 32), wg_desc(ds + kk * 32));
-    wg_commit();
-    wg_wait();
-    wg_pin(sc);
-    wg_pin(dp);
+    wgmma_pair_ss(sc, dp, ks, qs, vs, ds);
     // Rows are keys (16 w + g, + 8), columns queries; the diagonal tile is masked (query < key).
     const bool mask = qt == kt;
 #pragma unroll
@@ -162,17 +152,7 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, DQW_MINB) fusec_flash_b
     const int k0 = j * WG_BN;
     if (k0 <= wg0 + 63) {
       float sc[32], dp[32];
-#pragma unroll
-      for (int i = 0; i < 32; ++i) sc[i] = dp[i] = 0.0f;
-      wg_fence();
-#pragma unroll
-      for (int kk = 0; kk < KD; ++kk) wgmma_ss(sc, wg_desc(qw + kk * 32), wg_desc(ks + kk * 32));
-#pragma unroll
-      for (int kk = 0; kk < KD; ++kk) wgmma_ss(dp, wg_desc(dw + kk * 32), wg_desc(vs + kk * 32));
-      wg_commit();
-      wg_wait();
-      wg_pin(sc);
-      wg_pin(dp);
+      wgmma_pair_ss(sc, dp, qw, ks, dw, vs);
       const bool mask = k0 + WG_BN - 1 > wg0;
 #pragma unroll
       for (int nb = 0; nb < 8; ++nb)

@@ -84,6 +84,21 @@ __device__ __forceinline__ u32 wg_next_kv(u32 sb, const elem* k, const elem* v, 
   __syncthreads();
   return sb + (j & 1) * 2 * WG_TILE;
 }
+// x = xa xb^T and y = ya yb^T over the head dimension (KD steps of 16 columns), both from
+// swizzled shared tiles stored K-major, issued together and waited for (the backward's s and dp).
+__device__ __forceinline__ void wgmma_pair_ss(float* x, float* y, u32 xa, u32 xb, u32 ya, u32 yb) {
+#pragma unroll
+  for (int e = 0; e < 32; ++e) x[e] = y[e] = 0.0f;
+  wg_fence();
+#pragma unroll
+  for (int kk = 0; kk < KD; ++kk) wgmma_ss(x, wg_desc(xa + kk * 32), wg_desc(xb + kk * 32));
+#pragma unroll
+  for (int kk = 0; kk < KD; ++kk) wgmma_ss(y, wg_desc(ya + kk * 32), wg_desc(yb + kk * 32));
+  wg_commit();
+  wg_wait();
+  wg_pin(x);
+  wg_pin(y);
+}
 // The 64 x 64 accumulator `a` as bf16 A fragments of 16-column slices: slice p is columns
 // [16p, 16p + 16), the accumulators of n-tiles 2p and 2p + 1.
 __device__ __forceinline__ void wg_pack_a(u32 (*pa)[4], const float* a) {
