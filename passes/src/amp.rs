@@ -19,7 +19,8 @@
 //!   add and GELU on a bf16 product stay bf16 (a broadcast operand — the bias — follows the
 //!   others). Where full-size operands differ (the residual stream adding a bf16 projection to
 //!   its f32 self), the residual policy decides: f32 as autocast does (`bf16`), or bf16 as
-//!   llm.c does (`bf16+residual`).
+//!   llm.c does (`bf16+residual`, where LayerNorm's input gradient is narrowed too, so the
+//!   stream's gradient is bf16 as well).
 //!
 //! **Weights.** In a training step whose AdamW writes a parameter back, the products read the
 //! parameter's bf16 copy, a persistent input `bf16.P` (like `m.P`), and the update writes the
@@ -46,7 +47,7 @@ pub enum Precision {
     F32,
     /// bf16 activations and products, an f32 residual stream (autocast's choice).
     Bf16,
-    /// As `Bf16`, with the residual stream in bf16 too (llm.c's choice).
+    /// As `Bf16`, with the residual stream and its gradient in bf16 too (llm.c's choice).
     Bf16Residual,
 }
 
@@ -110,7 +111,7 @@ pub fn rule(op: &Op) -> Rule {
 
 /// The policy as `#` comment lines (printed by `fusec dump --pass amp`).
 pub fn describe(p: Precision) -> String {
-    let residual = if p == Precision::Bf16Residual { "bf16 (llm.c)" } else { "f32 (autocast)" };
+    let residual = if p == Precision::Bf16Residual { "bf16 and its gradient bf16 (llm.c)" } else { "f32 (autocast)" };
     let mut s = format!("# amp policy `{}`; residual stream: {residual}\n", p.name());
     for (ops, r, why) in POLICY {
         s += &format!("#   {:<58} {:<8} {why}\n", ops.join(", "), format!("{r:?}").to_lowercase());
@@ -313,6 +314,12 @@ pub fn amp(g: &Graph, policy: Precision) -> Result<Graph, String> {
         let rs = a.c.out.try_add(op, &conv).map_err(|e| format!("amp: `{}`: {e}", n.op.mnemonic()))?;
         if let (Op::AdamW { .. }, Some(&copy)) = (&n.op, rs.get(3)) {
             copies.push((format!("{COPY_PREFIX}{}", param_name(g, n.inputs[0])), copy));
+        }
+        let mut rs = rs.to_vec();
+        if residual == DType::BF16 && n.op == Op::LayerNormGrad {
+            // The residual stream's gradient is bf16 too (llm.c): LayerNorm's input gradient is
+            // narrowed, so the adds that carry the stream's gradient stay bf16.
+            rs[0] = a.convert(rs[0], DType::BF16)?;
         }
         for (&old, &new) in n.results.iter().zip(rs.iter()) {
             a.c.set(old, new);

@@ -66,3 +66,25 @@ fn amp_bf16_on_one_block() {
     insta::assert_snapshot!("block_amp_bf16", dump("amp", &opts));
     insta::assert_snapshot!("block_fuse_bf16", dump("fuse", &opts));
 }
+
+#[test]
+fn bf16_residual_narrows_the_residual_streams_gradient() {
+    // Under `bf16+residual` LayerNorm's input gradient (the residual stream's gradient) is read
+    // only through its bf16 cast; under `bf16` it stays f32 and is added in f32.
+    let mut bind = Bindings::default();
+    bind.set("B", 2).set("T", 4);
+    for (precision, narrowed) in [(Precision::Bf16Residual, true), (Precision::Bf16, false)] {
+        let opts = PipelineOptions { precision, ..PipelineOptions::default() };
+        let g = compile(&block(), "amp", Mode::Step, &opts, &bind).unwrap().graph;
+        let mut seen = 0;
+        for n in g.nodes.iter().filter(|n| n.op == fusec_ir::Op::LayerNormGrad) {
+            let mut users = g.nodes.iter().filter(|u| u.inputs.contains(&n.results[0])).peekable();
+            assert!(users.peek().is_some());
+            let all_bf16_casts = users.all(|u| u.op == fusec_ir::Op::Cast { to: fusec_ir::DType::BF16 });
+            assert_eq!(all_bf16_casts, narrowed, "{precision:?}: users of a layernorm_grad result");
+            seen += 1;
+        }
+        assert_eq!(seen, 3, "two LayerNorms of the block and the final one");
+    }
+    insta::assert_snapshot!("block_fuse_bf16_residual", dump("fuse", &PipelineOptions { precision: Precision::Bf16Residual, ..PipelineOptions::default() }));
+}
