@@ -14,7 +14,7 @@
 #   2c. the same in bf16: --precision bf16 / bf16+residual with each --recompute; one profiled
 #   3. PyTorch on the same shape: eager-fp32 (TF32 allowed, as the bench sets it), eager-bf16
 #      (autocast) and compile-bf16
-#   4. with BIG=1: GPT-2 1.5B (d48) B=8, fusec bf16 and torch.compile bf16
+#   4. with BIG=1: GPT-2 1.5B (d48) B=8, fusec bf16 and bf16+residual, torch.compile bf16
 # and prints fusec's ms/step, tokens/s and allocated memory next to each PyTorch mode's, with
 # the ratios (PyTorch's peak is torch.cuda.max_memory_allocated; fusec's the one allocation).
 #
@@ -112,21 +112,25 @@ for name, ((med, tps, l0, l1), mib) in fusec.items():
 EOF2
 
 if [ -n "${BIG:-}" ]; then
-  echo "== 4. GPT-2 1.5B (d48) B=8 T=1024: fusec bf16 vs torch.compile bf16, 10 steps"
+  echo "== 4. GPT-2 1.5B (d48) B=8 T=1024: fusec bf16 and bf16+residual vs torch.compile bf16, 10 steps"
   "$BIN" export gpt2 --preset d48 -o "$OUTDIR/d48.graph"
-  "$BIN" run "$OUTDIR/d48.graph" --target cuda --precision bf16 --recompute ${BF16_RECOMPUTE:-gelu} --batch 8 --seq 1024 \
-    --steps 10 --val-every 1000000 --log-json "$OUTDIR/fusec_d48.jsonl" | tee "$OUTDIR/fusec_d48.txt" | grep -E "step time|throughput|peak memory|compile"
+  for prec in bf16 bf16+residual; do
+    tag=d48$([ $prec = bf16 ] || echo _residual)
+    "$BIN" run "$OUTDIR/d48.graph" --target cuda --precision $prec --recompute ${BF16_RECOMPUTE:-gelu} --batch 8 --seq 1024 \
+      --steps 10 --val-every 1000000 --log-json "$OUTDIR/fusec_$tag.jsonl" | tee "$OUTDIR/fusec_$tag.txt" | grep -E "step time|throughput|peak memory|compile"
+  done
   python3 "$TORCH" --layers 48 --heads 25 --channels 1600 --batch 8 --seq 1024 --steps 10 --modes compile-bf16 | tee "$OUTDIR/torch_d48.jsonl"
   python3 - "$OUTDIR" <<'EOF3'
 import json, re, sys
 out = sys.argv[1]
-steps = [s for s in (json.loads(l) for l in open(f"{out}/fusec_d48.jsonl") if l.strip()) if "ms" in s][1:]
-ms = sorted(s["ms"] for s in steps)[len(steps) // 2]
-mib = float(re.search(r"peak memory\s+([\d.]+) MiB allocated", open(f"{out}/fusec_d48.txt").read()).group(1))
 t = [json.loads(l) for l in open(f"{out}/torch_d48.jsonl") if l.strip().startswith("{")][0]
-tps = 8 * 1024 / (ms / 1000.0)
-print(f"fusec 1.5B bf16: {ms:.1f} ms/step, {tps:,.0f} tok/s, {mib:,.0f} MiB allocated")
-print(f"    vs torch {t['mode']} ({t['ms_per_step_median']:.1f} ms, {t['peak_mem_mib']:,} MiB): "
-      f"speed {tps / t['tokens_per_s']:.2f}x, memory {mib / t['peak_mem_mib']:.2f}x")
+for tag, prec in [("d48", "bf16"), ("d48_residual", "bf16+residual")]:
+    steps = [s for s in (json.loads(l) for l in open(f"{out}/fusec_{tag}.jsonl") if l.strip()) if "ms" in s][1:]
+    ms = sorted(s["ms"] for s in steps)[len(steps) // 2]
+    mib = float(re.search(r"peak memory\s+([\d.]+) MiB allocated", open(f"{out}/fusec_{tag}.txt").read()).group(1))
+    tps = 8 * 1024 / (ms / 1000.0)
+    print(f"fusec 1.5B {prec}: {ms:.1f} ms/step, {tps:,.0f} tok/s, {mib:,.0f} MiB allocated")
+    print(f"    vs torch {t['mode']} ({t['ms_per_step_median']:.1f} ms, {t['peak_mem_mib']:,} MiB): "
+          f"speed {tps / t['tokens_per_s']:.2f}x, memory {mib / t['peak_mem_mib']:.2f}x")
 EOF3
 fi
