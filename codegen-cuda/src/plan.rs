@@ -38,6 +38,9 @@ pub(crate) const MAX_TEAMS: u64 = 2048;
 /// Row-kernel teams of a block or more when the program has column reductions: about one wave
 /// of 256-thread blocks on an H100 (132 SMs, four blocks each), each writing one partial set.
 pub(crate) const MAX_BLOCK_TEAMS: u64 = 512;
+/// Blocks of a cluster team (`Mapping::Rows`), and the shortest rows given one.
+pub(crate) const CLUSTER: u32 = 8;
+pub(crate) const CLUSTER_MIN_COLS: u64 = 16384;
 /// Column-kernel blocks: `COL_BX` threads along the columns (`W` columns each) by `COL_BY`
 /// row slices.
 pub(crate) const COL_BX: u32 = 32;
@@ -62,8 +65,11 @@ pub(crate) const STAGE_MAX_BYTES: u64 = 99 * 1024 - 256;
 pub(crate) enum Mapping {
     /// One thread per element.
     Flat,
-    /// `team` threads per row, `tpb` teams a block, `teams` teams in all.
-    Rows { team: u32, tpb: u32, teams: u64 },
+    /// `team` threads per row, `tpb` teams a block, `teams` teams in all. With `cluster` > 1
+    /// (one block a team of 256), on sm_90 a thread-block cluster of that many blocks takes each
+    /// row instead (a team of `cluster * team` threads, see `emit/rows.rs`); the grid has
+    /// `cluster` blocks a team either way.
+    Rows { team: u32, tpb: u32, teams: u64, cluster: u32 },
     /// Blocks of [`COL_BX`] x [`COL_BY`] threads; `chunks` row chunks (blocks along the rows).
     Cols { chunks: u64 },
 }
@@ -138,13 +144,20 @@ pub(crate) fn plan(p: &Prog) -> Plan {
             (false, 32) => rows.min(MAX_TEAMS),
             (false, _) => rows.min(MAX_BLOCK_TEAMS),
         };
-        Mapping::Rows { team, tpb, teams: teams.max(1) }
+        // f32 rows too long to keep in one block's registers between passes (the fp32
+        // classifier's 50,304 logits, read by three passes): a cluster of blocks keeps them, so
+        // the row is read from DRAM once (H100: 4.41 -> 3.05 ms). Not for bf16 rows: their
+        // online softmax reads them twice, and the cluster's barriers cost more than the
+        // second read saved (1.68 -> 1.93 ms).
+        let f32_rows = !crate::emit::reads_bf16(p);
+        let cluster = if f32_rows && colreds.is_empty() && team == 256 && cols >= CLUSTER_MIN_COLS { CLUSTER } else { 1 };
+        Mapping::Rows { team, tpb, teams: teams.max(1), cluster }
     };
     // The LayerNorm gradient's three sums took 72 registers a thread in registers (occupancy
     // 25%): in shared memory 0.112 -> 0.097 ms on the H100; summed per block before they go
     // out, 2,048 partial sets become 256 (the finalize kernel had taken 14 of the 98 us).
     let smem_partials = match mapping {
-        Mapping::Rows { team: 32, tpb, teams } => {
+        Mapping::Rows { team: 32, tpb, teams, .. } => {
             let k_count = cols.div_ceil(32);
             // The slots of 8-wide passes whose last step runs past the row (`emit/rows.rs`).
             let k_slots = k_count.max(cols.div_ceil(256) * 8);

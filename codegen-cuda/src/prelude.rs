@@ -87,6 +87,50 @@ template <int TEAM> __device__ __forceinline__ float team_sum(float v, float* sh
   }
   return v;
 }
+#if __CUDA_ARCH__ >= 900
+// Cluster teams (sm_90): a row taken by a cluster of K blocks of 256 threads. Each block puts
+// its total (its warps in order) in sh[8 + slot]; after the cluster barrier every thread adds
+// the K totals in rank order through distributed shared memory. A row's body ends with one
+// more cluster_sync, so no block reuses or leaves its slots while another reads them.
+__device__ __forceinline__ unsigned cluster_rank() {
+  unsigned r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.aligned;\n\tbarrier.cluster.wait.aligned;" ::: "memory");
+}
+__device__ __forceinline__ float cluster_load(const float* p, unsigned rank) {
+  unsigned a, b;
+  float v;
+  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(b) : "r"(a), "r"(rank));
+  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(b) : "memory");
+  return v;
+}
+struct RedSum { __device__ float operator()(float a, float b) const { return a + b; } };
+struct RedMax { __device__ float operator()(float a, float b) const { return max_nan(a, b); } };
+template <int K, typename F> __device__ __forceinline__ float cluster_reduce(float v, float* sh, int slot, F f) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = f(v, __shfl_xor_sync(0xffffffffu, v, o));
+  __syncthreads();
+  if ((threadIdx.x & 31) == 0) sh[threadIdx.x >> 5] = v;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float b = sh[0];
+#pragma unroll
+    for (int w = 1; w < 8; ++w) b = f(b, sh[w]);
+    sh[8 + slot] = b;
+  }
+  cluster_sync();
+  float t = cluster_load(sh + 8 + slot, 0);
+#pragma unroll
+  for (int r = 1; r < K; ++r) t = f(t, cluster_load(sh + 8 + slot, r));
+  return t;
+}
+template <int K> __device__ __forceinline__ float cluster_sum(float v, float* sh, int slot) { return cluster_reduce<K>(v, sh, slot, RedSum()); }
+template <int K> __device__ __forceinline__ float cluster_max(float v, float* sh, int slot) { return cluster_reduce<K>(v, sh, slot, RedMax()); }
+#endif
 template <int TEAM> __device__ __forceinline__ float team_max(float v, float* sh) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v = max_nan(v, __shfl_xor_sync(0xffffffffu, v, o));

@@ -26,6 +26,22 @@ fn source(text: &str) -> KernelSource {
 
 /// A LayerNorm backward over `[r, c]` reading bf16 `dy`, `x` and residual gradient, writing a
 /// bf16 `dx` and accumulating f32 `grad.w`, `grad.b` (column reductions).
+/// A kernel source as compiled below sm_90: without the code under `#if __CUDA_ARCH__ >= 900`
+/// (a cluster team's body and its `__cluster_dims__`) up to its `#else` or `#endif`.
+fn below_sm90(src: &str) -> String {
+    let (mut out, mut rest) = (String::new(), src);
+    while let Some((before, after)) = rest.split_once("#if __CUDA_ARCH__ >= 900\n") {
+        out.push_str(before);
+        let end = |m: &str| after.find(m).map(|i| i + m.len());
+        let skip = match (end("#else\n"), end("#endif\n")) {
+            (Some(e), Some(f)) => e.min(f),
+            (e, f) => e.or(f).unwrap_or(after.len()),
+        };
+        rest = &after[skip..];
+    }
+    out + rest
+}
+
 fn layernorm_grad_bf16(r: u64, c: u64) -> KernelSource {
     let (rc, b) = (format!("[{r}, {c}]"), format!("bf16[{r}, {c}]"));
     let ins = format!(
@@ -251,6 +267,8 @@ fn the_124m_bf16_step_reads_and_writes_bf16_rows_16_bytes_a_thread() {
     let ce = get("cast_cross_entropy_with_grad");
     assert_eq!(ce.matches("for (int c0 = lane * 8; c0 < 50304; c0 += 2048) {").count(), 2, "{ce}");
     assert_eq!(ce.matches("q0 = *(const uint4*)&in0[r * 50304 + c];").count(), 2, "{ce}");
+    // No cluster for bf16 rows (`plan.rs`): the online pass reads them twice only.
+    assert!(!ce.contains("__cluster_dims__"), "{ce}");
     assert!(ce.contains("if (x > a8 || x != x) { o13 = o13 * fast_exp(a8 - x); a8 = x; }"), "{ce}");
     assert!(ce.contains("const float a13 = o13 == 0.0f ? 0.0f : o13 * fast_exp(a8 - v8);"), "{ce}");
     assert!(!ce.contains("unsigned char stage[]"), "{ce}");
@@ -326,11 +344,43 @@ fn bf16_vector_paths_compile_to_vector_instructions_without_local_memory() {
         assert!(!ptx.contains(".local"), "{}: local memory\n{ptx}", s.name);
         let count = |pat: &str| ptx.lines().filter(|l| l.trim_start().starts_with(pat)).count();
         let loads = |v: &str| count(&format!("ld.global.{v}")) + count(&format!("ld.global.nc.{v}"));
-        let src = body(&s.source);
+        let src = below_sm90(&body(&s.source));
         assert!(loads("v4.u32") >= src.matches("= *(const uint4*)&").count(), "{}: uint4 loads\n{ptx}", s.name);
         assert!(loads("v2.u32") >= src.matches("= *(const uint2*)&").count(), "{}: uint2 loads\n{ptx}", s.name);
         assert!(count("st.global.v4.b32") >= src.matches(" st_b32x4(").count(), "{}\n{ptx}", s.name);
         assert!(count("st.global.v2.b32") >= src.matches(" st_b32x2(").count(), "{}\n{ptx}", s.name);
         assert!(!ptx.contains("st.global.u16") && !ptx.contains("st.global.v2.u16"), "{}: no 2-byte stores of bf16 rows\n{ptx}", s.name);
     }
+}
+
+#[test]
+fn the_f32_classifier_reads_its_rows_once_through_a_cluster_on_sm_90() {
+    // GPT-2's fp32 classifier rows (50,304 f32 logits, three passes): on sm_90 a cluster of
+    // eight blocks a row keeps the row in registers (seven float4 a thread) and reduces through
+    // distributed shared memory; below sm_90 a block a row, as before.
+    let f32 = step_124m(Precision::F32);
+    let ce = f32.iter().find(|s| s.name == "cross_entropy_with_grad").expect("classifier");
+    let src = body(&ce.source);
+    assert!(src.contains("#if __CUDA_ARCH__ >= 900\n__cluster_dims__(8, 1, 1)\n#endif\n__launch_bounds__(256)"), "{src}");
+    assert_eq!(ce.launches[0].grid, [16384 * 8, 1, 1]);
+    let (cluster, classic) = src.split_once("cross_entropy_with_grad(").unwrap().1.split_once("#else\n").expect("two bodies");
+    assert!(cluster.contains("const int lane = (int)cluster_rank() * 256 + threadIdx.x;"), "{cluster}");
+    assert_eq!(cluster.matches("= *(const float4*)&in0[r * 50304 + c]").count(), 1, "one read of the row:\n{cluster}");
+    assert!(cluster.contains("float4 rk0[7];") && cluster.contains("cluster_max<8>(") && cluster.contains("cluster_sum<8>("), "{cluster}");
+    assert!(cluster.contains("    cluster_sync();\n  }"), "{cluster}");
+    assert_eq!(classic.matches("= *(const float4*)&in0[r * 50304 + c]").count(), 3, "{classic}");
+    assert_eq!(below_sm90(&src).matches("*(const float4*)&in0[").count(), 3);
+    if let Err(e) = nvrtc::available() {
+        fusec_ir::testkit::skip("NVRTC compile tests", &e);
+        return;
+    }
+    for arch in ["sm_80", "sm_90"] {
+        let img = nvrtc::compile(&ce.source, &ce.ident, arch).unwrap_or_else(|e| panic!("{arch}: {e}"));
+        assert!(!img.ptx && !img.bytes.is_empty());
+    }
+    let ptx = nvrtc::compile(&ce.source, &ce.ident, "compute_90").unwrap_or_else(|e| panic!("{e}"));
+    let ptx = String::from_utf8_lossy(&ptx.bytes).replace('\0', "");
+    assert!(ptx.contains(".reqnctapercluster 8, 1, 1"), "{ptx}");
+    assert!(ptx.contains("barrier.cluster.arrive.aligned") && ptx.contains("mapa.shared::cluster.u32"), "{ptx}");
+    assert!(ptx.contains("ld.shared::cluster.f32") && !ptx.contains(".local"), "{ptx}");
 }

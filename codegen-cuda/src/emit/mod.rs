@@ -295,7 +295,19 @@ impl Seg<'_> {
         match self.plan.mapping {
             Mapping::Flat => self.flat(out, "  ", 0, self.flat_width()),
             Mapping::Cols { chunks } => self.cols(out, chunks),
-            Mapping::Rows { team, tpb, teams } => self.rows(out, team, tpb, teams),
+            Mapping::Rows { team, tpb, teams, cluster: 1 } => self.rows(out, team, tpb, teams, 1),
+            Mapping::Rows { team, tpb, teams, cluster } => {
+                // A cluster of blocks a row on sm_90; elsewhere one block a row, the other
+                // blocks of the grid idle.
+                out.push_str("#if __CUDA_ARCH__ >= 900\n");
+                self.rows(out, team * cluster, tpb, teams, cluster)?;
+                let shared = self.shared.get();
+                out.push_str("#else\n");
+                self.rows(out, team, tpb, teams, 1)?;
+                out.push_str("#endif\n");
+                self.shared.set(self.shared.get().max(shared));
+                Ok(())
+            }
         }
     }
 

@@ -91,11 +91,10 @@ impl Online {
         format!("if ({x} > __uint_as_float(0x{NEG_INF:x}u)) o{s} = o{s} + fast_exp({x} - a{m});")
     }
 
-    /// After the team's maximum `v{max}`: the sum, rescaled to it and reduced over the team.
-    pub fn close(&self, team: u32) -> String {
+    /// After the team's maximum `v{max}`: the sum, rescaled to it and reduced over the team by
+    /// `reduce` (the team reduction's call on `a{sum}`).
+    pub fn close(&self, reduce: &str) -> String {
         let (m, s) = (self.max, self.sum);
-        format!(
-            "    const float a{s} = o{s} == 0.0f ? 0.0f : o{s} * fast_exp(a{m} - v{m});\n    const float v{s} = team_sum<{team}>(a{s}, sh);\n"
-        )
+        format!("    const float a{s} = o{s} == 0.0f ? 0.0f : o{s} * fast_exp(a{m} - v{m});\n    const float v{s} = {reduce};\n")
     }
 }

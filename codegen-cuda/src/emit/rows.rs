@@ -49,7 +49,12 @@ const MAX_KEPT_REGS: u64 = 48;
 const COLS: (&str, &str) = ("      ", "const int c = c0;");
 
 impl Seg<'_> {
-    pub(super) fn rows(&self, out: &mut String, team: u32, tpb: u32, teams: u64) -> R<()> {
+    /// The row body for teams of `team` threads, `tpb` a block; with `cluster` > 1 a team is a
+    /// cluster of that many blocks (sm_90): its lanes span the blocks, its reductions go
+    /// through distributed shared memory (the prelude's `cluster_sum`/`cluster_max`), and it
+    /// syncs once more at the end of each row so that no block reuses or leaves its shared
+    /// memory while another still reads it.
+    pub(super) fn rows(&self, out: &mut String, team: u32, tpb: u32, teams: u64, cluster: u32) -> R<()> {
         let (p, plan) = (self.p, &self.plan);
         let live = &plan.main_live;
         let cols = p.cols;
@@ -58,14 +63,32 @@ impl Seg<'_> {
         // Register partials of column reductions accumulated by a wide pass (`W` adjacent
         // columns a thread at a time): partial `k` is column `(lane + (k / W) team) W + k % W`.
         let mut reg_width: Vec<(NodeId, u32)> = vec![];
-        if team > 32 {
+        if cluster > 1 {
+            // Eight warps' partials, then a block total for each of up to eight reductions a row.
+            let _ = writeln!(out, "  __shared__ float sh[16];");
+        } else if team > 32 {
             let _ = writeln!(out, "  __shared__ float sh[{}];", team / 32);
         } else {
             let _ = writeln!(out, "  float* sh = 0;");
         }
         self.lines(out, "  ", &self.entry_nodes(live))?;
-        let _ = writeln!(out, "  const int lane = threadIdx.x % {team};");
-        let _ = writeln!(out, "  const long long team = (long long)blockIdx.x * {tpb} + threadIdx.x / {team};");
+        if cluster > 1 {
+            let _ = writeln!(out, "  const int lane = (int)cluster_rank() * {} + threadIdx.x;", team / cluster);
+            let _ = writeln!(out, "  const long long team = (long long)blockIdx.x / {cluster};");
+        } else {
+            let _ = writeln!(out, "  const int lane = threadIdx.x % {team};");
+            let _ = writeln!(out, "  const long long team = (long long)blockIdx.x * {tpb} + threadIdx.x / {team};");
+        }
+        // A team reduction of `arg` (`sum` or `max`): the k-th of a row in a cluster uses slot k.
+        let slot = std::cell::Cell::new(0u32);
+        let reduce = |f: &str, arg: String| {
+            if cluster > 1 {
+                slot.set(slot.get() + 1);
+                format!("cluster_{f}<{cluster}>({arg}, sh, {})", slot.get() - 1)
+            } else {
+                format!("team_{f}<{team}>({arg}, sh)")
+            }
+        };
         let _ = writeln!(out, "  if (team >= {teams}) return;");
         // Column partials in registers, or in the team's slice of shared memory (`Plan::smem_partials`).
         let in_smem = plan.smem_partials;
@@ -241,12 +264,12 @@ impl Seg<'_> {
                 self.keep.borrow_mut().clear();
                 for &rr in &pass.rowreds {
                     let f = match op_of(&p.node(rr).expr) {
-                        ReduceOp::Sum => "team_sum",
-                        ReduceOp::Max => "team_max",
+                        ReduceOp::Sum => "sum",
+                        ReduceOp::Max => "max",
                     };
-                    let _ = writeln!(out, "    const float v{rr} = {f}<{team}>(a{rr}, sh);");
+                    let _ = writeln!(out, "    const float v{rr} = {};", reduce(f, format!("a{rr}")));
                     if let Some(o) = online.as_ref().filter(|o| o.max == rr) {
-                        out.push_str(&o.close(team));
+                        out.push_str(&o.close(&reduce("sum", format!("a{}", o.sum))));
                     }
                 }
             }
@@ -261,6 +284,12 @@ impl Seg<'_> {
         }
         for &c in &plan.row_colreds {
             let _ = writeln!(out, "    p{c} = {}(p{c}, v{});", red_fn(op_of(&p.node(c).expr)), arg(p, c));
+        }
+        if cluster > 1 {
+            if slot.get() > 8 {
+                return Err(format!("internal: {} row reductions for a cluster team (at most 8)", slot.get()));
+            }
+            let _ = writeln!(out, "    cluster_sync();");
         }
         let _ = writeln!(out, "  }}");
         let width_of = |c: NodeId| reg_width.iter().find(|&&(n, _)| n == c).map_or(1, |&(_, w)| w);
