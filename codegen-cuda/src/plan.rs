@@ -16,7 +16,9 @@
 //!   rows) — making one pass over
 //!   the row's columns per reduction level, as in the CPU backend's plan, with team reductions
 //!   between passes. With column reductions a fixed number of teams walk the rows (team `t`
-//!   takes rows `t, t + teams, ...`) and keep column partials per team.
+//!   takes rows `t, t + teams, ...`) and keep column partials per team. f32 rows of
+//!   [`CLUSTER_MIN_COLS`] or more get a cluster of [`CLUSTER`] blocks a row on sm_90, which
+//!   keeps the row in registers between passes (one read from DRAM instead of one a pass).
 //!
 //! Column partials land in scratch (`[parts, C]` per reduction); a *finalize* kernel sums them
 //! in a fixed order (each of [`FIN_SLICES`] thread rows sums a contiguous slice of the partials,
