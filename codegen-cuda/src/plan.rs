@@ -40,8 +40,9 @@ pub(crate) const MAX_TEAMS: u64 = 2048;
 /// Row-kernel teams of a block or more when the program has column reductions: about one wave
 /// of 256-thread blocks on an H100 (132 SMs, four blocks each), each writing one partial set.
 pub(crate) const MAX_BLOCK_TEAMS: u64 = 512;
-/// Blocks of a cluster team (`Mapping::Rows`), and the shortest rows given one.
+/// Blocks of a cluster team (`Mapping::Rows`).
 pub(crate) const CLUSTER: u32 = 8;
+/// The shortest f32 rows given a cluster team: shorter rows fit one block's registers.
 pub(crate) const CLUSTER_MIN_COLS: u64 = 16384;
 /// Column-kernel blocks: `COL_BX` threads along the columns (`W` columns each) by `COL_BY`
 /// row slices.
