@@ -42,7 +42,7 @@ pub(crate) const MAX_TEAMS: u64 = 2048;
 pub(crate) const MAX_BLOCK_TEAMS: u64 = 512;
 /// Blocks of a cluster team (`Mapping::Rows`).
 pub(crate) const CLUSTER: u32 = 8;
-/// The shortest f32 rows given a cluster team: shorter rows fit one block's registers.
+/// The shortest f32 rows given a cluster team (shorter ones keep a block a row).
 pub(crate) const CLUSTER_MIN_COLS: u64 = 16384;
 /// Column-kernel blocks: `COL_BX` threads along the columns (`W` columns each) by `COL_BY`
 /// row slices.
