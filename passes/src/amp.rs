@@ -311,11 +311,10 @@ pub fn amp(g: &Graph, policy: Precision) -> Result<Graph, String> {
             }
             _ => n.op.clone(),
         };
-        let rs = a.c.out.try_add(op, &conv).map_err(|e| format!("amp: `{}`: {e}", n.op.mnemonic()))?;
+        let mut rs = a.c.out.try_add(op, &conv).map_err(|e| format!("amp: `{}`: {e}", n.op.mnemonic()))?;
         if let (Op::AdamW { .. }, Some(&copy)) = (&n.op, rs.get(3)) {
             copies.push((format!("{COPY_PREFIX}{}", param_name(g, n.inputs[0])), copy));
         }
-        let mut rs = rs.to_vec();
         if residual == DType::BF16 && n.op == Op::LayerNormGrad {
             // The residual stream's gradient is bf16 too (llm.c): LayerNorm's input gradient is
             // narrowed, so the adds that carry the stream's gradient stay bf16.
