@@ -26,6 +26,8 @@
 //!
 //! # The rest
 //!
+//! - `classifier`: the bf16 classifier (`cast_cross_entropy_with_grad`) as one hand-written
+//!   kernel that reads each row of logits from DRAM once, used in place of the generated one.
 //! - [`native`]: gather, deterministic scatter-add, causal attention (softmax parts around
 //!   cuBLAS products), iota, the GEMM epilogue; one module.
 //! - [`flash`]: causal flash attention (forward and backward), one module per head size and
@@ -36,6 +38,7 @@
 //!   version).
 //! - [`gemm`]: `y = op(a) op(b)` on row-major buffers as a column-major cuBLAS call.
 
+mod classifier;
 mod emit;
 pub mod flash;
 pub mod gemm;
@@ -123,6 +126,9 @@ pub const MAX_PARAM_BYTES: usize = 2048;
 /// The CUDA C source of a fused kernel under concrete bindings (see the crate docs). An `Err`
 /// names what the generator does not support (the limits of `fusec_passes::lower_rows`).
 pub fn kernel_source(k: &Kernel, bind: &Bindings) -> Result<KernelSource, String> {
+    if let Some(ks) = classifier::source(k, bind) {
+        return Ok(ks);
+    }
     let progs = lower_kernel(k, bind)?;
     if progs.is_empty() {
         return Err(format!("kernel `{}` has no outputs", k.name));
