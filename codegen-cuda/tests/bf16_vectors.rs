@@ -270,6 +270,47 @@ fn step_124m(precision: Precision) -> Vec<KernelSource> {
     common::distinct_sources(&compile(&g, "schedule", Mode::Step, &opts, &bind).unwrap().graph, &bind).0
 }
 
+/// A fused bf16 classifier over `[r, vp]` logits (`vocab` real columns), with a scalar
+/// `dloss` broadcast to the rows or, with `per_row`, one `dloss` a row.
+fn classifier_bf16(r: u64, vp: u64, vocab: u64, per_row: bool) -> KernelSource {
+    let (b, f) = (format!("bf16[{r}, {vp}]"), format!("f32[{r}, {vp}]"));
+    let (dt, dl) = if per_row { (format!("f32[{r}]"), "%2".to_string()) } else { ("f32[]".to_string(), "%4".to_string()) };
+    let (n, g, c) = if per_row { (4, 5, 6) } else { (5, 6, 7) };
+    let bcast = if per_row { String::new() } else { format!("    %4 = broadcast %2 {{dims = []}} : f32[{r}]\n") };
+    source(&format!(
+        "graph g() {{
+  %0 = input \"logits\" : {b}
+  %1 = input \"targets\" : i32[{r}]
+  %2 = input \"dloss\" : {dt}
+  %3, %4 = kernel \"cast_cross_entropy_with_grad\" %0, %1, %2 : f32[{r}], {b} {{
+    %0 = input \"in0\" : {b}
+    %1 = input \"in1\" : i32[{r}]
+    %2 = input \"in2\" : {dt}
+    %3 = cast %0 : {f}
+{bcast}    %{n}, %{g} = cross_entropy_with_grad %3, %1, {dl} {{vocab = {vocab}}} : f32[{r}], {f}
+    %{c} = cast %{g} : {b}
+    output \"out0\" = %{n}
+    output \"out1\" = %{c}
+  }}
+  output \"loss\" = %3
+  output \"dlogits\" = %4
+}}"
+    ))
+}
+
+#[test]
+fn only_the_exact_bf16_classifier_body_gets_the_hand_written_kernel() {
+    let hand = |k: &KernelSource| k.source.contains("hand-written bf16 classifier");
+    let k = classifier_bf16(5, 72, 70, false);
+    assert!(hand(&k), "{}", k.source);
+    assert!(k.source.contains("const int NCH = 72 / 8, FULL = 70 / 8;"), "{}", k.source);
+    assert_eq!((k.launches[0].grid, k.launches[0].shared), ([5, 1, 1], 144));
+    // One `dloss` a row, a padded vocabulary not a multiple of 8, rows over 99 KiB: generated.
+    for k in [classifier_bf16(5, 72, 70, true), classifier_bf16(5, 68, 60, false), classifier_bf16(2, 50_696, 50_257, false)] {
+        assert!(!hand(&k) && k.source.contains("team_max<"), "{}", k.source);
+    }
+}
+
 #[test]
 fn the_bf16_classifier_is_one_kernel_that_reads_each_row_once() {
     // GPT-2's bf16 classifier: each thread copies its 16-byte chunks of the row into shared
