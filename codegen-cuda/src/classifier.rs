@@ -35,7 +35,7 @@ const MAX_ROW_BYTES: u64 = 99 * 1024;
 /// fit in shared memory; `None` sends it to the generated row kernel.
 pub(crate) fn source(k: &Kernel, bind: &Bindings) -> Option<KernelSource> {
     let (rows, vp, vocab) = shape(k, bind)?;
-    if vp % 8 != 0 || vp * 2 > MAX_ROW_BYTES || vocab > vp || rows == 0 || rows > i32::MAX as u64 {
+    if vp % 8 != 0 || vp > MAX_ROW_BYTES / 2 || vocab > vp || rows == 0 || rows > i32::MAX as u64 {
         return None;
     }
     let name = crate::ident(&k.name);
