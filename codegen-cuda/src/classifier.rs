@@ -35,9 +35,10 @@ const MAX_ROW_BYTES: u64 = 99 * 1024;
 /// fit in shared memory; `None` sends it to the generated row kernel.
 pub(crate) fn source(k: &Kernel, bind: &Bindings) -> Option<KernelSource> {
     let (rows, vp, vocab) = shape(k, bind)?;
-    if vp % 8 != 0 || vp > MAX_ROW_BYTES / 2 || vocab > vp || rows == 0 || rows > i32::MAX as u64 {
+    if vp % 8 != 0 || vp > MAX_ROW_BYTES / 2 || vocab > vp || rows == 0 {
         return None;
     }
+    let grid = crate::grid_1d(rows).ok()?;
     let name = crate::ident(&k.name);
     let mut src = String::new();
     let _ = writeln!(src, "// {} (fusec: {}); hand-written bf16 classifier", k.name, crate::CODEGEN_REVISION);
@@ -47,7 +48,7 @@ pub(crate) fn source(k: &Kernel, bind: &Bindings) -> Option<KernelSource> {
         name: k.name.clone(),
         ident: name.clone(),
         source: src,
-        launches: vec![LaunchRule { entry: name, grid: [rows as u32, 1, 1], block: [THREADS, 1, 1], shared: (vp * 2) as u32 }],
+        launches: vec![LaunchRule { entry: name, grid, block: [THREADS, 1, 1], shared: (vp * 2) as u32 }],
         scratch_bytes: 0,
         // max, exp and sum, exp and scale a column (as the profiler counts: about)
         flops: rows * vocab * 8,
