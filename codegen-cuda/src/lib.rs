@@ -153,6 +153,7 @@ pub fn kernel_source(k: &Kernel, bind: &Bindings) -> Result<KernelSource, String
             vec: Default::default(),
             stage: Default::default(),
             keep: Default::default(),
+            stashed: Default::default(),
             shared: Default::default(),
             fast_math: emit::reads_bf16(p),
         });

@@ -440,3 +440,22 @@ fn the_f32_classifier_reads_its_rows_once_through_a_cluster_on_sm_90() {
     assert!(ptx.contains("barrier.cluster.arrive.aligned") && ptx.contains("mapa.shared::cluster.u32"), "{ptx}");
     assert!(ptx.contains("ld.shared::cluster.f32") && !ptx.contains(".local"), "{ptx}");
 }
+
+#[test]
+fn a_bf16_residual_layernorm_reads_its_rows_once_and_keeps_the_sum_for_its_later_passes() {
+    // `bf16+residual`: the residual sum `x = round(round(proj + bias) + residual)` is computed
+    // by the mean's pass and stashed as bf16 in registers (`sk0`, 3 vector steps of 8 columns
+    // at C = 768) for the variance and output passes, which load no row view of their own.
+    let res = step_124m(Precision::Bf16Residual);
+    let stashed: Vec<&KernelSource> = res.iter().filter(|s| s.name == "add_cast_layernorm").collect();
+    assert!(!stashed.is_empty(), "{:?}", res.iter().map(|s| &s.name).collect::<Vec<_>>());
+    for s in stashed {
+        let src = body(&s.source);
+        assert!(src.contains("uint4 sk0[3];") && src.contains("((unsigned short*)&sk0[k4])[j] = f32_to_bf16(v"), "{src}");
+        assert_eq!(src.matches("= bf16_to_f32(((unsigned short*)&sk0[k4])[j]);").count(), 2, "{src}");
+        assert_eq!(src.matches("&in0[r * 768 + c]").count(), 1, "{src}");
+        if let Some(ptx) = compiled_ptx(s) {
+            assert!(!ptx.contains(".local"), "{}: local memory\n{ptx}", s.name);
+        }
+    }
+}

@@ -23,6 +23,7 @@ type R<T> = Result<T, String>;
 mod cols;
 mod online;
 mod rows;
+mod stash;
 
 /// One generated kernel entry and how to launch it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -57,6 +58,9 @@ pub(crate) struct Seg<'p> {
     /// loads, each with its register array's name (indexed by the pass's `k4`) and whether
     /// this pass fills it (else it reads it); see `rows.rs`.
     pub keep: std::cell::RefCell<Vec<(View, String, bool)>>,
+    /// Inside a later row pass: the values stashed by the first pass (`stash.rs`), which
+    /// it reads instead of computing.
+    pub stashed: std::cell::RefCell<Vec<NodeId>>,
     /// Dynamic shared memory the main kernel needs, in bytes (staged row views).
     pub shared: std::cell::Cell<u32>,
     /// `exp` through the hardware's `ex2` (the prelude's `fast_exp`): set when the segment
@@ -171,7 +175,7 @@ impl Seg<'_> {
         Ok(match s.view.mem {
             // Narrowing a value rounded to bf16 is narrowing the value: the rounding is dead.
             Mem::Bf16 => match self.p.node(s.value).expr {
-                Expr::RoundBf16(x) => format!("{a} = f32_to_bf16(v{x});"),
+                Expr::RoundBf16(x) if !self.stashed.borrow().contains(&s.value) => format!("{a} = f32_to_bf16(v{x});"),
                 _ => format!("{a} = f32_to_bf16({v});"),
             },
             Mem::F32 | Mem::I32 => format!("{a} = {v};"),

@@ -31,6 +31,7 @@ use std::fmt::Write;
 use fusec_ir::rows::{region, Expr, Mem, NodeId, Region, Store, View, FINAL};
 use fusec_ir::ReduceOp;
 
+use super::stash::Stash;
 use super::{online, op_of, red_fn, red_init, Seg, R};
 use crate::plan::{arg, Pass, MAX_REG_PARTIALS, STAGE_MAX_BYTES};
 
@@ -96,7 +97,7 @@ impl Seg<'_> {
         // Where each column reduction's shared-memory partials start.
         let mut smem_base: Vec<(NodeId, u64)> = vec![];
         // Each pass's per-column code, worked out once for staging and for emission.
-        let codes: Vec<(Vec<NodeId>, u32, bool)> = plan.passes.iter().map(|pass| self.pass_code(pass, reg)).collect();
+        let mut codes: Vec<(Vec<NodeId>, u32, bool)> = plan.passes.iter().map(|pass| self.pass_code(pass, reg)).collect();
         // Partial slots a thread keeps per column reduction: one per column it visits, or more
         // where a wide pass's last vector step runs past the row (those stay unused).
         let k_slots = codes
@@ -105,6 +106,24 @@ impl Seg<'_> {
             .map(|(_, w, _)| cols.div_ceil(team as u64 * *w as u64) * *w as u64)
             .fold(k_count, u64::max);
         let online = if self.fast_math { online::detect(p, &plan.passes) } else { None };
+        // Values of the first pass kept for the later ones (`stash.rs`); the later passes'
+        // bodies then start from them (at the width they had: they load fewer views).
+        let roots: Vec<Vec<NodeId>> = plan.passes.iter().map(|pass| self.pass_roots(pass)).collect();
+        let stash = if online.is_none() && cluster == 1 {
+            let shapes: Vec<Option<(u32, u64)>> = codes
+                .iter()
+                .map(|&(_, w, unrolled)| {
+                    let steps = if unrolled { k_slots / w as u64 } else { cols.div_ceil(team as u64 * w as u64) };
+                    (w > 1 && (unrolled || steps <= MAX_UNROLL)).then_some((w, steps))
+                })
+                .collect();
+            self.stash_plan(&shapes, &roots, |r, cut| self.pass_body(r, cut))
+        } else {
+            Stash::default()
+        };
+        for (code, r) in codes.iter_mut().zip(&roots).skip(1) {
+            code.0 = self.pass_body(r, &stash.nodes);
+        }
         // The online pass computes the second pass's sum: that pass is not emitted.
         let merged = online.as_ref().map(|_| 1);
         let staged = self.stage_plan(tpb, &codes, merged);
@@ -148,6 +167,7 @@ impl Seg<'_> {
             let parts = if n > 1 { format!("[{n}]") } else { String::new() };
             let _ = writeln!(out, "    {t} rk{i}[{}]{parts};", k.steps);
         }
+        out.push_str(&stash.declare(vec_reg(Mem::Bf16, stash.w).0));
         let row_nodes = |level: u32| -> Vec<NodeId> {
             (0..p.nodes.len() as NodeId)
                 .filter(|&id| {
@@ -234,7 +254,16 @@ impl Seg<'_> {
                 } else {
                     let _ = writeln!(out, "    for (int c = lane; c < {cols}; c += {team}) {{");
                 }
+                let first = next == 1;
+                if !first {
+                    let reads = self.reads_stashed(&roots[next - 1], body);
+                    out.push_str(&stash.read("      ", &reads));
+                    *self.stashed.borrow_mut() = stash.nodes.clone();
+                }
                 self.lines(out, "      ", body)?;
+                if first {
+                    out.push_str(&stash.fill("      "));
+                }
                 for &rr in &pass.rowreds {
                     match &online {
                         Some(o) if o.max == rr => out.push_str(&o.update(arg(p, rr), w)),
@@ -262,6 +291,7 @@ impl Seg<'_> {
                 let _ = writeln!(out, "    }}");
                 self.stage.borrow_mut().clear();
                 self.keep.borrow_mut().clear();
+                self.stashed.borrow_mut().clear();
                 for &rr in &pass.rowreds {
                     let f = match op_of(&p.node(rr).expr) {
                         ReduceOp::Sum => "sum",
@@ -332,15 +362,25 @@ impl Seg<'_> {
     /// A row pass's per-column code: the nodes it computes, its width (see `width`) and
     /// whether its column loop is unrolled over register partials.
     fn pass_code(&self, pass: &Pass, reg: bool) -> (Vec<NodeId>, u32, bool) {
-        let (p, live) = (self.p, &self.plan.main_live);
         let unrolled = reg && !pass.colreds.is_empty();
-        let roots: Vec<NodeId> =
-            pass.rowreds.iter().chain(&pass.colreds).map(|&r| arg(p, r)).chain(pass.stores.iter().map(|&s| p.stores[s].value)).collect();
-        let body = self.needed(roots, |id| live[id as usize] && region(p, id) == Region::Col);
-        let stores = pass.stores.iter().map(|&s| &p.stores[s]);
+        let body = self.pass_body(&self.pass_roots(pass), &[]);
+        let stores = pass.stores.iter().map(|&s| &self.p.stores[s]);
         // An unrolled pass's last vector step may run past the row (guarded where emitted).
         let w = self.width(&body, stores);
         (body, w, unrolled)
+    }
+
+    /// What a row pass computes per column for: its row and column reductions' arguments and
+    /// its stores' values.
+    fn pass_roots(&self, pass: &Pass) -> Vec<NodeId> {
+        let p = self.p;
+        pass.rowreds.iter().chain(&pass.colreds).map(|&r| arg(p, r)).chain(pass.stores.iter().map(|&s| p.stores[s].value)).collect()
+    }
+
+    /// The per-column nodes computed for `roots`, taking the `stashed` ones as given.
+    fn pass_body(&self, roots: &[NodeId], stashed: &[NodeId]) -> Vec<NodeId> {
+        let (p, live) = (self.p, &self.plan.main_live);
+        self.needed(roots.to_vec(), |id| live[id as usize] && region(p, id) == Region::Col && !stashed.contains(&id))
     }
 
     /// Whether `body` loads view `v`.
