@@ -46,7 +46,7 @@ pub struct DumpArgs {
     #[arg(long, default_value = "fp32", value_parser = precision_parser())]
     precision: Precision,
     /// What the backward recomputes instead of storing: `none`, `gelu`, or `gelu+layernorm`
-    /// (default: `none` in fp32, `gelu+layernorm` in bf16, as `fusec run`).
+    /// (default: `none` in fp32, `gelu` in bf16, as `fusec run`).
     #[arg(long, value_parser = recompute_parser())]
     recompute: Option<Recompute>,
     /// Include global-norm gradient clipping in the optimizer.
