@@ -24,6 +24,7 @@ mod cols;
 mod online;
 mod rows;
 mod stash;
+mod views;
 
 /// One generated kernel entry and how to launch it.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -33,18 +33,10 @@ use fusec_ir::ReduceOp;
 
 use super::stash::Stash;
 use super::{online, op_of, red_fn, red_init, Seg, R};
-use crate::plan::{arg, Pass, MAX_REG_PARTIALS, STAGE_MAX_BYTES};
+use crate::plan::{arg, Pass, MAX_REG_PARTIALS};
 
 /// The most vector steps a thread of a wide pass takes unrolled.
-const MAX_UNROLL: u64 = 8;
-
-/// The largest row view copied to shared memory for two passes: a copy of 100 KiB (the
-/// classifier's bf16 logits) leaves room for two blocks an SM, and reading the row a second
-/// time from L2 was faster (online classifier 1.74 -> 1.22 ms, H200); three passes still copy.
-const STAGE_PAIR_MAX_BYTES: u64 = 16 * 1024;
-
-/// The most registers a thread spends on row views kept between passes.
-const MAX_KEPT_REGS: u64 = 48;
+pub(super) const MAX_UNROLL: u64 = 8;
 
 /// Indentation and the scope that places a wide row loop's first column.
 const COLS: (&str, &str) = ("      ", "const int c = c0;");
@@ -388,87 +380,6 @@ impl Seg<'_> {
         body.iter().any(|&id| matches!(&self.p.node(id).expr, Expr::Load(x) if x == v))
     }
 
-    /// The row views to keep in shared memory, each with the level of the pass that copies it
-    /// there: with one team a block, a view that three or more wide passes load with vector
-    /// accesses (two, for a copy of at most [`STAGE_PAIR_MAX_BYTES`]) is read from global
-    /// memory once, by the first of them, and from the copy by the others (the fp32
-    /// classifier's three passes over a 50,304-column row). Copies take at most
-    /// [`STAGE_MAX_BYTES`] a block. `codes` are the passes' [`Seg::pass_code`]s; pass `merged`
-    /// is not emitted (its sum is the online pass's).
-    fn stage_plan(&self, tpb: u32, codes: &[(Vec<NodeId>, u32, bool)], merged: Option<usize>) -> Vec<(View, u32)> {
-        if tpb != 1 {
-            return vec![];
-        }
-        let mut seen: Vec<(View, u32, usize)> = vec![];
-        for (i, (pass, (body, w, _))) in self.plan.passes.iter().zip(codes).enumerate() {
-            if merged == Some(i) {
-                continue;
-            }
-            let w = *w;
-            for &id in body {
-                if let Expr::Load(v) = &self.p.node(id).expr {
-                    if w == 1 || v.row.is_empty() || !vectorizable(v, w) {
-                        continue;
-                    }
-                    match seen.iter_mut().find(|(x, _, _)| x == v) {
-                        Some((_, _, n)) => *n += 1,
-                        None => seen.push((v.clone(), pass.level, 1)),
-                    }
-                }
-            }
-        }
-        let mut bytes = 0;
-        let mut staged = vec![];
-        for (v, first, n) in seen {
-            let b = self.p.cols * mem_bytes(v.mem);
-            if (n >= 3 || (n == 2 && b <= STAGE_PAIR_MAX_BYTES)) && bytes + b <= STAGE_MAX_BYTES {
-                bytes += b;
-                staged.push((v, first));
-            }
-        }
-        staged
-    }
-
-    /// The row views to keep in registers between passes: with short unrolled wide passes
-    /// (at most [`MAX_UNROLL`] vector steps a thread, so that every step's index is a constant),
-    /// a row view that two or more of them load with the same width and steps is read from
-    /// global memory by the first and from registers by the others (a LayerNorm's mean,
-    /// variance and output passes over the same row), at most [`MAX_KEPT_REGS`] registers a
-    /// thread. `codes` are the passes' [`Seg::pass_code`]s; staged views are not kept.
-    fn keep_plan(&self, team: u32, k_slots: u64, codes: &[(Vec<NodeId>, u32, bool)], staged: &[(View, u32)]) -> Vec<Kept> {
-        let cols = self.p.cols;
-        // Each view with the passes that load it, `None` once one of them has another shape.
-        let mut seen: Vec<(Kept, Option<usize>)> = vec![];
-        for (pass, (body, w, unrolled)) in self.plan.passes.iter().zip(codes) {
-            let w = *w;
-            let steps = if *unrolled { k_slots / w as u64 } else { cols.div_ceil(team as u64 * w as u64) };
-            if w == 1 || (!*unrolled && steps > MAX_UNROLL) {
-                continue;
-            }
-            for &id in body {
-                let Expr::Load(v) = &self.p.node(id).expr else { continue };
-                if v.row.is_empty() || !vectorizable(v, w) || staged.iter().any(|(x, _)| x == v) {
-                    continue;
-                }
-                match seen.iter_mut().find(|(k, _)| k.view == *v) {
-                    Some((k, n)) if k.w == w && k.steps == steps => *n = n.map(|n| n + 1),
-                    Some((_, n)) => *n = None,
-                    None => seen.push((Kept { view: v.clone(), first: pass.level, w, steps }, Some(1))),
-                }
-            }
-        }
-        let mut regs = 0;
-        let mut kept = vec![];
-        for (k, n) in seen {
-            let r = k.steps * k.w as u64 * mem_bytes(k.view.mem) / 4;
-            if n.is_some_and(|n| n >= 2) && regs + r <= MAX_KEPT_REGS {
-                regs += r;
-                kept.push(k);
-            }
-        }
-        kept
-    }
-
     /// The columns a thread takes at a time in a column loop over `body` and `stores`: 8 when a
     /// bf16 view is among the vectorizable ones, all of them allow it and the row is a multiple
     /// of 8, else 4 where the row is a multiple of 4, else 1 (a scalar loop).
@@ -602,16 +513,6 @@ fn vec_reg(m: Mem, w: u32) -> (&'static str, u32) {
     }
 }
 
-/// A row view kept in registers between passes ([`Seg::keep_plan`]).
-struct Kept {
-    view: View,
-    /// The level of the pass that loads it from memory.
-    first: u32,
-    /// The passes' width and vector steps a thread.
-    w: u32,
-    steps: u64,
-}
-
 /// Whether a view's `w` columns from a multiple of `w` are one aligned vector: contiguous f32
 /// or bf16 with every row stride a multiple of `w` (buffers are 256-byte aligned).
 pub(super) fn vectorizable(v: &View, w: u32) -> bool {
@@ -619,7 +520,7 @@ pub(super) fn vectorizable(v: &View, w: u32) -> bool {
 }
 
 /// Bytes an element of `m` takes in memory.
-fn mem_bytes(m: Mem) -> u64 {
+pub(super) fn mem_bytes(m: Mem) -> u64 {
     if m == Mem::Bf16 {
         2
     } else {
