@@ -3,16 +3,15 @@
 //!
 //! Three things depend on it: the native row routines ([`crate::vmath`]: 16 lanes with
 //! AVX-512F, 8 with AVX2, none at [`Isa::Scalar`], where the generated 4-lane loops do the
-//! work), the bf16 products ([`crate::gemm::gemm_bf16`]: AVX512-BF16 dot products, or operands
-//! widened to f32), and the Cranelift target flags (AVX-512 encodings only at the AVX-512
+//! work), the bf16 products ([`crate::gemm::gemm_bf16`]: AMX tiles, AVX512-BF16 dot products,
+//! or operands widened to f32), and the Cranelift target flags (AVX-512 encodings only at the AVX-512
 //! levels). The row routines give the same bits at every level (they are ports of the
 //! generated code); the bf16 products differ in summation order between the dot-product and
 //! the widened paths (see `gemm_bf16`).
 //!
-//! The level is the best the host supports ([`Isa::preferred`]: one lower on hosts with AMX,
-//! where measured that way the bf16 products are faster), unless `FUSEC_CPU_ISA` names one
-//! (`scalar`, `avx2`, `avx512`, `avx512bf16`), so that tests and benchmarks can run every path
-//! on one host. A level the host lacks, or an unknown name, is an error ([`selected`]); the
+//! The level is the best the host supports ([`Isa::preferred`]), unless `FUSEC_CPU_ISA` names
+//! one (`scalar`, `avx2`, `avx512`, `avx512bf16`, `amx`), so that tests and benchmarks can run
+//! every path on one host. A level the host lacks, or an unknown name, is an error ([`selected`]); the
 //! f32 products of the `gemm` crate choose their own kernels from the host's features
 //! whatever this says.
 
@@ -32,11 +31,14 @@ pub enum Isa {
     Avx512,
     /// AVX-512F with AVX512-BF16 (bf16 dot-product instructions for bf16 products).
     Avx512Bf16,
+    /// [`Isa::Avx512Bf16`] with AMX-BF16 tiles for bf16 products (Intel Sapphire Rapids and
+    /// later, where Linux grants the process the tile state).
+    Amx,
 }
 
 impl Isa {
     /// Every level, lowest first.
-    pub const ALL: [Isa; 4] = [Isa::Scalar, Isa::Avx2, Isa::Avx512, Isa::Avx512Bf16];
+    pub const ALL: [Isa; 5] = [Isa::Scalar, Isa::Avx2, Isa::Avx512, Isa::Avx512Bf16, Isa::Amx];
 
     /// The name `FUSEC_CPU_ISA` takes.
     pub fn name(self) -> &'static str {
@@ -45,6 +47,7 @@ impl Isa {
             Isa::Avx2 => "avx2",
             Isa::Avx512 => "avx512",
             Isa::Avx512Bf16 => "avx512bf16",
+            Isa::Amx => "amx",
         }
     }
 
@@ -62,10 +65,11 @@ impl Isa {
     }
 
     /// The level used when `FUSEC_CPU_ISA` is not set: the best the host supports, except that
-    /// a host with AMX-BF16 (Intel Sapphire Rapids and later) gets [`Isa::Avx512`], whose bf16
-    /// products widen their operands in FMA kernels. Measured on such a host (16-core Xeon, 8
-    /// threads, the `small` bf16 step): 323 ms with the AVX512-BF16 dot products, 241–257 ms
-    /// widened (fp32 214 ms); on the AMD EPYC without AMX the dot products are the faster path.
+    /// a host with AMX-BF16 whose tile state Linux does not grant gets [`Isa::Avx512`], whose
+    /// bf16 products widen their operands in FMA kernels: measured on such a host (16-core
+    /// Xeon, 8 threads, the `small` bf16 step) 323 ms with the AVX512-BF16 dot products,
+    /// 241–257 ms widened (fp32 214 ms); on the AMD EPYC without AMX the dot products are the
+    /// faster path.
     pub fn preferred() -> Isa {
         match Isa::detect() {
             Isa::Avx512Bf16 if has_amx_bf16() => Isa::Avx512,
@@ -83,6 +87,7 @@ impl Isa {
                 Isa::Avx2 => has!("avx2") && has!("fma"),
                 Isa::Avx512 => has!("avx512f") && Isa::Avx2.supported(),
                 Isa::Avx512Bf16 => has!("avx512bf16") && has!("avx512bw") && Isa::Avx512.supported(),
+                Isa::Amx => has_amx_bf16() && Isa::Avx512Bf16.supported() && crate::gemm::amx_permitted(),
             }
         }
         #[cfg(not(target_arch = "x86_64"))]
@@ -96,7 +101,7 @@ impl Isa {
         match self {
             Isa::Scalar => 0,
             Isa::Avx2 => 8,
-            Isa::Avx512 | Isa::Avx512Bf16 => 16,
+            Isa::Avx512 | Isa::Avx512Bf16 | Isa::Amx => 16,
         }
     }
 
@@ -110,24 +115,30 @@ impl Isa {
         let host = Isa::detect();
         let how = match std::env::var(ENV) {
             Ok(_) => format!("{ENV} (host: {})", host.name()),
-            Err(_) if self != host => format!("detected {}, preferred for bf16 products on this host with AMX", host.name()),
+            Err(_) if self != host => format!("detected {}, preferred for bf16 products on this host", host.name()),
             Err(_) => "detected".to_string(),
         };
         let rows = match self.row_lanes() {
             0 => "generated 4-lane loops".to_string(),
             n => format!("{n}-lane routines"),
         };
-        let products = if self.bf16_dot() { "AVX512-BF16 dot products" } else { "operands widened to f32" };
+        let products = match self {
+            Isa::Amx => "AMX tiles",
+            _ if self.bf16_dot() => "AVX512-BF16 dot products",
+            _ => "operands widened to f32",
+        };
         let yes = |b: bool| if b { "yes" } else { "no" };
-        format!("{} ({how}; avx512_bf16: {}): row math {rows}, bf16 products {products}", self.name(), yes(Isa::Avx512Bf16.supported()))
+        let (bf, amx) = (Isa::Avx512Bf16.supported(), Isa::Amx.supported());
+        format!("{} ({how}; avx512_bf16: {}, amx: {}): row math {rows}, bf16 products {products}", self.name(), yes(bf), yes(amx))
     }
 }
 
-/// Whether the CPU has AMX-BF16 (CPUID leaf 7, EDX bit 22).
+/// Whether the CPU has AMX-BF16 and AMX tiles (CPUID leaf 7, EDX bits 22 and 24).
 fn has_amx_bf16() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        std::arch::x86_64::__cpuid_count(7, 0).edx & (1 << 22) != 0
+        let edx = std::arch::x86_64::__cpuid_count(7, 0).edx;
+        edx & (1 << 22) != 0 && edx & (1 << 24) != 0
     }
     #[cfg(not(target_arch = "x86_64"))]
     {

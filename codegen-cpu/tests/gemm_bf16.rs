@@ -16,11 +16,14 @@ use half::bf16;
 
 /// The paths this host can run, one per instruction-set level: widened operands through the
 /// `gemm` crate (`scalar`), FMA on operands widened while packing (`avx2`, `avx512`), dot
-/// products (`avx512bf16`).
+/// products (`avx512bf16`), AMX tiles (`amx`).
 fn paths() -> Vec<Isa> {
     let v: Vec<Isa> = Isa::ALL.into_iter().filter(|i| i.supported()).collect();
     if !Isa::Avx512Bf16.supported() {
         fusec_ir::testkit::skip("bf16 dot-product products", "this host has no AVX512-BF16");
+    }
+    if !Isa::Amx.supported() {
+        fusec_ir::testkit::skip("bf16 products on AMX tiles", "this host has no AMX (or Linux did not grant its tile state)");
     }
     v
 }

@@ -35,7 +35,8 @@ fn programs(fwd: &Graph, opts: &PipelineOptions) -> RunPrograms {
 }
 
 /// The levels whose bf16 products differ: the widened path (lowest level with native row
-/// routines, else `scalar`) and the dot products where the host has AVX512-BF16.
+/// routines, else `scalar`), the dot products where the host has AVX512-BF16 and the AMX tiles
+/// where it has AMX.
 fn product_paths() -> Vec<Isa> {
     let widen = if Isa::Avx2.supported() { Isa::Avx2 } else { Isa::Scalar };
     let mut v = vec![widen];
@@ -43,6 +44,11 @@ fn product_paths() -> Vec<Isa> {
         v.push(Isa::Avx512Bf16);
     } else {
         fusec_ir::testkit::skip("bf16 dot-product training", "this host has no AVX512-BF16 (the widened path is tested)");
+    }
+    if Isa::Amx.supported() {
+        v.push(Isa::Amx);
+    } else {
+        fusec_ir::testkit::skip("bf16 training on AMX tiles", "this host has no AMX (or Linux did not grant its tile state)");
     }
     v
 }

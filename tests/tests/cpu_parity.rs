@@ -75,6 +75,11 @@ fn cpu_bf16_stays_within_2e_2_of_llmc_fp32_losses() {
     } else {
         fusec_ir::testkit::skip("llm.c parity of bf16 dot products", "this host has no AVX512-BF16 (the widened path is tested)");
     }
+    if Isa::Amx.supported() {
+        paths.push(Isa::Amx);
+    } else {
+        fusec_ir::testkit::skip("llm.c parity of bf16 products on AMX tiles", "this host has no AMX");
+    }
     for precision in [Precision::Bf16, Precision::Bf16Residual] {
         let opts = PipelineOptions { precision, ..PipelineOptions::default() };
         let (mut reference, step) = common::ref_executor(&fwd, &opts, B, T, Rounding::F32);

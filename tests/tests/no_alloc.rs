@@ -48,7 +48,10 @@ fn cpu_training_steps_allocate_nothing() {
     let bf16 = PipelineOptions { precision: Precision::Bf16, ..PipelineOptions::default() };
     let mut runs = vec![(PipelineOptions::default(), fusec_codegen_cpu::isa::current()), (bf16.clone(), Isa::Scalar)];
     if Isa::Avx512Bf16.supported() {
-        runs.push((bf16, Isa::Avx512Bf16));
+        runs.push((bf16.clone(), Isa::Avx512Bf16));
+    }
+    if Isa::Amx.supported() {
+        runs.push((bf16, Isa::Amx));
     }
     for (opts, isa) in runs {
         steps_allocate_nothing(&opts, isa);

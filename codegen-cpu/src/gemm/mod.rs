@@ -31,6 +31,8 @@ mod epilogue;
 mod strided;
 
 pub use bf16::{bf16_bits, gemm_bf16, gemm_bf16_on, widen_bits, Bf16Out};
+#[cfg(target_arch = "x86_64")]
+pub use bf16::amx_permitted;
 pub(crate) use epilogue::gelu_scale;
 pub use epilogue::{exp, gelu, tanh};
 pub use strided::{matmul_strided, Mat};

@@ -74,7 +74,7 @@ pub(crate) fn native_max(isa: Isa, mem: Mem) -> Option<MaxFn> {
     #[cfg(target_arch = "x86_64")]
     {
         let (f32s, bf16s): (MaxFn, MaxFn) = match isa {
-            Isa::Avx512 | Isa::Avx512Bf16 => (avx512::max_row, avx512::max_row_bf16),
+            Isa::Avx512 | Isa::Avx512Bf16 | Isa::Amx => (avx512::max_row, avx512::max_row_bf16),
             Isa::Avx2 => (avx2::max_row, avx2::max_row_bf16),
             Isa::Scalar => return None,
         };
@@ -123,7 +123,7 @@ pub(crate) fn native(u: UnaryOp, isa: Isa, mem: Mem) -> Option<RowFn> {
     #[cfg(target_arch = "x86_64")]
     {
         let fns: [RowFn; 4] = match isa {
-            Isa::Avx512 | Isa::Avx512Bf16 => [avx512::exp_row, avx512::exp_row_bf16, avx512::tanh_row, avx512::tanh_row_bf16],
+            Isa::Avx512 | Isa::Avx512Bf16 | Isa::Amx => [avx512::exp_row, avx512::exp_row_bf16, avx512::tanh_row, avx512::tanh_row_bf16],
             Isa::Avx2 => [avx2::exp_row, avx2::exp_row_bf16, avx2::tanh_row, avx2::tanh_row_bf16],
             Isa::Scalar => return None,
         };

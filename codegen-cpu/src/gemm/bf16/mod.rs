@@ -4,6 +4,8 @@
 //! result does not depend on the thread count). Each tile's product is accumulated in f32 by
 //! the path of the instruction-set level:
 //!
+//! - **AMX tiles** (`amx`, module `amx`): operands packed as bf16 pairs, `a` row by row, and
+//!   multiplied 16 x 16 x 32 at a time by `tdpbf16ps` into four tiles of f32 sums;
 //! - **dot products** (`avx512bf16`, [`Isa::bf16_dot`]): operands packed as bf16 pairs and
 //!   multiplied by `vdpbf16ps` (32 products into 16 f32 sums per instruction, twice the
 //!   multiply rate of f32 FMA; the pair's two products are added to the sum one after the other,
@@ -34,10 +36,15 @@
 //! path's `gemm` crate calls allocate their packing buffers.
 
 #[cfg(target_arch = "x86_64")]
+mod amx;
+#[cfg(target_arch = "x86_64")]
 mod kernels;
 #[cfg(target_arch = "x86_64")]
 mod packed;
 mod widen;
+
+#[cfg(target_arch = "x86_64")]
+pub use amx::amx_permitted;
 
 use super::{check, for_each_task, Raw, Tile, Tiling};
 use crate::isa::Isa;
@@ -112,6 +119,7 @@ pub fn gemm_bf16_on(
         unsafe {
             #[cfg(target_arch = "x86_64")]
             match isa {
+                Isa::Amx => return packed::tile::<amx::Amx>(&job, t),
                 Isa::Avx512Bf16 => return packed::tile::<kernels::Dot512>(&job, t),
                 Isa::Avx512 => return packed::tile::<kernels::Fma512>(&job, t),
                 Isa::Avx2 => return packed::tile::<kernels::Fma256>(&job, t),
@@ -154,7 +162,7 @@ impl Job {
     unsafe fn finish(&self, tile: &Tile, prod: &mut [f32], ld: usize) {
         match self.isa {
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 | Isa::Avx512Bf16 => self.finish_avx512(tile, prod, ld),
+            Isa::Avx512 | Isa::Avx512Bf16 | Isa::Amx => self.finish_avx512(tile, prod, ld),
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2 => self.finish_avx2(tile, prod, ld),
             _ => self.finish_rows(tile, prod, ld),

@@ -1,6 +1,6 @@
 //! The packed paths: BLIS-style packing of bf16 operands and a register-blocked micro-kernel
-//! ([`Micro`]): AVX512-BF16 dot products on bf16 pairs, or f32 FMA on values widened while
-//! packing (AVX-512F or AVX2), so widening costs no pass of its own.
+//! ([`Micro`]): AMX tiles or AVX512-BF16 dot products on bf16 pairs, or f32 FMA on values
+//! widened while packing (AVX-512F or AVX2), so widening costs no pass of its own.
 //!
 //! Per tile: the tile's columns of `op(b)` are packed once into panels of `NR` columns, each
 //! `[k steps][NR]` of `u32` (a bf16 pair of rows `2q`, `2q + 1` in the low and high half, or
@@ -25,6 +25,11 @@ pub(super) trait Micro {
     const MC: usize;
     /// k steps per pass of the micro-kernel over a `b` panel.
     const KC: usize;
+    /// Each block's k steps are padded with zeros to a multiple of this (AMX: whole tiles).
+    const KPAD: usize = 1;
+    /// Whether `a` panels are packed row by row (`[MR][k steps]`, AMX tiles) rather than step
+    /// by step (`[k steps][MR]`, a broadcast per row and step).
+    const A_ROWS: bool = false;
 
     /// The packed `u32` of k values `lo` (and `hi`, the next k, when `KU` is 2), as bf16 bits.
     fn pack(lo: u16, hi: u16) -> u32;
@@ -120,11 +125,11 @@ unsafe fn pack_lines<M: Micro>(
 /// # Safety
 /// `src` must cover the matrix; `dst` must hold `ks * nt.next_multiple_of(NR)` values.
 unsafe fn pack_b<M: Micro>(src: *const u16, k: usize, nt: usize, rs: isize, cs: isize, dst: &mut [u32]) {
-    let (ks, nr) = (k.div_ceil(M::KU), M::NR);
+    let (ks, nr) = (steps::<M>(k), M::NR);
     for p in 0..nt.div_ceil(nr) {
         let panel = &mut dst[p * ks * nr..(p + 1) * ks * nr];
         let cols = (nt - p * nr).min(nr);
-        if cols < nr {
+        if cols < nr || ks > k.div_ceil(M::KU) {
             panel.fill(0);
         }
         pack_lines::<M>(src.offset((p * nr) as isize * cs), cols, k, rs, cs, nr, panel);
@@ -132,20 +137,32 @@ unsafe fn pack_b<M: Micro>(src: *const u16, k: usize, nt: usize, rs: isize, cs: 
 }
 
 /// Packs the `mc x k` matrix `op(a)` (strides `(rs, cs)`) into `dst`: panel `r`, step `q`, row
-/// `ii` at `(r * ks + q) * MR + ii`.
+/// `ii` at `(r * ks + q) * MR + ii`, or with `A_ROWS` at `(r * MR + ii) * ks + q`.
 ///
 /// # Safety
 /// `src` must cover the matrix; `dst` must hold `ks * mc.next_multiple_of(MR)` values.
 unsafe fn pack_a<M: Micro>(src: *const u16, mc: usize, k: usize, rs: isize, cs: isize, dst: &mut [u32]) {
-    let (ks, mr) = (k.div_ceil(M::KU), M::MR);
+    let (ks, mr) = (steps::<M>(k), M::MR);
     for r in 0..mc.div_ceil(mr) {
         let panel = &mut dst[r * ks * mr..(r + 1) * ks * mr];
         let rows = (mc - r * mr).min(mr);
-        if rows < mr {
+        if rows < mr || ks > k.div_ceil(M::KU) {
             panel.fill(0);
         }
-        pack_lines::<M>(src.offset((r * mr) as isize * rs), rows, k, cs, rs, mr, panel);
+        let first = src.offset((r * mr) as isize * rs);
+        if M::A_ROWS {
+            for (ii, row) in panel.chunks_exact_mut(ks).take(rows).enumerate() {
+                pack_lines::<M>(first.offset(ii as isize * rs), 1, k, cs, rs, 1, row);
+            }
+        } else {
+            pack_lines::<M>(first, rows, k, cs, rs, mr, panel);
+        }
     }
+}
+
+/// The packed steps of `k` values: pairs or values, padded to a multiple of `KPAD`.
+fn steps<M: Micro>(k: usize) -> usize {
+    k.div_ceil(M::KU).next_multiple_of(M::KPAD)
 }
 
 /// Computes tile `t` of `job` with micro-kernel `M`, then its epilogue.
@@ -177,23 +194,24 @@ pub(super) unsafe fn tile<M: Micro>(job: &Job, t: usize) {
         let cp = c.as_mut_ptr();
         for pc in (0..ks).step_by(M::KC) {
             let kc = M::KC.min(ks - pc);
-            // k values `k0..k1` of this block.
+            // k values `k0..k1` of this block, packed as `kp` steps.
             let (k0, k1) = (pc * M::KU, ((pc + kc) * M::KU).min(s.k));
-            let bp = take(&mut sc.b, kc * ntp);
+            let kp = steps::<M>(k1 - k0);
+            let bp = take(&mut sc.b, kp * ntp);
             pack_b::<M>(b_src.offset(k0 as isize * tl.b_rs), k1 - k0, tile.nt, tl.b_rs, tl.b_cs, bp);
             let bp = bp.as_ptr();
             let last = pc + kc == ks;
             for ic in (0..tile.mt).step_by(M::MC) {
                 let mc = M::MC.min(tile.mt - ic);
                 let mcp = mc.next_multiple_of(M::MR);
-                let ap = take(&mut sc.a, kc * mcp);
+                let ap = take(&mut sc.a, kp * mcp);
                 pack_a::<M>(a_src.offset(ic as isize * tl.a_rs + k0 as isize * tl.a_cs), mc, k1 - k0, tl.a_rs, tl.a_cs, ap);
                 let ap = ap.as_ptr();
                 for jr in 0..ntp / M::NR {
-                    let b = bp.add(jr * kc * M::NR);
+                    let b = bp.add(jr * kp * M::NR);
                     for ir in 0..mcp / M::MR {
                         let c = cp.add((ic + ir * M::MR) * ntp + jr * M::NR);
-                        M::kernel(ap.add(ir * kc * M::MR), b, kc, c, ntp, pc == 0);
+                        M::kernel(ap.add(ir * kp * M::MR), b, kp, c, ntp, pc == 0);
                     }
                 }
                 if last {
