@@ -223,8 +223,8 @@ fn the_cpu_isa_is_detected_or_forced_and_a_bad_name_is_refused() {
     };
     let o = run(None);
     assert!(o.status.success(), "{}", text(&o.stderr));
-    let row = text(&o.stdout).lines().find(|l| l.starts_with("cpu isa")).map(str::to_string).expect("a `cpu isa` row");
-    assert!(row.contains("detected") && row.contains("avx512_bf16: "), "{row}");
+    let detected = text(&o.stdout).lines().find(|l| l.starts_with("cpu isa")).map(str::to_string).expect("a `cpu isa` row");
+    assert!(detected.contains("detected") && detected.contains("avx512_bf16: ") && detected.contains("amx: "), "{detected}");
     // The lowest level runs everywhere and says so.
     let o = run(Some("scalar"));
     assert!(o.status.success(), "{}", text(&o.stderr));
@@ -233,6 +233,15 @@ fn the_cpu_isa_is_detected_or_forced_and_a_bad_name_is_refused() {
     let o = run(Some("avx9"));
     assert_eq!(o.status.code(), Some(2));
     assert!(text(&o.stderr).contains("FUSEC_CPU_ISA=\"avx9\" is not an instruction-set level"), "{}", text(&o.stderr));
+    // A level the host lacks is refused before anything runs (AMX tiles: only where the CPU
+    // has them and Linux grants the tile state).
+    if detected.contains("amx: no") {
+        let o = run(Some("amx"));
+        assert_eq!(o.status.code(), Some(2));
+        assert!(text(&o.stderr).contains("FUSEC_CPU_ISA=amx: this host does not support amx"), "{}", text(&o.stderr));
+    } else {
+        fusec_ir::testkit::skip("refusing FUSEC_CPU_ISA=amx", "this host has AMX");
+    }
 }
 
 #[test]

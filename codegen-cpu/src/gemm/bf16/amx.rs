@@ -127,3 +127,85 @@ pub fn amx_permitted() -> bool {
         }
     })
 }
+
+#[cfg(test)]
+mod tests {
+    //! The AMX kernel runs only on hosts with AMX (the device's Xeon: `tests/gemm_bf16.rs`
+    //! there). Here the packing and the padded k blocks it relies on run on every host through
+    //! a scalar kernel that reads the same layout as the tiles do.
+
+    use super::super::packed::{pack_pair, tile, Micro};
+    use super::super::{gemm_bf16_on, widen_bits, Bf16Out, Job, Out};
+    use super::Amx;
+    use crate::gemm::{Raw, Tiling};
+    use crate::isa::Isa;
+    use fusec_ir::rng::Rng;
+    use fusec_ir::GemmSpec;
+    use half::bf16;
+
+    /// [`Amx`]'s blocking and packing with a scalar kernel: `a` rows of `kc` pairs, `b` steps
+    /// of 32 columns' pairs, each pair's two products added in order.
+    struct Layout;
+
+    impl Micro for Layout {
+        const MR: usize = Amx::MR;
+        const NR: usize = Amx::NR;
+        const KU: usize = Amx::KU;
+        const MC: usize = Amx::MC;
+        const KC: usize = Amx::KC;
+        const KPAD: usize = Amx::KPAD;
+        const A_ROWS: bool = Amx::A_ROWS;
+
+        fn pack(lo: u16, hi: u16) -> u32 {
+            pack_pair(lo, hi)
+        }
+
+        unsafe fn kernel(a: *const u32, b: *const u32, kc: usize, c: *mut f32, ldc: usize, first: bool) {
+            assert_eq!(kc % 16, 0, "k padded to whole tiles");
+            let half = |p: u32, hi: bool| widen_bits(if hi { (p >> 16) as u16 } else { p as u16 });
+            for i in 0..Self::MR {
+                for j in 0..Self::NR {
+                    let mut s = if first { 0.0 } else { *c.add(i * ldc + j) };
+                    for q in 0..kc {
+                        let (pa, pb) = (*a.add(i * kc + q), *b.add(q * Self::NR + j));
+                        s += half(pa, false) * half(pb, false) + half(pa, true) * half(pb, true);
+                    }
+                    *c.add(i * ldc + j) = s;
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn rows_packed_for_tiles_give_the_product_at_every_padding() {
+        let mut rng = Rng::new(7);
+        // Odd k (a half pair), k not a whole tile, k past one block of pairs; rows and columns
+        // past the 32 x 32 blocks; transposed operands and a batch.
+        for (batch, m, n, k, ta, tb) in [(1, 40, 33, 7, false, false), (2, 70, 64, 300, true, false), (1, 33, 97, 517, false, true), (1, 96, 32, 32, true, true)] {
+            let mut s = GemmSpec::new(m, n, k);
+            (s.batch, s.trans_a, s.trans_b, s.b_shared) = (batch, ta, tb, false);
+            let a: Vec<bf16> = (0..batch * m * k).map(|_| bf16::from_f32(rng.normal() as f32)).collect();
+            let b: Vec<bf16> = (0..batch * k * n).map(|_| bf16::from_f32(rng.normal() as f32)).collect();
+            let mut want = vec![0f32; batch * m * n];
+            gemm_bf16_on(Isa::Scalar, &s, &a, &b, None, Bf16Out::F32(&mut want), None, 1);
+            let mut got = vec![0f32; batch * m * n];
+            let job = Job {
+                spec: s,
+                tiling: Tiling::new(&s),
+                a: Raw(a.as_ptr().cast_mut() as *mut u16),
+                b: Raw(b.as_ptr().cast_mut() as *mut u16),
+                bias: None,
+                y: Out::F32(Raw(got.as_mut_ptr())),
+                pre: None,
+                isa: Isa::Scalar,
+            };
+            for t in 0..job.tiling.tasks() {
+                // SAFETY: the operands and result cover the spec; one task at a time.
+                unsafe { tile::<Layout>(&job, t) };
+            }
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                assert!((g - w).abs() <= 1e-4 * (1.0 + w.abs()), "{batch}x{m}x{n}x{k} ({ta}, {tb}): [{i}] {g} vs {w}");
+            }
+        }
+    }
+}
