@@ -23,7 +23,7 @@ fn paths() -> Vec<Isa> {
         fusec_ir::testkit::skip("bf16 dot-product products", "this host has no AVX512-BF16");
     }
     if !Isa::Amx.supported() {
-        fusec_ir::testkit::skip("bf16 products on AMX tiles", "this host has no AMX (or Linux did not grant its tile state)");
+        fusec_ir::testkit::not_on_this_host("bf16 products on AMX tiles", "this host has no AMX (or Linux did not grant its tile state)");
     }
     v
 }

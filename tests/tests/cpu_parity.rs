@@ -78,7 +78,7 @@ fn cpu_bf16_stays_within_2e_2_of_llmc_fp32_losses() {
     if Isa::Amx.supported() {
         paths.push(Isa::Amx);
     } else {
-        fusec_ir::testkit::skip("llm.c parity of bf16 products on AMX tiles", "this host has no AMX");
+        fusec_ir::testkit::not_on_this_host("llm.c parity of bf16 products on AMX tiles", "this host has no AMX");
     }
     for precision in [Precision::Bf16, Precision::Bf16Residual] {
         let opts = PipelineOptions { precision, ..PipelineOptions::default() };
