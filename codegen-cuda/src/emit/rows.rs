@@ -159,7 +159,7 @@ impl Seg<'_> {
             let parts = if n > 1 { format!("[{n}]") } else { String::new() };
             let _ = writeln!(out, "    {t} rk{i}[{}]{parts};", k.steps);
         }
-        out.push_str(&stash.declare(vec_reg(Mem::Bf16, stash.w).0));
+        out.push_str(&stash.declare());
         let row_nodes = |level: u32| -> Vec<NodeId> {
             (0..p.nodes.len() as NodeId)
                 .filter(|&id| {
@@ -504,7 +504,7 @@ impl Seg<'_> {
 
 /// The register type, and how many of it, that hold `w` elements of a view stored as `m`:
 /// f32 `float4` (two for `w = 8`), bf16 `uint2` (`w = 4`) or `uint4`.
-fn vec_reg(m: Mem, w: u32) -> (&'static str, u32) {
+pub(super) fn vec_reg(m: Mem, w: u32) -> (&'static str, u32) {
     match (m, w) {
         (Mem::Bf16, 4) => ("uint2", 1),
         (Mem::Bf16, _) => ("uint4", 1),

@@ -15,8 +15,9 @@
 //! columns in every pass, `W` at a time, at constant vector steps `k4`), and at most
 //! [`MAX_STASH_REGS`] registers a thread are spent.
 
-use fusec_ir::rows::{Expr, NodeId};
+use fusec_ir::rows::{Expr, Mem, NodeId};
 
+use super::rows::vec_reg;
 use super::Seg;
 
 /// The most registers a thread spends on stashed values.
@@ -33,9 +34,10 @@ pub(super) struct Stash {
 }
 
 impl Stash {
-    /// The line that declares the arrays at the start of a row (`t`: the register type that
-    /// holds `w` bf16 values).
-    pub(super) fn declare(&self, t: &str) -> String {
+    /// The lines that declare the arrays at the start of a row: per step, the register that
+    /// holds `w` bf16 values (`uint4`, or `uint2` for `w = 4`).
+    pub(super) fn declare(&self) -> String {
+        let t = vec_reg(Mem::Bf16, self.w).0;
         (0..self.nodes.len()).map(|i| format!("    {t} sk{i}[{}];\n", self.steps)).collect()
     }
 
