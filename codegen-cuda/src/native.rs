@@ -24,6 +24,10 @@
 //! - `fusec_iota_f32` / `fusec_iota_i32`: `out[i] = (i / inner) % len`.
 //! - `fusec_round_bf16`: `out[i] = bf16(in[i])` (nearest even; the bf16 copies of the weights
 //!   made on the device from the f32 values just uploaded).
+//! - `fusec_sum_rows`: `out[c] = (acc[c] +) sum of part[r][c]` over the rows (eight row groups a
+//!   block, each in row order, their sums added in group order; `acc` may be null): the partial
+//!   column sums that the Hopper flash backward writes when the runtime folds a column sum of
+//!   `dqkv` into it.
 //! - `fusec_gemm_epilogue`: after a cuBLAS product, `t (+ bias[c])`, GELU with the
 //!   pre-activation saved, `acc + t`, in `Op::Gemm`'s order (flags 1 bias, 2 GELU, 4 accumulate).
 //! - `fusec_gemm_epilogue_mixed`: the same after an f32 product when some of it is bf16 (the
@@ -67,14 +71,14 @@ pub const EPILOGUE_Y_BF16: i32 = 32;
 pub const NAME: &str = "fusec_native";
 
 /// The hand-written kernels, as the modules they are compiled in. The runtime takes the
-/// entries in this order: its `Native` fields (`runtime/src/cuda/launch.rs`), then
-/// `fusec_round_bf16`. One module took 0.9 s of NVRTC on a freshly started VM, the longest of
+/// entries in this order (`runtime/src/cuda/mod.rs`: its `Native` fields, `fusec_round_bf16`
+/// at 13). One module took 0.9 s of NVRTC on a freshly started VM, the longest of
 /// a cold build; four compile side by side.
 pub const MODULES: [&[&str]; 4] = [
     &["fusec_gather", "fusec_scatter_count", "fusec_scatter_offsets", "fusec_scatter_fill"],
     &["fusec_scatter_sort", "fusec_scatter_sum"],
     &["fusec_attn_softmax", "fusec_attn_probs", "fusec_attn_dscores"],
-    &["fusec_iota_f32", "fusec_iota_i32", "fusec_gemm_epilogue", "fusec_gemm_epilogue_mixed", "fusec_round_bf16"],
+    &["fusec_iota_f32", "fusec_iota_i32", "fusec_gemm_epilogue", "fusec_gemm_epilogue_mixed", "fusec_round_bf16", "fusec_sum_rows"],
 ];
 
 /// The name of module `i` of [`MODULES`].
@@ -333,6 +337,20 @@ extern "C" __global__ void __launch_bounds__(256) fusec_attn_dscores(const float
 extern "C" __global__ void __launch_bounds__(256) fusec_round_bf16(unsigned short* out, const float* in, long long n) {
   const long long i = (long long)blockIdx.x * 256 + threadIdx.x;
   if (i < n) out[i] = f32_to_bf16(in[i]);
+}
+extern "C" __global__ void __launch_bounds__(256) fusec_sum_rows(float* out, const float* acc, const float* part, int rows, int cols) {
+  __shared__ float sums[8][33];
+  const int lane = threadIdx.x & 31, g = threadIdx.x >> 5, c = blockIdx.x * 32 + lane;
+  float s = 0.0f;
+  if (c < cols)
+    for (int r = g; r < rows; r += 8) s += part[(long long)r * cols + c];
+  sums[g][lane] = s;
+  __syncthreads();
+  if (g == 0 && c < cols) {
+    float t = sums[0][lane];
+    for (int k = 1; k < 8; ++k) t += sums[k][lane];
+    out[c] = acc ? acc[c] + t : t;
+  }
 }
 extern "C" __global__ void __launch_bounds__(256) fusec_iota_f32(float* out, long long n, long long inner, long long len) {
   const long long i = (long long)blockIdx.x * 256 + threadIdx.x;

@@ -23,5 +23,6 @@ pub mod pipeline;
 pub mod recompute;
 mod rewrite;
 pub mod schedule;
+pub mod schedule_colsum;
 mod schedule_overlap;
 pub mod zero;

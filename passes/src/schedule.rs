@@ -10,6 +10,8 @@
 //! - Every other node is list-scheduled: among the ready nodes, take the one that maximizes
 //!   `bytes freed - bytes allocated` (its operands' buffers that it reads last, minus its new
 //!   results and the lazy nodes it pulls in); ties go to the earlier original node.
+//! - A kernel that only sums an `attention_grad` result's columns (the qkv bias gradient) comes
+//!   right after it, where a target can fold the sums into the backward (`schedule_colsum`).
 //! - Writes over state are ordered after every read of the old value: a graph output named like a
 //!   parameter or input (written back in place by `memplan`) is produced only after every other
 //!   reader of that parameter, and so is a `gemm` that accumulates in place over its last operand.
@@ -101,6 +103,11 @@ fn schedule_for(g: &Graph, probes: &[Bindings]) -> Result<Graph, String> {
         if m0.respects_war(&early) {
             best = early;
         }
+    }
+    // The qkv bias gradient right after the attention backward (`schedule_colsum`).
+    let sums = crate::schedule_colsum::after_attention(g, &best);
+    if m0.respects_war(&sums) {
+        best = sums;
     }
     Ok(reorder(g, &overlap::collectives_early(g, &best)))
 }

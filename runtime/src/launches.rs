@@ -8,6 +8,7 @@ use std::collections::HashMap;
 
 use fusec_ir::{Bindings, DType, GemmSpec, Graph, Kernel, Node, Op, ValueId};
 use fusec_passes::memplan::{memplan, MemPlan, MemplanOptions};
+pub use fusec_passes::schedule_colsum::sums_columns;
 
 use crate::layout::SharedLayout;
 use crate::programs::{Program, RunPrograms};

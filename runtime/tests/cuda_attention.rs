@@ -1,8 +1,8 @@
 //! Flash attention on bf16 storage against the interpreter (the oracle): outputs, `lse` and
 //! gradients for head sizes 32, 64, 128 (bf16 tensor-core kernels) and 48 (TF32 kernels on
 //! widened bf16 tiles), sequence lengths 1, 17, 100 and 1024 (none or some a multiple of the
-//! tiles) and several batch × head counts; the same bits on a second run. Needs a GPU: run with
-//! `--ignored` on the device.
+//! tiles) and several batch × head counts; the same bits on a second run; the qkv bias gradient
+//! that the Hopper backward sums itself. Needs a GPU: run with `--ignored` on the device.
 
 use std::collections::HashMap;
 
@@ -70,6 +70,79 @@ fn the_hopper_kernels_give_the_mma_sync_kernels_bits() {
             if differ > 0 {
                 failures.push(format!("B {b}, H {h}, T {t}: {name}: {differ} of {} values differ", a.len()));
             }
+        }
+    }
+    assert!(failures.is_empty(), "{} failures:\n{}", failures.len(), failures.join("\n"));
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --ignored on the device"]
+fn the_column_sums_of_dqkv_folded_into_the_hopper_backward_match() {
+    // `reduce_sum` of `dqkv` over its rows (the qkv bias gradient): on sm_90a the backward
+    // kernels write partial sums per 64-row tile and `fusec_sum_rows` adds them; elsewhere (and
+    // with `FUSEC_FLASH_WGMMA=0`) a fused kernel reads `dqkv` again. Against the interpreter,
+    // and against the unfolded GPU path, whose `dqkv` is the same bits (only the order of the
+    // sums differs). Run with `--test-threads 1`: the variable is the process's.
+    let (d, mut failures) = (64, vec![]);
+    for (b, h, t) in [(3, 2, 1), (2, 3, 17), (2, 2, 100), (2, 3, 1024)] {
+        let (c, c3, scale) = (h * d, 3 * h * d, 1.0 / (d as f64).sqrt());
+        let src = format!(
+            "graph colsum(B, T) {{
+  %0 = input \"qkv\" : f32[B, T, {c3}]
+  %1 = input \"dout\" : f32[B, T, {c}]
+  %2 = cast %0 : bf16[B, T, {c3}]
+  %3, %4 = attention %2 {{heads = {h}, scale = {scale:?}}} : bf16[B, T, {c}], f32[B, {h}, T]
+  %5 = cast %1 : bf16[B, T, {c}]
+  %6 = attention_grad %2, %3, %4, %5 {{heads = {h}, scale = {scale:?}}} : bf16[B, T, {c3}]
+  %7 = cast %6 : f32[B, T, {c3}]
+  %8 = reduce_sum %7 {{axes = [0, 1]}} : f32[{c3}]
+  output \"dbias\" = %8
+}}
+"
+        );
+        let g = fusec_ir::text::parse(&src, "colsum.graph").unwrap();
+        let bind = RunPrograms::bindings(b, t);
+        let opts = PipelineOptions::default();
+        let step = compile(&g, "schedule", Mode::Forward, &opts, &bind).unwrap().graph;
+        let run = RunPrograms { graphs: HashMap::from([(Program::Step, step)]), bind, opts, pass_runs: vec![] };
+        let mut feeds = testkit::random_feeds(&g, &run.bind, &mut Rng::new(3 + t as u64), 1).unwrap();
+        feeds.get_mut("qkv").unwrap().data.iter_mut().for_each(|x| *x *= 2.0);
+        let want = interp::run(&g, &run.bind, &feeds, Rounding::F32).unwrap().remove(0).data;
+        let mut got = vec![];
+        for wgmma in ["1", "0"] {
+            std::env::set_var("FUSEC_FLASH_WGMMA", wgmma);
+            let (mut gpu, build) = CudaExecutor::new(&run, &CudaOptions::default()).unwrap_or_else(|e| panic!("{e}"));
+            let folded = build.attention.contains("(wgmma)");
+            eprintln!("B {b}, H {h}, T {t}, FUSEC_FLASH_WGMMA={wgmma}: {} ({} folded)", build.attention, build.column_sums);
+            if build.column_sums != folded as usize {
+                failures.push(format!("B {b}, H {h}, T {t}, wgmma {wgmma}: {} column sums folded", build.column_sums));
+            }
+            let mut once = vec![];
+            for _ in 0..2 {
+                for name in ["qkv", "dout"] {
+                    gpu.set(name, feeds[name].clone()).unwrap();
+                }
+                gpu.run(Program::Step).unwrap();
+                once.push(gpu.output(Program::Step, "dbias").unwrap().data);
+            }
+            if !once[0].iter().zip(&once[1]).all(|(x, y)| x.to_bits() == y.to_bits()) {
+                failures.push(format!("B {b}, H {h}, T {t}, wgmma {wgmma}: two runs differ"));
+            }
+            got.push(once.remove(0));
+        }
+        std::env::remove_var("FUSEC_FLASH_WGMMA");
+        let peak = testkit::max_abs(&want);
+        for (g, what) in got.iter().zip(["folded", "unfolded"]) {
+            let rel = testkit::rel_l2(g, &want);
+            eprintln!("B {b}, H {h}, T {t}: {what} against the interpreter: relative L2 {rel:e}");
+            if let Err(e) = testkit::check_slice(g, &want, 1e-2 * peak, 2e-2) {
+                failures.push(format!("B {b}, H {h}, T {t}: {what}: {e}"));
+            }
+        }
+        // The same bf16 values summed in another order.
+        let rel = testkit::rel_l2(&got[0], &got[1]);
+        if rel.is_nan() || rel > 1e-5 {
+            failures.push(format!("B {b}, H {h}, T {t}: folded against unfolded: relative L2 {rel:e}"));
         }
     }
     assert!(failures.is_empty(), "{} failures:\n{}", failures.len(), failures.join("\n"));

@@ -7,7 +7,8 @@ use std::collections::HashMap;
 use fusec_ir::{DType, Op};
 use fusec_models::{build_gpt2, Gpt2Config};
 use fusec_passes::pipeline::{compile, Mode, PipelineOptions};
-use fusec_runtime::launches::{LaunchOp, LaunchPlan};
+use fusec_passes::amp::Precision;
+use fusec_runtime::launches::{sums_columns, LaunchOp, LaunchPlan};
 use fusec_runtime::programs::{Program, RunPrograms};
 
 fn tiny_run() -> RunPrograms {
@@ -109,6 +110,52 @@ fn attention_launches_carry_the_storage_of_qkv() {
     let step = compile(&g, "schedule", Mode::Forward, &opts, &bind).unwrap().graph;
     let run = RunPrograms { graphs: HashMap::from([(Program::Step, step)]), bind, opts, pass_runs: vec![] };
     assert_eq!(plan_dtypes(&run), [DType::BF16, DType::BF16]);
+}
+
+#[test]
+fn the_qkv_bias_gradient_sums_dqkv_right_after_the_attention_backward() {
+    // What the CUDA target folds into its Hopper backward kernels (`launches::sums_columns`):
+    // in bf16, each layer's qkv bias gradient is a kernel that only sums the columns of the
+    // `dqkv` that the launch before it wrote (and adds them to the gradient when it accumulates).
+    // At the 124M shape the memory-greedy order alone would put the input-gradient product
+    // between the two (`schedule_colsum` moves the sum up).
+    let cases = [
+        ("tiny", (2, 16), Precision::Bf16, true),
+        ("tiny", (2, 16), Precision::Bf16Residual, true),
+        ("tiny", (2, 16), Precision::Bf16, false),
+        ("tiny", (2, 16), Precision::F32, true),
+        ("d12", (16, 1024), Precision::Bf16Residual, true),
+    ];
+    for (preset, (b, t), precision, fresh) in cases {
+        let cfg = Gpt2Config::preset(preset).unwrap();
+        let fwd = build_gpt2(&cfg, preset);
+        let mut opts = PipelineOptions { precision, ..PipelineOptions::default() };
+        opts.adamw.fresh_grads = fresh;
+        let run = RunPrograms::compile(&fwd, &opts, &RunPrograms::bindings(b, t), true).unwrap();
+        let plan = LaunchPlan::new(&run).unwrap();
+        let (_, launches, _) = plan.programs.iter().find(|(p, _, _)| *p == Program::Step).unwrap();
+        let (mut grads, mut folds) = (0, 0);
+        for (i, l) in launches.iter().enumerate() {
+            if let LaunchOp::Attention(a) = &l.op {
+                if a.forward {
+                    continue;
+                }
+                grads += 1;
+                if let Some(LaunchOp::Kernel { kernel, ins, .. }) = launches.get(i + 1).map(|n| &n.op) {
+                    // Under gradient accumulation the sum is added to the gradient.
+                    if ins[0] == a.at.dqkv.unwrap() && sums_columns(kernel) == Some(!fresh) {
+                        folds += 1;
+                    }
+                }
+            }
+        }
+        let expect = if precision == Precision::F32 { 0 } else { grads };
+        assert_eq!((grads, folds), (cfg.layers, expect), "{preset} {precision:?}");
+        // No other kernel of the step is such a sum (LayerNorm's gradient sums columns too,
+        // beside other work).
+        let sums = launches.iter().filter(|l| matches!(&l.op, LaunchOp::Kernel { kernel, .. } if sums_columns(kernel).is_some())).count();
+        assert_eq!(sums, expect, "{precision:?}");
+    }
 }
 
 #[test]

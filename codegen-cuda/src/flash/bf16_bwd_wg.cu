@@ -23,6 +23,40 @@ __device__ __forceinline__ void dkv_wg_load(u32 sb, u32 stt, const elem* q, cons
   cp_commit();
 }
 
+// The column sums the runtime folds into the backward (the qkv bias gradient,
+// flash::sums_columns): the sums over the tile's first `rows` rows of the warpgroup's 64 x HD
+// accumulator `acc` times `mul`, rounded to bf16 as stage_acc stores them, into dst[0, HD). Each
+// thread adds its two rows, the eight row groups of a warp meet by shuffles, the four warps in
+// order through `red` (4 HD floats of shared memory). Each (sequence, 64-row tile) writes its
+// own row of partial sums; fusec_sum_rows adds them in row order (deterministic).
+#if WG_N != 1
+#error "the partial column sums take the 64-row tiles of both kernels"
+#endif
+__device__ __forceinline__ void acc_colsum(float* dst, const float* acc, float mul, int rows, float* red) {
+  const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const bool lo = 16 * w + g < rows, hi = 16 * w + g + 8 < rows;
+  float cs[2 * ND];
+#pragma unroll
+  for (int dn = 0; dn < ND; ++dn)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const float a = lo ? __uint_as_float(pack2(acc[4 * dn + e] * mul, 0.0f) << 16) : 0.0f;
+      const float b = hi ? __uint_as_float(pack2(acc[4 * dn + 2 + e] * mul, 0.0f) << 16) : 0.0f;
+      cs[2 * dn + e] = a + b;
+    }
+#pragma unroll
+  for (int i = 0; i < 2 * ND; ++i) {
+    cs[i] += __shfl_xor_sync(FULL, cs[i], 4);
+    cs[i] += __shfl_xor_sync(FULL, cs[i], 8);
+    cs[i] += __shfl_xor_sync(FULL, cs[i], 16);
+  }
+  if (g == 0)
+#pragma unroll
+    for (int dn = 0; dn < ND; ++dn) *(float2*)(red + w * HD + dn * 8 + 2 * t) = make_float2(cs[2 * dn], cs[2 * dn + 1]);
+  __syncthreads();
+  if (threadIdx.x < HD) dst[threadIdx.x] = ((red[threadIdx.x] + red[HD + threadIdx.x]) + red[2 * HD + threadIdx.x]) + red[3 * HD + threadIdx.x];
+}
+
 // Three blocks an SM (168 registers): 0.155 -> 0.131 ms at the 124M shape on an H200 (four
 // spill).
 #ifndef DKVW_MINB
@@ -30,7 +64,7 @@ __device__ __forceinline__ void dkv_wg_load(u32 sb, u32 stt, const elem* q, cons
 #endif
 #if !defined(FUSEC_FLASH_ONLY) || FUSEC_FLASH_ONLY == 2
 extern "C" __global__ void __launch_bounds__(128, DKVW_MINB) fusec_flash_bwd_dkv(const elem* qkv, const float* lse, const elem* dout, const float* stats,
-                                                                    elem* dqkv, int T, int H, float scale) {
+                                                                    elem* dqkv, int T, int H, float scale, float* colsum) {
   extern __shared__ unsigned char dyn[];
   const int kt = blockIdx.z, h = blockIdx.x;
   const long long s = blockIdx.y, C = (long long)H * HD, rs = 3 * C, bh = s * H + h;
@@ -98,6 +132,13 @@ extern "C" __global__ void __launch_bounds__(128, DKVW_MINB) fusec_flash_bwd_dkv
   __syncthreads();
   store_tile<64, 128>(dst + C, rs, sm + 8192, k0, T);
   store_tile<64, 128>(dst + 2 * C, rs, sm + 8192 + 64 * LDS, k0, T);
+  if (colsum) {
+    // Past the staged tiles: the q and dout stages are free now.
+    float* red = (float*)(dyn + (base - smem_u32(dyn)) + 36864);
+    float* row = colsum + (s * gridDim.z + kt) * rs + h * HD;
+    acc_colsum(row + C, dk, scale, min(64, T - k0), red);
+    acc_colsum(row + 2 * C, dv, 1.0f, min(64, T - k0), red + 4 * HD);
+  }
 }
 #endif
 
@@ -114,7 +155,7 @@ extern "C" __global__ void __launch_bounds__(128, DKVW_MINB) fusec_flash_bwd_dkv
 
 #if !defined(FUSEC_FLASH_ONLY) || FUSEC_FLASH_ONLY == 1
 extern "C" __global__ void __launch_bounds__(WG_THREADS, DQW_MINB) fusec_flash_bwd_dq(const elem* qkv, const elem* out, const float* lse, const elem* dout,
-                                                                 elem* dqkv, float* stats, int T, int H, float scale) {
+                                                                 elem* dqkv, float* stats, int T, int H, float scale, float* colsum) {
   extern __shared__ unsigned char dyn[];
   const int nt = (T + WG_BM - 1) / WG_BM, qt = nt - 1 - (int)blockIdx.z, h = blockIdx.x;
   const long long s = blockIdx.y, C = (long long)H * HD, rs = 3 * C, bh = s * H + h;
@@ -178,5 +219,7 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, DQW_MINB) fusec_flash_b
   stage_acc<1>(so, (const float(*)[ND][4])dq, wr, g, t, muls);
   __syncthreads();
   store_tile<WG_BM, WG_THREADS>(dqkv + s * T * rs + h * HD, rs, so, q0, T);
+  // Past the staged tile: the k and v stages are free now.
+  if (colsum) acc_colsum(colsum + (s * nt + qt) * rs + h * HD, dq, scale, min(WG_BM, T - q0), (float*)(b8 + 32768));
 }
 #endif

@@ -161,6 +161,19 @@ pub fn geometry(d: usize, dtype: DType, arch: &str) -> [Geometry; 3] {
     }
 }
 
+/// Rows of the tiles whose partial column sums the Hopper backward writes (see [`sums_columns`]).
+pub const COLSUM_TILE: usize = 64;
+
+/// Whether the backward kernels for head size `d` on `dtype` storage, compiled for `arch`, also
+/// write partial column sums of `dqkv` (the Hopper bf16 kernels, `bf16::wgmma`). Those kernels
+/// take one more parameter, `colsum`: null, or `[S · ceil(T / COLSUM_TILE), 3C]` f32 where each
+/// (sequence, tile of COLSUM_TILE rows) writes the sums over its rows of the values it stored
+/// (`dq` the first C columns, `dk/dv` the rest). Adding those rows in order (`fusec_sum_rows`)
+/// gives the column sums over every row: the qkv bias gradient, without reading `dqkv` again.
+pub fn sums_columns(d: usize, dtype: DType, arch: &str) -> bool {
+    dtype == DType::BF16 && family(d, dtype) == Some(Family::Bf16) && bf16::wgmma(d, arch)
+}
+
 /// Bytes of the `stats` scratch for `s` sequences, `h` heads and `t` positions: one f32 row sum
 /// per row for the TF32 kernels, a (row sum, `lse log2(e)`) pair for the bf16 ones.
 pub fn stats_bytes(d: usize, dtype: DType, s: usize, h: usize, t: usize) -> u64 {

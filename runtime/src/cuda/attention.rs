@@ -14,14 +14,58 @@ use fusec_codegen_cuda::gemm::row_major;
 use fusec_ir::DType;
 
 use super::launch::{blocks, Addr, Arg, Builder, Step};
-use crate::launches::Attention;
+use crate::launches::{self, Attention, LaunchOp};
 
 /// A launch's steps, its profile name and its FLOPs.
 type Launch = (Vec<Step>, &'static str, u64);
 
+/// The profile name of the launch that adds the partial column sums of the attention backward.
+pub(crate) const COLSUM_LAUNCH: &str = "flash_attention_grad_colsum";
+
+/// The partial column sums an attention backward writes for the launch after it (see
+/// [`Builder::column_sums`]): `rows` rows of `cols` f32 at `at`; `accumulates`: that launch adds
+/// their total to its second operand.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct ColumnSums {
+    pub at: Addr,
+    pub rows: usize,
+    pub cols: usize,
+    pub accumulates: bool,
+}
+
 impl Builder<'_> {
-    /// The launches of one attention node.
-    pub(crate) fn attention(&mut self, a: &Attention) -> Result<Vec<Launch>, String> {
+    /// Where the backward `a` writes partial column sums of its `dqkv`, when its kernels can
+    /// (`flash::sums_columns`) and the launch right after it, `next`, is a fused kernel that only
+    /// sums `dqkv`'s columns (`launches::sums_columns`, or adds them to an accumulator): that
+    /// launch then adds the partial rows (`fusec_sum_rows`) instead of reading `dqkv` again.
+    /// The partials live in scratch after the row statistics; nothing runs between the two
+    /// launches, so nothing else uses it.
+    pub(crate) fn column_sums(&mut self, a: &Attention, next: Option<&launches::Launch>) -> Result<Option<ColumnSums>, String> {
+        let (s, t, h, d) = (a.dims.s, a.dims.t, a.dims.h, a.dims.d);
+        let folds = match next.map(|l| &l.op) {
+            Some(LaunchOp::Kernel { kernel, ins, outs }) if !a.forward && ins.first() == a.at.dqkv.as_ref() && outs.len() == 1 => {
+                launches::sums_columns(kernel)
+            }
+            _ => None,
+        };
+        let Some(accumulates) = folds else { return Ok(None) };
+        if !self.native.flash.contains_key(&(d, a.dtype)) || !flash::sums_columns(d, a.dtype, &self.native.flash_arch) {
+            return Ok(None);
+        }
+        let rows = s.checked_mul(t.div_ceil(flash::COLSUM_TILE));
+        let cols = h.checked_mul(d).and_then(|c| c.checked_mul(3));
+        let (Some(rows), Some(cols)) = (rows.filter(|r| i32::try_from(*r).is_ok()), cols.filter(|c| i32::try_from(*c).is_ok())) else {
+            return Ok(None);
+        };
+        let start = flash::stats_bytes(d, a.dtype, s, h, t).div_ceil(256) * 256;
+        let bytes = (rows as u64).checked_mul(cols as u64 * 4).and_then(|b| b.checked_add(start)).ok_or("attention: partial sums overflow 64 bits")?;
+        self.need_scratch(bytes);
+        Ok(Some(ColumnSums { at: Addr::Scratch(start), rows, cols, accumulates }))
+    }
+
+    /// The launches of one attention node; `colsum`: where the Hopper backward writes partial
+    /// column sums of `dqkv` ([`Builder::column_sums`]), if anywhere.
+    pub(crate) fn attention(&mut self, a: &Attention, colsum: Option<Addr>) -> Result<Vec<Launch>, String> {
         let (s, t, h, d) = (a.dims.s, a.dims.t, a.dims.h, a.dims.d);
         let (qkv, out_v, lse) = (Addr::Plan(a.at.qkv), Addr::Plan(a.at.out), Addr::Plan(a.at.lse));
         let grads = a.at.dout.zip(a.at.dqkv).map(|(o, q)| (Addr::Plan(o), Addr::Plan(q)));
@@ -55,10 +99,15 @@ impl Builder<'_> {
             self.need_scratch(flash::stats_bytes(d, a.dtype, s, h, t));
             let stats = Arg::Ptr(Addr::Scratch(0));
             let (q, o, l, dd, dq) = (Arg::Ptr(qkv), Arg::Ptr(out_v), Arg::Ptr(lse), Arg::Ptr(dout), Arg::Ptr(dqkv));
-            let args = vec![q, o, l, dd, dq, stats, ti, hi, Arg::F32(scale)];
-            let grad_q = (vec![kernel(1, args)], "flash_attention_grad_q", 3 * half);
-            let args = vec![q, l, dd, stats, dq, ti, hi, Arg::F32(scale)];
-            let grad_kv = (vec![kernel(2, args)], "flash_attention_grad_kv", 4 * half);
+            let mut args_q = vec![q, o, l, dd, dq, stats, ti, hi, Arg::F32(scale)];
+            let mut args_kv = vec![q, l, dd, stats, dq, ti, hi, Arg::F32(scale)];
+            if flash::sums_columns(d, a.dtype, &self.native.flash_arch) {
+                let sums = colsum.map_or(Arg::I64(0), Arg::Ptr);
+                args_q.push(sums);
+                args_kv.push(sums);
+            }
+            let grad_q = (vec![kernel(1, args_q)], "flash_attention_grad_q", 3 * half);
+            let grad_kv = (vec![kernel(2, args_kv)], "flash_attention_grad_kv", 4 * half);
             return Ok(vec![grad_q, grad_kv]);
         }
         let c = h * d;

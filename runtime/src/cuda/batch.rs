@@ -180,6 +180,7 @@ mod tests {
             iota_i32: f,
             gemm_epilogue: f,
             gemm_epilogue_mixed: f,
+            sum_rows: f,
             flash: HashMap::new(),
             flash_arch: "sm_80".into(),
         };

@@ -33,6 +33,7 @@ use fusec_codegen_cuda::KernelSource;
 use fusec_codegen_cuda::native::GATHER_VEC;
 use fusec_ir::DType;
 
+use crate::cuda::attention::ColumnSums;
 use crate::cuda::lt::{Epilogue, LtKey, LtPlans, LtTypes};
 use crate::launches::{self, LaunchOp, Product};
 
@@ -109,6 +110,8 @@ pub(crate) struct Native {
     pub iota_i32: CUfunction,
     pub gemm_epilogue: CUfunction,
     pub gemm_epilogue_mixed: CUfunction,
+    /// `fusec_sum_rows`: adds the flash backward's partial column sums.
+    pub sum_rows: CUfunction,
     /// The flash-attention entries ([`fusec_codegen_cuda::flash::ENTRIES`]) per head size and
     /// storage type of `qkv`.
     pub flash: HashMap<(usize, DType), [CUfunction; 3]>,
@@ -224,7 +227,10 @@ impl Builder<'_> {
         let mut out: Vec<Launch> = vec![];
         // Each plan launch's first launch here (attention becomes several).
         let mut index_of = Vec::with_capacity(plan.len());
+        // Partial column sums the attention launch just before wrote for this launch to add.
+        let mut folded: Option<ColumnSums> = None;
         for (i, l) in plan.iter().enumerate() {
+            let fold_in = folded.take();
             let first = out.len();
             index_of.push(first);
             let err = |m: String| l.err(m);
@@ -250,6 +256,14 @@ impl Builder<'_> {
                 LaunchOp::Product(pr) => {
                     let steps = self.product(pr).map_err(err)?;
                     push(steps, &l.name, l.flops);
+                }
+                LaunchOp::Kernel { ins, outs, .. } if fold_in.is_some() => {
+                    let c = fold_in.expect("checked");
+                    let acc = if c.accumulates { p(ins[1]) } else { Arg::I64(0) };
+                    let args = vec![p(outs[0]), acc, Arg::Ptr(c.at), Arg::I32(c.rows as i32), Arg::I32(c.cols as i32)];
+                    let step = Step::Kernel { f: self.native.sum_rows, grid: blocks(c.cols as u64, 32), block: [256, 1, 1], shared: 0, args };
+                    let (bytes, flops) = ((c.rows + 1) as u64 * c.cols as u64 * 4, (c.rows * c.cols) as u64);
+                    out.push(Launch { steps: vec![step], name: super::attention::COLSUM_LAUNCH.into(), bytes, flops, ops: l.ops.clone(), waits: vec![], side: false });
                 }
                 LaunchOp::Kernel { kernel, ins, outs } => {
                     let k = kernels(i).ok_or_else(|| err(format!("kernel `{}` was not compiled", kernel.name)))?;
@@ -290,7 +304,8 @@ impl Builder<'_> {
                 }
                 LaunchOp::ScatterAdd(s) => push(self.scatter_add(s, err_flag)?, "scatter_add", l.flops),
                 LaunchOp::Attention(a) => {
-                    for (steps, name, flops) in self.attention(a).map_err(err)? {
+                    folded = self.column_sums(a, plan.get(i + 1)).map_err(err)?;
+                    for (steps, name, flops) in self.attention(a, folded.map(|c| c.at)).map_err(err)? {
                         push(steps, name, flops);
                     }
                 }
@@ -440,6 +455,7 @@ mod tests {
             iota_i32: f(7),
             gemm_epilogue: f(8),
             gemm_epilogue_mixed: f(9),
+            sum_rows: f(10),
             flash: HashMap::new(),
             flash_arch: "sm_80".into(),
         }

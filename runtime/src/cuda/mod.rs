@@ -168,6 +168,7 @@ impl CudaExecutor {
             iota_i32: nf[10],
             gemm_epilogue: nf[11],
             gemm_epilogue_mixed: nf[12],
+            sum_rows: nf[14],
             flash: flash_funcs,
             flash_arch: mods.compiler.arch().to_string(),
         };
@@ -180,6 +181,7 @@ impl CudaExecutor {
             let launches = b.translate(launches, &lookup).map_err(|e| format!("{p:?} program: {e}"))?;
             programs.insert(*p, Compiled { launches, io: io.clone() });
         }
+        let column_sums = programs.values().flat_map(|c| &c.launches).filter(|l| l.name == attention::COLSUM_LAUNCH).count();
 
         let (lt_plans, lt_launches, planning) = b.lt.take().map_or((vec![], 0, Duration::ZERO), |lt| (lt.plans, lt.launches, lt.planning));
         phase("launch lists");
@@ -231,7 +233,9 @@ impl CudaExecutor {
                     "; on Hopper warpgroup MMAs (wgmma)"
                 } else {
                     ""
-                },
+                }
+                + if column_sums > 0 { "; the qkv bias gradient summed by the backward kernels" } else { "" },
+            column_sums,
         };
         let sync_each = std::env::var_os("FUSEC_CUDA_SYNC").is_some_and(|v| v != "0");
         let ex = CudaExecutor {

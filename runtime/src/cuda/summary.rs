@@ -85,6 +85,9 @@ pub struct CudaBuild {
     pub attention: String,
     /// Products whose bias (and GELU) runs inside a cuBLASLt call.
     pub lt_epilogues: usize,
+    /// Column sums of `dqkv` (the qkv bias gradient) folded into the attention backward, over
+    /// every program (`cuda/attention.rs`).
+    pub column_sums: usize,
 }
 
 /// How attention runs, for [`CudaBuild::attention`]: `kinds` are the (head size, storage)
