@@ -1,6 +1,7 @@
 // Forward on Hopper (sm_90a, head size 64; see flash/bf16.rs): warpgroup MMAs
-// (`wgmma.mma_async`). WG_N warpgroups of 64 query rows each; key tiles of 64 keys. q (each
-// warpgroup's 64 rows, loaded once) and k and v (double-buffered) go by cp.async into the
+// (`wgmma.mma_async`). One warpgroup of 64 query rows a block (the `dq` kernel in
+// bf16_bwd_wg.cu takes WG_N); key tiles of 64 keys. q (loaded once) and k and v
+// (double-buffered) go by cp.async into the
 // 128-byte swizzled layout wgmma reads from shared memory: 16-byte chunk c of row r at
 // r * 128 + ((c ^ (r % 8)) * 16), tiles 1024-byte aligned. `s = q k^T` reads both operands from
 // shared memory; `o += p v` takes p from registers (the A fragments of mma.sync m16n8k16, a
@@ -114,85 +115,119 @@ __device__ __forceinline__ void wgmma_n64(float* d, const u32 (*pa)[4], u32 b) {
 }
 
 #if !defined(FUSEC_FLASH_ONLY) || FUSEC_FLASH_ONLY == 0
+// One warpgroup of 64 query rows a block (WG_N == 1), its products pipelined as in
+// FlashAttention-3: at key tile j the block issues s_j = q k_j^T and o += p_{j-1} v_{j-1}
+// together, waits for s_j only, and computes the softmax of s_j while the tensor cores add
+// p_{j-1} v_{j-1}; then o is rescaled and p_j packed for the next tile. The sums are the serial
+// loop's in its order (o = o alpha_j + p_j v_j), so the bits are the mma.sync forward's. k and v
+// have two stages each, loaded at different times: k_{j+1} when tile j starts (its stage held
+// k_{j-1}, read by s_{j-1}), v_{j+1} once p_{j-1} v_{j-1} is done (its stage held v_{j-1}).
 extern "C" __global__ void __launch_bounds__(WG_THREADS, FWD_MINB) fusec_flash_fwd(const elem* qkv, elem* out, float* lse, int T, int H, float scale) {
-  // Each warpgroup's 64 rows of q (8 KiB, swizzled), then two stages of k and v (8 KiB each).
-  __shared__ __align__(1024) elem sm[WG_N * 4096 + 2 * WG_TILE];
+  // 64 rows of q (8 KiB, swizzled), then two stages of k and v (8 KiB each).
+  __shared__ __align__(1024) elem sm[4096 + 2 * WG_TILE];
   const int nt = (T + WG_BM - 1) / WG_BM, qt = nt - 1 - (int)blockIdx.z, h = blockIdx.x;
   const long long s = blockIdx.y, C = (long long)H * HD, rs = 3 * C;
   const elem* q = qkv + s * T * rs + h * HD;
+  const elem* k = q + C;
+  const elem* v = q + 2 * C;
   const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const int q0 = qt * WG_BM, wr = w * 16, wr0 = q0 + wr, wg0 = q0 + (w >> 2) * 64;
+  const int q0 = qt * WG_BM, wr = w * 16, wr0 = q0 + wr;
   const float scale2 = scale * LOG2E;
-  const u32 qs = smem_u32(sm), sb = qs + WG_N * 8192, qw = qs + (w >> 2) * 8192;
-#pragma unroll
-  for (int i = 0; i < WG_N; ++i) load_sw<64, WG_THREADS>(qs + i * 8192, q, rs, q0 + 64 * i, T);
+  const u32 qs = smem_u32(sm), sb = qs + 8192;
+  // Stage x of k at sb + x * 2 WG_TILE, of v WG_TILE after it.
+  load_sw<64, WG_THREADS>(qs, q, rs, q0, T);
   const int nkt = (min(q0 + WG_BM, T) + WG_BN - 1) / WG_BN;
-  wg_load_kv(sb, q + C, q + 2 * C, rs, 0, T);
+  wg_load_kv(sb, k, v, rs, 0, T);
   float o[32], m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
 #pragma unroll
   for (int i = 0; i < 32; ++i) o[i] = 0.0f;
+  u32 pa[4][4];
   for (int j = 0; j < nkt; ++j) {
-    const u32 ks = wg_next_kv(sb, q + C, q + 2 * C, rs, j, nkt, T), vs = ks + WG_TILE;
+    const u32 ks = sb + (j & 1) * 2 * WG_TILE, vprev = sb + ((j + 1) & 1) * 2 * WG_TILE + WG_TILE;
     const int k0 = j * WG_BN;
-    // Keys past the warpgroup's last row: nothing to do (uniform over the warpgroup).
-    if (k0 <= wg0 + 63) {
-      float sc[32];
-#pragma unroll
-      for (int i = 0; i < 32; ++i) sc[i] = 0.0f;
-      wg_fence();
-#pragma unroll
-      for (int kk = 0; kk < KD; ++kk) wgmma_ss(sc, wg_desc(qw + kk * 32), wg_desc(ks + kk * 32));
-      wg_commit();
-      wg_wait();
-      wg_pin(sc);
-      const bool mask = k0 + WG_BN - 1 > wg0;
-      float ms[2], alpha[2];
-      bool same = true;
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        const int row = wr0 + g + 8 * hh;
-        float mx = m[hh];
-#pragma unroll
-        for (int nb = 0; nb < 8; ++nb)
-#pragma unroll
-          for (int e = 2 * hh; e < 2 * hh + 2; ++e) {
-            if (mask && k0 + nb * 8 + 2 * t + (e & 1) > row) sc[4 * nb + e] = NEG_INF;
-            mx = fmaxf(mx, sc[4 * nb + e]);
-          }
-        mx = quad_max(mx);
-        ms[hh] = mx == NEG_INF ? 0.0f : mx * scale2;
-        alpha[hh] = ex2(fmaf(m[hh], scale2, -ms[hh]));
-        same = same && alpha[hh] == 1.0f;
-        m[hh] = mx;
-      }
-      if (!__all_sync(FULL, same)) {
-#pragma unroll
-        for (int i = 0; i < 32; ++i) o[i] *= alpha[(i >> 1) & 1];
-      }
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        float sum = l[hh] * alpha[hh];
-#pragma unroll
-        for (int nb = 0; nb < 8; ++nb)
-#pragma unroll
-          for (int e = 2 * hh; e < 2 * hh + 2; ++e) {
-            const float p = ex2(fmaf(sc[4 * nb + e], scale2, -ms[hh]));
-            sum += p;
-            sc[4 * nb + e] = p;
-          }
-        l[hh] = sum;
-      }
-      // The accumulators of key tiles 2p and 2p + 1 are the A fragment of keys [16p, 16p + 16).
-      u32 pa[4][4];
-      wg_pack_a(pa, sc);
-      wg_fence();
-      wgmma_n64(o, pa, vs);
-      wg_commit();
-      wg_wait();
-      wg_pin(o);
+    // Groups after k_j's: v_j (from tile j - 1) and k_{j+1}; k_j is in the first group at j = 0.
+    if (j + 1 < nkt) {
+      load_sw<WG_BN, WG_THREADS>(sb + ((j + 1) & 1) * 2 * WG_TILE, k, rs, (j + 1) * WG_BN, T);
+      cp_commit();
+      if (j > 0) cp_wait<2>(); else cp_wait<1>();
+    } else {
+      if (j > 0) cp_wait<1>(); else cp_wait<0>();
     }
+    fence_async_smem();
     __syncthreads();
+    float sc[32];
+#pragma unroll
+    for (int i = 0; i < 32; ++i) sc[i] = 0.0f;
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < KD; ++kk) wgmma_ss(sc, wg_desc(qs + kk * 32), wg_desc(ks + kk * 32));
+    wg_commit();
+    if (j > 0) {
+      wgmma_n64(o, pa, vprev);
+      wg_commit();
+      asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
+    } else {
+      wg_wait();
+    }
+    wg_pin(sc);
+    const bool mask = k0 + WG_BN - 1 > q0;
+    float ms[2], alpha[2];
+    bool same = true;
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int row = wr0 + g + 8 * hh;
+      float mx = m[hh];
+#pragma unroll
+      for (int nb = 0; nb < 8; ++nb)
+#pragma unroll
+        for (int e = 2 * hh; e < 2 * hh + 2; ++e) {
+          if (mask && k0 + nb * 8 + 2 * t + (e & 1) > row) sc[4 * nb + e] = NEG_INF;
+          mx = fmaxf(mx, sc[4 * nb + e]);
+        }
+      mx = quad_max(mx);
+      ms[hh] = mx == NEG_INF ? 0.0f : mx * scale2;
+      alpha[hh] = ex2(fmaf(m[hh], scale2, -ms[hh]));
+      same = same && alpha[hh] == 1.0f;
+      m[hh] = mx;
+    }
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      float sum = l[hh] * alpha[hh];
+#pragma unroll
+      for (int nb = 0; nb < 8; ++nb)
+#pragma unroll
+        for (int e = 2 * hh; e < 2 * hh + 2; ++e) {
+          const float p = ex2(fmaf(sc[4 * nb + e], scale2, -ms[hh]));
+          sum += p;
+          sc[4 * nb + e] = p;
+        }
+      l[hh] = sum;
+    }
+    // p_{j-1} v_{j-1} done: o (and pa, which it read) are free.
+    wg_wait();
+    wg_pin(o);
+    if (!__all_sync(FULL, same)) {
+#pragma unroll
+      for (int i = 0; i < 32; ++i) o[i] *= alpha[(i >> 1) & 1];
+    }
+    // The accumulators of key tiles 2p and 2p + 1 are the A fragment of keys [16p, 16p + 16).
+    wg_pack_a(pa, sc);
+    // Every warp is past s_j and p_{j-1} v_{j-1}: v_{j-1}'s stage takes v_{j+1}.
+    __syncthreads();
+    if (j + 1 < nkt) {
+      load_sw<WG_BN, WG_THREADS>(sb + ((j + 1) & 1) * 2 * WG_TILE + WG_TILE, v, rs, (j + 1) * WG_BN, T);
+      cp_commit();
+    }
   }
+  // o += p_last v_last (v_last is in the stage of the last tile).
+  cp_wait<0>();
+  fence_async_smem();
+  __syncthreads();
+  wg_fence();
+  wgmma_n64(o, pa, sb + ((nkt - 1) & 1) * 2 * WG_TILE + WG_TILE);
+  wg_commit();
+  wg_wait();
+  wg_pin(o);
   float inv[1][2];
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
@@ -201,7 +236,8 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, FWD_MINB) fusec_flash_f
     const int row = wr0 + g + 8 * hh;
     if (t == 0 && row < T) lse[(s * H + h) * T + row] = fmaf(m[hh], scale2, log2f(sum)) * LN2;
   }
-  elem* so = sm + WG_N * 4096;
+  __syncthreads();
+  elem* so = sm + 4096;
   stage_acc<1>(so, (const float(*)[ND][4])o, wr, g, t, inv);
   __syncthreads();
   store_tile<WG_BM, WG_THREADS>(out + s * T * C + h * HD, C, so, q0, T);
