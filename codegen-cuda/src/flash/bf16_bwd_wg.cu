@@ -1,5 +1,6 @@
 // The backward on Hopper (sm_90a, head size 64; see flash/bf16.rs and bf16_fwd_wg.cu for the
-// layouts and helpers). Both kernels give the mma.sync kernels' bits.
+// layouts and helpers). Both kernels give the mma.sync kernels' bits; with a non-null `colsum`
+// they also write partial column sums of what they store (acc_colsum below).
 //
 // dk, dv: one warpgroup of 64 keys a block. k and v stay in swizzled shared
 // tiles (the A operands of s^T = k q^T and dp^T = v dout^T); each 64-query tile of q and dout is

@@ -7,7 +7,8 @@
 //! backward). Every module has the three [`ENTRIES`] with the same parameters:
 //! `fwd(qkv, out, lse, T, H, scale)`, `dq(qkv, out, lse, dout, dqkv, stats, T, H, scale)`,
 //! `dkv(qkv, lse, dout, stats, dqkv, T, H, scale)`, where `stats` is scratch of
-//! [`stats_bytes`] that `dq` fills for `dkv`. Launch them with [`geometry`].
+//! [`stats_bytes`] that `dq` fills for `dkv`; the Hopper `dq` and `dkv` take one more,
+//! `colsum` (see [`sums_columns`]). Launch them with [`geometry`].
 //!
 //! Two families ([`Family`]):
 //! - [`bf16`]: bf16 storage on bf16 tensor cores (`m16n8k16`, `ldmatrix`, `cp.async`), head
