@@ -1,6 +1,8 @@
 //! CPU training-step benchmark: ms/step, tok/s, achieved GFLOP/s and the share of the step spent
 //! outside GEMMs, for the `small` config (B=8, T=256) and the 124M shape (B=4, T=64). In the same
-//! process, the step's GEMM launches alone give the ceiling the step is compared with.
+//! process, the step's GEMM launches alone give the ceiling the step is compared with, and each
+//! product run alone (best of three) the best single-product rate that the products' rate within
+//! the step is compared with.
 //!
 //! `cargo run --release -p fusec-benches --bin train_step -- [--steps N] [--threads N]
 //! [--config small|124m] [--precision LIST]`
@@ -101,31 +103,58 @@ fn is_gemm(n: &str) -> bool {
     n.starts_with("gemm") || n == "matmul"
 }
 
-/// The share of one step's time outside GEMM launches (every launch timed).
-fn share_outside_gemms(ex: &mut CpuExecutor) -> f64 {
-    let (mut gemm, mut other) = (0.0, 0.0);
+/// Seconds of each launch of one step, in launch order (every launch timed).
+fn launch_times(ex: &mut CpuExecutor) -> Vec<f64> {
+    let mut times = vec![];
     let mut t = Instant::now();
-    ex.run_traced(
-        Program::Step,
-        |_: &str| true,
-        |name: &str| {
-            let dt = t.elapsed().as_secs_f64();
-            if is_gemm(name) {
-                gemm += dt
-            } else {
-                other += dt
-            }
-            t = Instant::now();
-        },
-    )
+    ex.run_traced(Program::Step, |_: &str| true, |_: &str| {
+        times.push(t.elapsed().as_secs_f64());
+        t = Instant::now();
+    })
     .unwrap();
-    other / (gemm + other)
+    times
+}
+
+/// The best rate of any one layer product of the step run alone (best of three runs each, after
+/// one to warm it): GFLOP/s and the launch's name. Attention's stages are left out: their FLOP
+/// counts are the whole `T × T` products, of which the causal blocks compute about 60%.
+fn best_single_product(ex: &mut CpuExecutor) -> (f64, String) {
+    let mut best = (0.0, String::new());
+    for (i, (name, flops)) in ex.launch_flops(Program::Step).into_iter().enumerate() {
+        if !is_gemm(&name) || name.starts_with("gemm_attn") || flops == 0 {
+            continue;
+        }
+        ex.run_launch(Program::Step, i).unwrap();
+        let secs = (0..3)
+            .map(|_| {
+                let t = Instant::now();
+                ex.run_launch(Program::Step, i).unwrap();
+                t.elapsed().as_secs_f64()
+            })
+            .fold(f64::INFINITY, f64::min);
+        let rate = flops as f64 / secs / 1e9;
+        if rate > best.0 {
+            best = (rate, format!("{name} #{i}"));
+        }
+    }
+    best
 }
 
 fn report(case: &Case, v: &mut Variant, step_ms: f64, first_ms: f64, steps: usize) {
     let gemm_ms = median((0..steps).map(|_| time_once(&mut v.ex, &is_gemm)).collect());
-    let share = median((0..steps).map(|_| share_outside_gemms(&mut v.ex)).collect());
+    // Per launch, its median time over `steps` timed steps.
+    let runs: Vec<Vec<f64>> = (0..steps).map(|_| launch_times(&mut v.ex)).collect();
+    let names: Vec<(String, u64)> = v.ex.launch_flops(Program::Step);
+    let per_launch: Vec<f64> = (0..names.len()).map(|i| median(runs.iter().map(|r| r[i]).collect())).collect();
+    let in_step_gemm: f64 = per_launch.iter().zip(&names).filter(|(_, (n, _))| is_gemm(n)).map(|(t, _)| t).sum();
+    let share = 1.0 - in_step_gemm / per_launch.iter().sum::<f64>();
     let (gemm_flops, other_flops) = v.ex.flops(Program::Step);
+    let (best, best_name) = best_single_product(&mut v.ex);
+    // The layer products' rate within the step (attention's stages left out, as above).
+    let layer = |n: &str| is_gemm(n) && !n.starts_with("gemm_attn");
+    let layer_secs: f64 = per_launch.iter().zip(&names).filter(|(_, (n, _))| layer(n)).map(|(t, _)| t).sum();
+    let layer_flops: u64 = names.iter().filter(|(n, _)| layer(n)).map(|(_, f)| f).sum();
+    let in_step_rate = layer_flops as f64 / layer_secs / 1e9;
     let tokens = (case.b * case.t) as f64;
     println!(
         "\n[{} {}] L={} C={} Vp={} B={} T={}: compile {:.0} ms ({} kernels, {} cache hits), arena {:.1} MiB",
@@ -151,6 +180,10 @@ fn report(case: &Case, v: &mut Variant, step_ms: f64, first_ms: f64, steps: usiz
         "  GEMMs alone         {gemm_ms:9.1} ms   (the ceiling: {:.1} GFLOP/s)   step / ceiling = {:.2}",
         gemm_flops as f64 / gemm_ms / 1e6,
         step_ms / gemm_ms
+    );
+    println!(
+        "  layer products in the step {in_step_rate:6.1} GFLOP/s = {:.0}% of the best one alone ({best:.1} GFLOP/s, `{best_name}`)",
+        100.0 * in_step_rate / best
     );
     println!("  outside GEMM launches {:6.1}% of the step (every launch timed within the same steps)", 100.0 * share);
 }

@@ -134,6 +134,21 @@ impl CpuExecutor {
         Ok(())
     }
 
+    /// Each launch of `program`, in order: its name and static FLOPs (benchmarks time them one
+    /// at a time with [`CpuExecutor::run_launch`]).
+    pub fn launch_flops(&self, program: Program) -> Vec<(String, u64)> {
+        self.programs.get(&program).map_or(vec![], |p| p.launches.iter().map(|l| (l.name.clone(), l.flops)).collect())
+    }
+
+    /// Runs launch `i` of `program` alone, on whatever its operands hold (a benchmark's timing
+    /// of one product; what it writes is left for the next run to overwrite).
+    pub fn run_launch(&mut self, program: Program, i: usize) -> Result<(), String> {
+        let prog = self.programs.get(&program).ok_or_else(|| format!("program {program:?} was not compiled"))?;
+        let l = prog.launches.get(i).ok_or_else(|| format!("program {program:?} has no launch {i}"))?;
+        // SAFETY: launches were built against this arena's plan.
+        unsafe { self.exec(l) }
+    }
+
     /// Static FLOPs of one run of `program`, split into (GEMM launches, the rest).
     pub fn flops(&self, program: Program) -> (u64, u64) {
         let mut f = (0, 0);
