@@ -103,6 +103,12 @@ fn is_gemm(n: &str) -> bool {
     n.starts_with("gemm") || n == "matmul"
 }
 
+/// A layer product: a GEMM launch other than attention's stages, whose FLOP counts are the whole
+/// `T × T` products, of which the causal blocks compute about 60%.
+fn is_layer_product(n: &str) -> bool {
+    is_gemm(n) && !n.starts_with("gemm_attn")
+}
+
 /// Seconds of each launch of one step, in launch order (every launch timed).
 fn launch_times(ex: &mut CpuExecutor) -> Vec<f64> {
     let mut times = vec![];
@@ -116,12 +122,11 @@ fn launch_times(ex: &mut CpuExecutor) -> Vec<f64> {
 }
 
 /// The best rate of any one layer product of the step run alone (best of three runs each, after
-/// one to warm it): GFLOP/s and the launch's name. Attention's stages are left out: their FLOP
-/// counts are the whole `T × T` products, of which the causal blocks compute about 60%.
+/// one to warm it): GFLOP/s and the launch's name.
 fn best_single_product(ex: &mut CpuExecutor) -> (f64, String) {
     let mut best = (0.0, String::new());
     for (i, (name, flops)) in ex.launch_flops(Program::Step).into_iter().enumerate() {
-        if !is_gemm(&name) || name.starts_with("gemm_attn") || flops == 0 {
+        if !is_layer_product(&name) || flops == 0 {
             continue;
         }
         ex.run_launch(Program::Step, i).unwrap();
@@ -144,17 +149,15 @@ fn report(case: &Case, v: &mut Variant, step_ms: f64, first_ms: f64, steps: usiz
     let gemm_ms = median((0..steps).map(|_| time_once(&mut v.ex, &is_gemm)).collect());
     // Per launch, its median time over `steps` timed steps.
     let runs: Vec<Vec<f64>> = (0..steps).map(|_| launch_times(&mut v.ex)).collect();
-    let names: Vec<(String, u64)> = v.ex.launch_flops(Program::Step);
-    let per_launch: Vec<f64> = (0..names.len()).map(|i| median(runs.iter().map(|r| r[i]).collect())).collect();
-    let in_step_gemm: f64 = per_launch.iter().zip(&names).filter(|(_, (n, _))| is_gemm(n)).map(|(t, _)| t).sum();
-    let share = 1.0 - in_step_gemm / per_launch.iter().sum::<f64>();
+    let launches: Vec<(String, u64)> = v.ex.launch_flops(Program::Step);
+    let per_launch: Vec<f64> = (0..launches.len()).map(|i| median(runs.iter().map(|r| r[i]).collect())).collect();
+    // Seconds within the step of the launches whose name passes `keep`.
+    let secs = |keep: fn(&str) -> bool| -> f64 { per_launch.iter().zip(&launches).filter(|(_, (n, _))| keep(n)).map(|(t, _)| t).sum() };
+    let share = 1.0 - secs(is_gemm) / per_launch.iter().sum::<f64>();
     let (gemm_flops, other_flops) = v.ex.flops(Program::Step);
     let (best, best_name) = best_single_product(&mut v.ex);
-    // The layer products' rate within the step (attention's stages left out, as above).
-    let layer = |n: &str| is_gemm(n) && !n.starts_with("gemm_attn");
-    let layer_secs: f64 = per_launch.iter().zip(&names).filter(|(_, (n, _))| layer(n)).map(|(t, _)| t).sum();
-    let layer_flops: u64 = names.iter().filter(|(n, _)| layer(n)).map(|(_, f)| f).sum();
-    let in_step_rate = layer_flops as f64 / layer_secs / 1e9;
+    let layer_flops: u64 = launches.iter().filter(|(n, _)| is_layer_product(n)).map(|(_, f)| f).sum();
+    let in_step_rate = layer_flops as f64 / secs(is_layer_product) / 1e9;
     let tokens = (case.b * case.t) as f64;
     println!(
         "\n[{} {}] L={} C={} Vp={} B={} T={}: compile {:.0} ms ({} kernels, {} cache hits), arena {:.1} MiB",

@@ -125,13 +125,18 @@ impl CpuExecutor {
     /// Runs the launches of `program` whose name passes `keep`, calling `after(name)` after
     /// each (benchmarks time subsets such as the GEMMs alone; tests attribute allocations).
     pub fn run_traced(&mut self, program: Program, keep: impl Fn(&str) -> bool, mut after: impl FnMut(&str)) -> Result<(), String> {
-        let prog = self.programs.get(&program).ok_or_else(|| format!("program {program:?} was not compiled"))?;
+        let prog = self.compiled(program)?;
         for l in prog.launches.iter().filter(|l| keep(&l.name)) {
             // SAFETY: launches were built against this arena's plan.
             unsafe { self.exec(l) }?;
             after(&l.name);
         }
         Ok(())
+    }
+
+    /// The compiled `program`, or an error naming it.
+    fn compiled(&self, program: Program) -> Result<&Compiled, String> {
+        self.programs.get(&program).ok_or_else(|| format!("program {program:?} was not compiled"))
     }
 
     /// Each launch of `program`, in order: its name and static FLOPs (benchmarks time them one
@@ -143,7 +148,7 @@ impl CpuExecutor {
     /// Runs launch `i` of `program` alone, on whatever its operands hold (a benchmark's timing
     /// of one product; what it writes is left for the next run to overwrite).
     pub fn run_launch(&mut self, program: Program, i: usize) -> Result<(), String> {
-        let prog = self.programs.get(&program).ok_or_else(|| format!("program {program:?} was not compiled"))?;
+        let prog = self.compiled(program)?;
         let l = prog.launches.get(i).ok_or_else(|| format!("program {program:?} has no launch {i}"))?;
         // SAFETY: launches were built against this arena's plan.
         unsafe { self.exec(l) }
@@ -343,7 +348,7 @@ impl Executor for CpuExecutor {
     }
 
     fn output(&self, program: Program, name: &str) -> Result<Tensor, String> {
-        let prog = self.programs.get(&program).ok_or_else(|| format!("program {program:?} was not compiled"))?;
+        let prog = self.compiled(program)?;
         let (off, dt, shape) = prog.io.outputs.get(name).ok_or_else(|| format!("{program:?} has no output `{name}`"))?;
         let n = shape.iter().product();
         // SAFETY: outputs live in the arena until the next run.
