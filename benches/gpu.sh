@@ -14,7 +14,8 @@
 #   2c. the same in bf16: --precision bf16 / bf16+residual with each --recompute; one profiled
 #   3. PyTorch on the same shape: eager-fp32 (TF32 allowed, as the bench sets it), eager-bf16
 #      (autocast) and compile-bf16
-#   4. with BIG=1: GPT-2 1.5B (d48) B=8, fusec bf16 and bf16+residual, torch.compile bf16
+#   4. with BIG=1: GPT-2 1.5B (d48) B=8, fusec bf16 and bf16+residual (each --recompute gelu, and
+#      bf16+residual --recompute none), torch.compile bf16
 # and prints fusec's ms/step, tokens/s and allocated memory next to each PyTorch mode's, with
 # the ratios (PyTorch's peak is torch.cuda.max_memory_allocated; fusec's the one allocation).
 #
@@ -123,11 +124,11 @@ for name, ((med, tps, l0, l1), mib) in fusec.items():
 EOF2
 
 if [ -n "${BIG:-}" ]; then
-  echo "== 4. GPT-2 1.5B (d48) B=8 T=1024: fusec bf16 and bf16+residual vs torch.compile bf16, 10 steps"
+  echo "== 4. GPT-2 1.5B (d48) B=8 T=1024: fusec bf16 and bf16+residual (and bf16+residual --recompute none) vs torch.compile bf16, 10 steps"
   "$BIN" export gpt2 --preset d48 -o "$OUTDIR/d48.graph"
-  for prec in bf16 bf16+residual; do
-    tag=d48$([ $prec = bf16 ] || echo _residual)
-    "$BIN" run "$OUTDIR/d48.graph" --target cuda --precision $prec --recompute ${BF16_RECOMPUTE:-gelu} --batch 8 --seq 1024 \
+  for cfg in bf16:${BF16_RECOMPUTE:-gelu}:d48 bf16+residual:${BF16_RECOMPUTE:-gelu}:d48_residual bf16+residual:none:d48_residual_none; do
+    IFS=: read -r prec rec tag <<< "$cfg"
+    "$BIN" run "$OUTDIR/d48.graph" --target cuda --precision $prec --recompute $rec --batch 8 --seq 1024 \
       --steps 10 --val-every 1000000 --log-json "$OUTDIR/fusec_$tag.jsonl" | tee "$OUTDIR/fusec_$tag.txt" | grep -E "step time|throughput|peak memory|compile"
   done
   python3 "$TORCH" --layers 48 --heads 25 --channels 1600 --batch 8 --seq 1024 --steps 10 --modes compile-bf16 | tee "$OUTDIR/torch_d48.jsonl"
@@ -135,7 +136,7 @@ if [ -n "${BIG:-}" ]; then
 import json, re, sys
 out = sys.argv[1]
 t = [json.loads(l) for l in open(f"{out}/torch_d48.jsonl") if l.strip().startswith("{")][0]
-for tag, prec in [("d48", "bf16"), ("d48_residual", "bf16+residual")]:
+for tag, prec in [("d48", "bf16"), ("d48_residual", "bf16+residual"), ("d48_residual_none", "bf16+residual --recompute none")]:
     steps = [s for s in (json.loads(l) for l in open(f"{out}/fusec_{tag}.jsonl") if l.strip()) if "ms" in s][1:]
     ms = sorted(s["ms"] for s in steps)[len(steps) // 2]
     mib = float(re.search(r"peak memory\s+([\d.]+) MiB allocated", open(f"{out}/fusec_{tag}.txt").read()).group(1))

@@ -275,3 +275,39 @@ fn independent_products_of_one_shape_run_as_one_batched_call() {
     let names: Vec<String> = ex.profile().unwrap().rows().iter().map(|(n, _)| n.to_string()).collect();
     assert!(names.iter().any(|n| n == "gemm_batch3"), "no batched launch: {names:?}");
 }
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn tuned_products_match_the_interpreter_and_a_second_build_reuses_the_choice_bit_for_bit() {
+    // Tuning is on by default: each case's one bf16 product is timed on cuBLAS's choice and
+    // cuBLASLt's candidates at the first build (or found in the cache), and taken from the
+    // cache at the second, which must then give the same bits.
+    let tuned = opts(true);
+    assert!(tuned.tune_products);
+    let cases: Vec<Case> = plain_cases().into_iter().chain(epilogue_cases()).chain(gradient_cases()).collect();
+    check_on_gpu(&cases, &tuned, true);
+    let mut tuned_somewhere = false;
+    for c in &cases {
+        let g = parse(c);
+        let (feeds, _) = reference(&g, 11);
+        let run = program(g);
+        let mut outs = vec![];
+        for build_no in 0..2 {
+            let (mut ex, build) = CudaExecutor::new(&run, &tuned).unwrap_or_else(|e| panic!("{}: {e}", c.name));
+            let t = &build.tuning;
+            assert!(t.products <= 1, "{}: {} products tuned", c.name, t.products);
+            if build_no == 1 && t.note.is_none() {
+                assert_eq!(t.cached, t.products, "{}: the second build timed again", c.name);
+            }
+            tuned_somewhere |= t.products == 1;
+            for (name, v) in &feeds {
+                ex.set(name, v.clone()).unwrap();
+            }
+            ex.run(Program::Step).unwrap();
+            let names: Vec<String> = run.graphs[&Program::Step].outputs.iter().map(|(n, _)| n.clone()).collect();
+            outs.push(names.iter().map(|n| ex.output(Program::Step, n).unwrap().data).collect::<Vec<_>>());
+        }
+        assert_eq!(outs[0], outs[1], "{}: the two builds differ", c.name);
+    }
+    assert!(tuned_somewhere, "no case had a bf16 product to tune");
+}

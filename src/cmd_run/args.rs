@@ -112,6 +112,11 @@ pub struct RunArgs {
     /// Launch kernels one by one instead of replaying the step as a CUDA graph.
     #[arg(long)]
     pub no_cuda_graph: bool,
+    /// On CUDA, run each bf16 product on cuBLAS's heuristic choice instead of timing the
+    /// algorithms cuBLAS and cuBLASLt offer at build time and keeping the fastest (choices
+    /// are cached in `gemm_tuning.txt` in the kernel cache's folder).
+    #[arg(long)]
+    pub no_gemm_tuning: bool,
     /// CPU threads (default: all cores).
     #[arg(long, value_parser = in_range(1, 1024))]
     pub threads: Option<usize>,
@@ -232,6 +237,7 @@ impl RunArgs {
             ("--no-flash-attention", self.no_flash_attention),
             ("--no-cublaslt", self.no_cublaslt),
             ("--no-cuda-graph", self.no_cuda_graph),
+            ("--no-gemm-tuning", self.no_gemm_tuning),
             ("--no-comm-overlap", self.no_comm_overlap),
             ("--timings", self.timings),
         ];

@@ -78,6 +78,7 @@ pub fn executor(a: &RunArgs, run: &RunPrograms, threads: usize, dist: Option<&La
                 flash: !a.no_flash_attention,
                 lt_epilogues: !a.no_cublaslt,
                 graphs: !a.no_cuda_graph,
+                tune_products: !a.no_gemm_tuning,
             };
             let (mut ex, build) = CudaExecutor::new(run, &opts)?;
             ex.profile = profile;
@@ -110,7 +111,7 @@ pub fn executor(a: &RunArgs, run: &RunPrograms, threads: usize, dist: Option<&La
             let ms = build.compile_time.as_secs_f64() * 1e3;
             summary.push(("gpu build".into(), format!("{ms:.0} ms: {}; {}", times.join(" · "), build.arch)));
             summary.push(("attention".into(), build.attention.clone()));
-            summary.push(("products".into(), format!("{} with bias/GELU inside cuBLASLt", build.lt_epilogues)));
+            summary.push(("products".into(), products_row(&build)));
             summary.push((
                 "memory".into(),
                 format!(
@@ -147,4 +148,25 @@ fn ranks_row(env: &LaunchEnv, run: &RunPrograms, how: &str) -> Result<String, St
         mib(bytes as u64),
         reduces.len()
     ))
+}
+
+/// The summary's `products` row: cuBLASLt epilogues and what tuning chose.
+fn products_row(build: &fusec_runtime::cuda::CudaBuild) -> String {
+    let mut row = format!("{} with bias/GELU inside cuBLASLt", build.lt_epilogues);
+    let t = &build.tuning;
+    if t.products > 0 {
+        let (d, c) = (t.default_us / 1e3, t.chosen_us / 1e3);
+        row += &format!(
+            "; {} bf16 shapes tuned ({} timed, {} from the cache) in {:.0} ms: their launches {d:.1} → {c:.1} ms ({:.2}× faster) against cuBLAS's choices",
+            t.products,
+            t.products - t.cached,
+            t.cached,
+            t.time.as_secs_f64() * 1e3,
+            if c > 0.0 { d / c } else { 1.0 }
+        );
+    }
+    if let Some(n) = &t.note {
+        row += &format!("; tuning: {n}");
+    }
+    row
 }

@@ -221,6 +221,7 @@ pub fn run(mut a: RunArgs) -> CliResult {
             flash: !a.no_flash_attention,
             lt_epilogues: !a.no_cublaslt,
             graphs: !a.no_cuda_graph,
+            tune_products: !a.no_gemm_tuning,
         };
         crate::sample::print_sample(ex, &model, a.target, threads, &cuda, a.sample, a.temperature, a.seed)?;
         phases.sample = t.elapsed().as_secs_f64();

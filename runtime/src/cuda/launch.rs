@@ -432,7 +432,7 @@ impl Builder<'_> {
             }
             _ => return Ok(None),
         };
-        lt.plan(&LtKey { call: *call, epilogue, types })
+        lt.plan(&LtKey { call: *call, epilogue, types, accumulate: false })
     }
 }
 

@@ -31,6 +31,8 @@ use fusec_ir::DType;
 /// What the epilogue adds to the product.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub(crate) enum Epilogue {
+    /// The product alone (a plain bf16 product that tuning found faster on cuBLASLt).
+    None,
     /// `+ bias[row]` (column-major rows: the row-major product's columns).
     Bias,
     /// `+ bias`, then GELU, with the pre-activation stored to the auxiliary buffer.
@@ -56,17 +58,25 @@ pub(crate) struct LtKey {
     pub epilogue: Epilogue,
     /// Operand, result and compute types.
     pub types: LtTypes,
+    /// `c += product` (beta = 1; f32 results only) instead of `c = product`.
+    pub accumulate: bool,
 }
 
-/// One product's cuBLASLt plan.
+/// How many algorithms a plan asks the heuristic for: the candidates tuning times.
+const CANDIDATES: usize = 8;
+
+/// One product's cuBLASLt plan: the heuristic's algorithms, best first, and the one it runs.
 pub(crate) struct LtGemm {
     desc: lt::cublasLtMatmulDesc_t,
     a: lt::cublasLtMatrixLayout_t,
     b: lt::cublasLtMatrixLayout_t,
     c: lt::cublasLtMatrixLayout_t,
-    algo: lt::cublasLtMatmulAlgo_t,
-    workspace: usize,
-    epilogue: Epilogue,
+    /// The heuristic's algorithms and their workspace bytes, in its order.
+    pub algos: Vec<(lt::cublasLtMatmulAlgo_t, usize)>,
+    /// The index in `algos` that [`LtGemm::run`] uses (0 unless tuning chose another).
+    pub chosen: usize,
+    /// What the plan was made for.
+    pub key: LtKey,
 }
 
 fn ck(r: lt::cublasStatus_t, what: &str) -> Result<(), String> {
@@ -92,15 +102,17 @@ pub(crate) fn open_warm() -> Option<lt::cublasLtHandle_t> {
     }
     let handle = cudarc::cublaslt::result::create_handle().ok()?;
     let call = ColMajor { trans_a: false, trans_b: false, m: 1024, n: 1024, k: 1024, lda: 1024, ldb: 1024, ldc: 1024 };
-    let key = LtKey { call, epilogue: Epilogue::GeluAuxBias, types: LtTypes::Bf16 { out: DType::BF16, align: 256 } };
-    drop(LtGemm::new(handle, &key, 32 << 20));
+    let key = LtKey { call, epilogue: Epilogue::GeluAuxBias, types: LtTypes::Bf16 { out: DType::BF16, align: 256 }, accumulate: false };
+    drop(LtGemm::new(handle, &key, 32 << 20, false));
     Some(handle)
 }
 
 impl LtGemm {
-    /// The plan of `key`, using at most `max_workspace` bytes; `Ok(None)` when cuBLASLt has no
-    /// algorithm for it (or, for bf16 plans, rejects one of their attributes).
-    pub fn new(handle: lt::cublasLtHandle_t, key: &LtKey, max_workspace: usize) -> Result<Option<LtGemm>, String> {
+    /// The plan of `key`, using at most `max_workspace` bytes, with the heuristic's first
+    /// algorithm, or its first [`CANDIDATES`] when `tuned` (for [`super::tune`] to time);
+    /// `Ok(None)` when cuBLASLt has no algorithm for it (or, for bf16 plans, rejects one of
+    /// their attributes).
+    pub fn new(handle: lt::cublasLtHandle_t, key: &LtKey, max_workspace: usize, tuned: bool) -> Result<Option<LtGemm>, String> {
         use lt::cublasLtMatmulDescAttributes_t as A;
         use lt::cublasLtMatmulPreferenceAttributes_t as P;
         let (call, epilogue) = (&key.call, key.epilogue);
@@ -113,18 +125,12 @@ impl LtGemm {
         unsafe {
             let mut desc = std::ptr::null_mut();
             ck(lt::cublasLtMatmulDescCreate(&mut desc, compute, f32), "descriptor")?;
-            let mut plan = LtGemm {
-                desc,
-                a: std::ptr::null_mut(),
-                b: std::ptr::null_mut(),
-                c: std::ptr::null_mut(),
-                algo: std::mem::zeroed(),
-                workspace: 0,
-                epilogue,
-            };
+            let mut plan =
+                LtGemm { desc, a: std::ptr::null_mut(), b: std::ptr::null_mut(), c: std::ptr::null_mut(), algos: vec![], chosen: 0, key: *key };
             set(desc, A::CUBLASLT_MATMUL_DESC_TRANSA, &(call.trans_a as i32))?;
             set(desc, A::CUBLASLT_MATMUL_DESC_TRANSB, &(call.trans_b as i32))?;
             let e = match epilogue {
+                Epilogue::None => lt::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_DEFAULT,
                 Epilogue::Bias => lt::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS,
                 Epilogue::GeluAuxBias => lt::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_GELU_AUX_BIAS,
             };
@@ -132,7 +138,7 @@ impl LtGemm {
             if epilogue == Epilogue::GeluAuxBias {
                 set(desc, A::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &(call.ldc as i64))?;
             }
-            if let LtTypes::Bf16 { .. } = key.types {
+            if let (LtTypes::Bf16 { .. }, Epilogue::Bias | Epilogue::GeluAuxBias) = (key.types, epilogue) {
                 // The bias (and the pre-activation) keep the operands' type; a library that
                 // does not know an attribute gets the epilogue kernel instead.
                 if set(desc, A::CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bf16).is_err() {
@@ -173,17 +179,30 @@ impl LtGemm {
                     }
                 }
             }
-            let mut found: lt::cublasLtMatmulHeuristicResult_t = std::mem::zeroed();
+            let mut found: [lt::cublasLtMatmulHeuristicResult_t; CANDIDATES] = std::mem::zeroed();
             let mut count = 0;
-            let h = lt::cublasLtMatmulAlgoGetHeuristic(handle, desc, plan.a, plan.b, plan.c, plan.c, pref, 1, &mut found, &mut count);
+            let want = if tuned { CANDIDATES } else { 1 };
+            let h = lt::cublasLtMatmulAlgoGetHeuristic(
+                handle,
+                desc,
+                plan.a,
+                plan.b,
+                plan.c,
+                plan.c,
+                pref,
+                want as i32,
+                found.as_mut_ptr(),
+                &mut count,
+            );
             lt::cublasLtMatmulPreferenceDestroy(pref);
             ck(r, "preference")?;
-            if h != lt::cublasStatus_t::CUBLAS_STATUS_SUCCESS || count == 0 || found.state != lt::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+            let ok = lt::cublasStatus_t::CUBLAS_STATUS_SUCCESS;
+            if h != ok {
                 return Ok(None);
             }
-            plan.algo = found.algo;
-            plan.workspace = found.workspaceSize;
-            Ok(Some(plan))
+            let found = &found[..(count.max(0) as usize).min(want)];
+            plan.algos = found.iter().filter(|f| f.state == ok).map(|f| (f.algo, f.workspaceSize)).collect();
+            Ok(Some(plan).filter(|p| !p.algos.is_empty()))
         }
     }
 
@@ -205,11 +224,14 @@ impl LtGemm {
         stream: *mut c_void,
     ) -> Result<(), String> {
         use lt::cublasLtMatmulDescAttributes_t as A;
-        set(self.desc, A::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &(bias as *const c_void))?;
-        if self.epilogue == Epilogue::GeluAuxBias {
+        if self.key.epilogue != Epilogue::None {
+            set(self.desc, A::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &(bias as *const c_void))?;
+        }
+        if self.key.epilogue == Epilogue::GeluAuxBias {
             set(self.desc, A::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &(aux as *const c_void))?;
         }
-        let (one, zero) = (1.0f32, 0.0f32);
+        let (one, beta) = (1.0f32, if self.key.accumulate { 1.0f32 } else { 0.0 });
+        let (algo, workspace_bytes) = &self.algos[self.chosen];
         ck(
             lt::cublasLtMatmul(
                 handle,
@@ -219,14 +241,14 @@ impl LtGemm {
                 self.a,
                 b as *const c_void,
                 self.b,
-                &zero as *const f32 as *const c_void,
+                &beta as *const f32 as *const c_void,
                 c as *const c_void,
                 self.c,
                 c as *mut c_void,
                 self.c,
-                &self.algo,
+                algo,
                 workspace as *mut c_void,
-                self.workspace,
+                *workspace_bytes,
                 stream as lt::cudaStream_t,
             ),
             "matmul",
@@ -236,12 +258,14 @@ impl LtGemm {
 
 /// The plans of one build, one per [`LtKey`], and how many launches use them.
 pub(crate) struct LtPlans {
-    handle: lt::cublasLtHandle_t,
+    pub handle: lt::cublasLtHandle_t,
     /// Bytes of workspace a plan may use.
-    workspace: usize,
+    pub workspace: usize,
+    /// Plans keep the heuristic's first [`CANDIDATES`] algorithms, for tuning.
+    tuned: bool,
     pub plans: Vec<LtGemm>,
     index: HashMap<LtKey, usize>,
-    /// Launches that use a plan.
+    /// Launches that use a plan for their epilogue.
     pub launches: usize,
     /// Time spent making the plans (cuBLASLt's heuristic).
     pub planning: std::time::Duration,
@@ -249,27 +273,30 @@ pub(crate) struct LtPlans {
 
 impl LtPlans {
     /// No plans yet.
-    pub fn new(handle: lt::cublasLtHandle_t, workspace: usize) -> LtPlans {
-        LtPlans { handle, workspace, plans: vec![], index: HashMap::new(), launches: 0, planning: std::time::Duration::ZERO }
+    pub fn new(handle: lt::cublasLtHandle_t, workspace: usize, tuned: bool) -> LtPlans {
+        LtPlans { handle, workspace, tuned, plans: vec![], index: HashMap::new(), launches: 0, planning: std::time::Duration::ZERO }
     }
 
-    /// The plan for one more launch of `key` (made at its first use); `None` when cuBLASLt has
-    /// no algorithm for it.
+    /// The plan for one more epilogue launch of `key` (made at its first use); `None` when
+    /// cuBLASLt has no algorithm for it.
     pub fn plan(&mut self, key: &LtKey) -> Result<Option<usize>, String> {
-        let i = match self.index.get(key) {
-            Some(&i) => i,
-            None => {
-                let t0 = std::time::Instant::now();
-                let plan = LtGemm::new(self.handle, key, self.workspace)?;
-                self.planning += t0.elapsed();
-                let Some(p) = plan else { return Ok(None) };
-                self.plans.push(p);
-                self.index.insert(*key, self.plans.len() - 1);
-                self.plans.len() - 1
-            }
-        };
-        self.launches += 1;
-        Ok(Some(i))
+        let i = self.find(key)?;
+        self.launches += i.is_some() as usize;
+        Ok(i)
+    }
+
+    /// The plan of `key`, made at its first use; `None` when cuBLASLt has no algorithm for it.
+    pub fn find(&mut self, key: &LtKey) -> Result<Option<usize>, String> {
+        if let Some(&i) = self.index.get(key) {
+            return Ok(Some(i));
+        }
+        let t0 = std::time::Instant::now();
+        let plan = LtGemm::new(self.handle, key, self.workspace, self.tuned)?;
+        self.planning += t0.elapsed();
+        let Some(p) = plan else { return Ok(None) };
+        self.plans.push(p);
+        self.index.insert(*key, self.plans.len() - 1);
+        Ok(Some(self.plans.len() - 1))
     }
 }
 

@@ -38,9 +38,11 @@ mod comm_timing;
 mod nvml;
 mod peak;
 mod summary;
+mod tune;
 
 use summary::attention_summary;
 pub use summary::{CudaBuild, CudaOptions, KernelStats};
+pub use tune::Tuning;
 
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -173,7 +175,7 @@ impl CudaExecutor {
             flash_arch: mods.compiler.arch().to_string(),
         };
 
-        let lt = dev.lt.filter(|_| opts.lt_epilogues).map(|h| lt::LtPlans::new(h, CUBLAS_WORKSPACE as usize));
+        let lt = dev.lt.filter(|_| opts.lt_epilogues).map(|h| lt::LtPlans::new(h, CUBLAS_WORKSPACE as usize, opts.tune_products));
         let mut b = Builder { native: &native, words: vec![None; ERR_WORDS], scratch: 0, lt };
         let mut programs = HashMap::new();
         for (p, launches, io) in &plan.programs {
@@ -183,8 +185,18 @@ impl CudaExecutor {
         }
         let column_sums = programs.values().flat_map(|c| &c.launches).filter(|l| l.name == attention::COLSUM_LAUNCH).count();
 
-        let (lt_plans, lt_launches, planning) = b.lt.take().map_or((vec![], 0, Duration::ZERO), |lt| (lt.plans, lt.launches, lt.planning));
+        let planning = b.lt.as_ref().map_or(Duration::ZERO, |lt| lt.planning);
         phase("launch lists");
+        let tuning = match b.lt.as_mut().filter(|_| opts.tune_products) {
+            Some(lt) => {
+                let mut lists: Vec<&mut Vec<Launch>> = programs.values_mut().map(|c| &mut c.launches).collect();
+                let t = tune::tune(&mut lists, lt, &dev)?;
+                phase("product tuning");
+                t
+            }
+            None => tune::Tuning::default(),
+        };
+        let (lt_plans, lt_launches) = b.lt.take().map_or((vec![], 0), |lt| (lt.plans, lt.launches));
         let align = |x: u64| x.div_ceil(ALIGN) * ALIGN;
         let scratch_base = align(plan.planned_bytes);
         let static_base = scratch_base + align(b.scratch);
@@ -236,6 +248,7 @@ impl CudaExecutor {
                 }
                 + if column_sums > 0 { "; the qkv bias gradient summed by the backward kernels" } else { "" },
             column_sums,
+            tuning,
         };
         let sync_each = std::env::var_os("FUSEC_CUDA_SYNC").is_some_and(|v| v != "0");
         let ex = CudaExecutor {

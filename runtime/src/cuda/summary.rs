@@ -42,11 +42,15 @@ pub struct CudaOptions {
     /// Capture each program into a CUDA graph on its first run and replay it; otherwise launch
     /// one by one (`--no-cuda-graph`).
     pub graphs: bool,
+    /// Time each bf16 product's cuBLAS and cuBLASLt algorithms at build time and run the
+    /// fastest (`tune.rs`; cached on disk); otherwise the libraries' heuristic choices
+    /// (`--no-gemm-tuning`). Needs cuBLASLt (`lt_epilogues`).
+    pub tune_products: bool,
 }
 
 impl Default for CudaOptions {
     fn default() -> Self {
-        CudaOptions { profile: false, tf32: true, flash: true, lt_epilogues: true, graphs: true }
+        CudaOptions { profile: false, tf32: true, flash: true, lt_epilogues: true, graphs: true, tune_products: true }
     }
 }
 
@@ -88,6 +92,8 @@ pub struct CudaBuild {
     /// Column sums of `dqkv` (the qkv bias gradient) folded into the attention backward, over
     /// every program (`cuda/attention.rs`).
     pub column_sums: usize,
+    /// What tuning the products did (`tune.rs`).
+    pub tuning: super::Tuning,
 }
 
 /// How attention runs, for [`CudaBuild::attention`]: `kinds` are the (head size, storage)
