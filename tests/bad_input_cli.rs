@@ -81,7 +81,7 @@ fn sizes_that_would_run_forever_or_overflow_are_refused() {
 
 #[test]
 fn flags_that_the_target_does_not_read_are_refused() {
-    for flag in ["--no-tf32", "--no-flash-attention", "--no-cublaslt", "--no-cuda-graph", "--timings"] {
+    for flag in ["--no-tf32", "--no-flash-attention", "--no-cublaslt", "--no-cuda-graph", "--no-gemm-tuning", "--timings"] {
         refused(&[flag], &[flag, "--target cuda only"]);
     }
     refused(&["--target", "ref", "--profile"], &["--profile", "--target cpu"]);

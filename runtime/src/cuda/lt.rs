@@ -181,7 +181,7 @@ impl LtGemm {
             }
             let mut found: [lt::cublasLtMatmulHeuristicResult_t; CANDIDATES] = std::mem::zeroed();
             let mut count = 0;
-            let want = if tuned { CANDIDATES } else { 1 };
+            let want = if tuned && matches!(key.types, LtTypes::Bf16 { .. }) { CANDIDATES } else { 1 };
             let h = lt::cublasLtMatmulAlgoGetHeuristic(
                 handle,
                 desc,
