@@ -190,10 +190,19 @@ pub(crate) fn tune(launches: &mut [&mut Vec<Launch>], plans: &mut LtPlans, dev: 
                         break;
                     }
                 };
-                let e = t.time(dev, plans, plan)?;
-                cache.insert(name(&key), e);
-                stored = true;
-                e
+                match t.time(dev, plans, plan) {
+                    Ok(e) => {
+                        cache.insert(name(&key), e);
+                        stored = true;
+                        e
+                    }
+                    Err(e) => {
+                        // The product keeps its default.
+                        plans.plans[plan].chosen = 0;
+                        out.note = Some(format!("a product was not tuned: {e}"));
+                        continue;
+                    }
+                }
             }
         };
         out.products += 1;
