@@ -6,12 +6,15 @@
 //! input-gradient products up to 1.3× slower than the best of the next seven (1.5B `dX = dY W`
 //! of `qkv`: 240 against 183 µs). So after the launch lists are built and before the one
 //! allocation, each product (shape, transposes, types, epilogue, accumulation) runs on a
-//! temporary buffer of random bf16 values, once to warm up and [`REPS`] times timed per
-//! candidate. A plain product whose winner is a cuBLASLt algorithm becomes a cuBLASLt launch.
+//! temporary buffer of random bf16 values: every candidate once to warm up, then [`REPS`]
+//! rounds in which each runs once after the L2 cache is flushed ([`FLUSH`]), timed alone; a
+//! candidate's time is its median, and it replaces the default only when it is faster by
+//! [`MARGIN`]. A plain product whose winner is a cuBLASLt algorithm becomes a cuBLASLt launch.
 //!
 //! Choices are cached in `gemm_tuning.txt` beside the kernel cache, keyed by the GPU, cuBLASLt's
-//! version and the product, so that later runs (a resumed one too) run the same algorithms
-//! without timing them. A product whose buffers cannot be allocated keeps the default.
+//! version, the timing method and the product, so that later runs (a resumed one too) run the
+//! same algorithms without timing them. A product that cannot be timed (no room for its
+//! buffers, a failed launch) keeps the default, and the summary says why.
 
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -110,11 +113,13 @@ pub(crate) fn operand_bytes(key: &LtKey) -> [u64; 5] {
         LtTypes::Bf16 { out, .. } => out.size_bytes() as u64,
         LtTypes::Tf32 => 4,
     };
-    let a = c.lda as u64 * if c.trans_a { m } else { k } * 2;
-    let b = c.ldb as u64 * if c.trans_b { k } else { n } * 2;
-    let y = c.ldc as u64 * n * out;
-    let aux = if key.epilogue == Epilogue::GeluAuxBias { c.ldc as u64 * n * 2 } else { 0 };
-    [a, b, y, aux, m * 2].map(|x| x.div_ceil(256) * 256)
+    // Saturating: a product this large cannot be allocated, and then is not timed.
+    let size = |ld: i32, cols: u64, elem: u64| (ld as u64).saturating_mul(cols).saturating_mul(elem);
+    let a = size(c.lda, if c.trans_a { m } else { k }, 2);
+    let b = size(c.ldb, if c.trans_b { k } else { n }, 2);
+    let y = size(c.ldc, n, out);
+    let aux = if key.epilogue == Epilogue::GeluAuxBias { size(c.ldc, n, 2) } else { 0 };
+    [a, b, y, aux, m * 2].map(|x| x.div_ceil(256).saturating_mul(256))
 }
 
 /// The key of a plain bf16 product step (not batched), as a cuBLASLt plan would need it.
@@ -181,8 +186,9 @@ pub(crate) fn tune(launches: &mut [&mut Vec<Launch>], plans: &mut LtPlans, dev: 
                 *e
             }
             None => {
-                let bytes = keys.iter().map(|k| operand_bytes(&k.0).iter().sum::<u64>()).max().unwrap_or(0);
-                let t = timer.get_or_insert_with(|| Timer::new(dev, bytes + FLUSH + plans.workspace as u64));
+                let sum = |k: &LtKey| operand_bytes(k).iter().fold(0u64, |s, &b| s.saturating_add(b));
+                let bytes = keys.iter().map(|k| sum(&k.0)).max().unwrap_or(0);
+                let t = timer.get_or_insert_with(|| Timer::new(dev, bytes.saturating_add(FLUSH + plans.workspace as u64)));
                 let t = match t {
                     Ok(t) => t,
                     Err(e) => {
