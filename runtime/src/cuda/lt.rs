@@ -3,9 +3,12 @@
 //! `Op::Gemm` nodes with a bias (and GELU) and no accumulation run as one cuBLASLt call instead
 //! of a cuBLAS product plus an epilogue kernel: `y = a b + bias` (`CUBLASLT_EPILOGUE_BIAS`) or
 //! `pre = a b + bias, y = gelu(pre)` (`CUBLASLT_EPILOGUE_GELU_AUX_BIAS`, the tanh form GPT-2
-//! uses). A plan (descriptor, layouts, the heuristic's first algorithm) is made once per
-//! [`LtKey`] (shape, epilogue, [`LtTypes`]) when the launch list is built; the bias and
-//! auxiliary pointers are set at each call.
+//! uses). A plan (descriptor, layouts, the heuristic's first algorithm, or its first
+//! [`CANDIDATES`] for bf16 plans when products are tuned) is made once per [`LtKey`] (shape,
+//! epilogue, [`LtTypes`], accumulation) when the launch list is built; the bias and auxiliary
+//! pointers are set at each call. Tuning (`tune.rs`) picks the algorithm a plan runs, and
+//! also makes plans without an epilogue (`Epilogue::None`) for plain bf16 products whose
+//! fastest algorithm is a cuBLASLt one.
 //!
 //! Two kinds of plans ([`LtTypes`]):
 //! - f32 operands, bias and result on TF32 tensor cores (`CUBLAS_COMPUTE_32F_FAST_TF32`);
