@@ -245,6 +245,23 @@ fn the_cpu_isa_is_detected_or_forced_and_a_bad_name_is_refused() {
 }
 
 #[test]
+fn gemm_tiles_per_core_are_taken_from_the_environment_and_a_bad_value_is_refused() {
+    let run = |v: &str| {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_fusec"));
+        c.args(["run", "models/gpt2-tiny.graph", "--target", "cpu", "--batch", "2", "--seq", "16", "--steps", "2"]);
+        c.env("FUSEC_GEMM_TILES_PER_CORE", v).output().unwrap()
+    };
+    let o = run("4");
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    for bad in ["0", "17", "four"] {
+        let o = run(bad);
+        assert_eq!(o.status.code(), Some(2), "{bad}");
+        let err = text(&o.stderr);
+        assert!(err.contains(&format!("FUSEC_GEMM_TILES_PER_CORE=\"{bad}\": expected a whole number of tiles a core from 1 to 16")), "{err}");
+    }
+}
+
+#[test]
 fn host_memory_beyond_the_cpu_arena_stays_under_half_the_parameters() {
     let dir = TempDir::new("cli-host_memory_beyond_the_cpu_arena_stays_under_half_the_parameters");
     // 21M parameters (80 MiB): initialized and loaded one tensor at a time as f32, never as a

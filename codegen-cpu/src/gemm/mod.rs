@@ -105,13 +105,36 @@ const TILE_M: usize = 1024;
 /// Largest tile width (columns).
 const TILE_N: usize = 1024;
 /// Tiles are halved (down to [`MIN_TILE`]) until a product has at least this many: the host's
-/// cores, at least 4 and at most 64. Measured on a 16-core Xeon at 8 threads, 16 tiles instead
-/// of 4: `small` step 305 → 247 ms, GPT-2 124M (B=4, T=64) 719 → 569 ms; on the 2-core EPYC at
-/// 2 threads 16 tiles cost 5–8% (more packing), so the count follows the host. It depends on
-/// the host only, not on `--threads`: a run's results are the same for any thread count.
+/// cores (at least 4, at most 64) times [`tiles_per_core`]. Measured on a 16-core Xeon at 8
+/// threads, 16 tiles instead of 4: `small` step 305 → 247 ms, GPT-2 124M (B=4, T=64) 719 → 569
+/// ms; on the 2-core EPYC at 2 threads 16 tiles cost 5–8% (more packing), so the count follows
+/// the host. It depends on the host (and the variable) only, not on `--threads`: a run's
+/// results are the same for any thread count.
 fn min_tiles() -> usize {
     static TILES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *TILES.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()).clamp(4, 64))
+    *TILES.get_or_init(|| {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get()).clamp(4, 64);
+        cores * tiles_per_core().unwrap_or(1)
+    })
+}
+
+/// The variable that sets [`tiles_per_core`].
+pub const TILES_ENV: &str = "FUSEC_GEMM_TILES_PER_CORE";
+
+/// Tiles a core that products are cut into at least: `FUSEC_GEMM_TILES_PER_CORE` (1 to 16),
+/// else 1. Four made `small` 5–9% faster on a 16-core Xeon and cost 3–12% on a 2-core host
+/// (see the README); the default stays 1 until a rule is measured on more shapes. An error
+/// names a value outside the range.
+pub fn tiles_per_core() -> Result<usize, String> {
+    match std::env::var(TILES_ENV) {
+        Err(_) => Ok(1),
+        Ok(v) => v
+            .trim()
+            .parse::<usize>()
+            .ok()
+            .filter(|n| (1..=16).contains(n))
+            .ok_or_else(|| format!("{TILES_ENV}={v:?}: expected a whole number of tiles a core from 1 to 16")),
+    }
 }
 /// Smallest tile side the halving goes to.
 const MIN_TILE: usize = 64;

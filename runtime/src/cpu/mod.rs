@@ -76,8 +76,10 @@ pub struct CpuExecutor {
 impl CpuExecutor {
     /// Plans memory for the programs (which must include `Step`), allocates the arena once
     /// and compiles every kernel, at the selected instruction-set level
-    /// ([`fusec_codegen_cpu::isa::selected`]: an error names a bad `FUSEC_CPU_ISA`).
+    /// ([`fusec_codegen_cpu::isa::selected`]: an error names a bad `FUSEC_CPU_ISA`, as
+    /// [`fusec_codegen_cpu::gemm::tiles_per_core`] does a bad `FUSEC_GEMM_TILES_PER_CORE`).
     pub fn new(run: &RunPrograms, threads: usize, profile: bool) -> Result<(CpuExecutor, CpuBuild), String> {
+        fusec_codegen_cpu::gemm::tiles_per_core()?;
         Self::with_isa(run, threads, profile, fusec_codegen_cpu::isa::selected()?)
     }
 
