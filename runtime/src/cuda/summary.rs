@@ -66,8 +66,9 @@ pub struct CudaBuild {
     /// Where `compile_time` went, one phase after the other, in order: `NVML`, then with an
     /// architecture from NVML `memplan`, `codegen`, `nvrtc`, `waited for both` (the driver and
     /// cuBLAS; NVRTC ran while they opened), without one `waited for both` first; then
-    /// `module load`, `launch lists`, `cuBLASLt plans` (made among the launch lists) and `alloc` (`nvrtc again` before them where NVML and the
-    /// driver disagreed).
+    /// `module load`, `launch lists`, `cuBLASLt plans` (made among the launch lists), `product
+    /// tuning` (when products are tuned) and `alloc` (`nvrtc again` before them where NVML and
+    /// the driver disagreed).
     pub phases: Vec<(&'static str, Duration)>,
     /// Where the architecture came from, e.g. `arch sm_90 from NVML, before the driver was up`.
     pub arch: String,
