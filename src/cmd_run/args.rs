@@ -11,6 +11,7 @@ use fusec_passes::amp::Precision;
 
 use crate::cmd_dump::{precision_parser, recompute_parser};
 use fusec_passes::recompute::Recompute;
+use fusec_runtime::cuda::CudaOptions;
 
 /// Where the graph runs.
 #[derive(Clone, Copy, ValueEnum, PartialEq, Eq, Debug)]
@@ -205,6 +206,18 @@ fn in_range(lo: u64, hi: u64) -> impl TypedValueParser<Value = usize> {
 }
 
 impl RunArgs {
+    /// The CUDA options the flags ask for (`profile`: time every launch).
+    pub fn cuda_options(&self, profile: bool) -> CudaOptions {
+        CudaOptions {
+            profile,
+            tf32: !self.no_tf32,
+            flash: !self.no_flash_attention,
+            lt_epilogues: !self.no_cublaslt,
+            graphs: !self.no_cuda_graph,
+            tune_products: !self.no_gemm_tuning,
+        }
+    }
+
     /// Checks the flags that need no model: finite hyper-parameters in range, flags that the
     /// target reads, and writable output paths. Errors name the flag and the allowed range.
     pub fn validate(&self) -> Result<(), String> {

@@ -7,7 +7,7 @@ use fusec_runtime::dist::launch_env::LaunchEnv;
 use fusec_runtime::dist::star::TcpStar;
 
 use fusec_runtime::cpu::CpuExecutor;
-use fusec_runtime::cuda::{CudaExecutor, CudaOptions};
+use fusec_runtime::cuda::CudaExecutor;
 use fusec_runtime::executor::{Executor, RefExecutor};
 use fusec_runtime::profile::Profile;
 use fusec_runtime::programs::RunPrograms;
@@ -72,15 +72,7 @@ pub fn executor(a: &RunArgs, run: &RunPrograms, threads: usize, dist: Option<&La
             Box::new(ex)
         }
         Target::Cuda => {
-            let opts = CudaOptions {
-                profile: profile.is_some(),
-                tf32: !a.no_tf32,
-                flash: !a.no_flash_attention,
-                lt_epilogues: !a.no_cublaslt,
-                graphs: !a.no_cuda_graph,
-                tune_products: !a.no_gemm_tuning,
-            };
-            let (mut ex, build) = CudaExecutor::new(run, &opts)?;
+            let (mut ex, build) = CudaExecutor::new(run, &a.cuda_options(profile.is_some()))?;
             ex.profile = profile;
             phases = build.phases.iter().map(|(n, d)| (n.to_string(), *d)).collect();
             if let Some(env) = dist {

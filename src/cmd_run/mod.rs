@@ -27,7 +27,6 @@ use fusec_passes::recompute::Recompute;
 use fusec_passes::zero::Shard;
 use fusec_runtime::checkpoint::Checkpoint;
 use fusec_runtime::corpus::markov_tokens;
-use fusec_runtime::cuda::CudaOptions;
 use fusec_runtime::data::DataLoader;
 use fusec_runtime::dist::launch_env::LaunchEnv;
 use fusec_runtime::params::{prefetch, ParamSource};
@@ -215,14 +214,7 @@ pub fn run(mut a: RunArgs) -> CliResult {
     }
     if a.sample > 0 {
         let t = Instant::now();
-        let cuda = CudaOptions {
-            profile: false,
-            tf32: !a.no_tf32,
-            flash: !a.no_flash_attention,
-            lt_epilogues: !a.no_cublaslt,
-            graphs: !a.no_cuda_graph,
-            tune_products: !a.no_gemm_tuning,
-        };
+        let cuda = a.cuda_options(false);
         crate::sample::print_sample(ex, &model, a.target, threads, &cuda, a.sample, a.temperature, a.seed)?;
         phases.sample = t.elapsed().as_secs_f64();
     }
