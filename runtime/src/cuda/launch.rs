@@ -34,7 +34,7 @@ use fusec_codegen_cuda::native::GATHER_VEC;
 use fusec_ir::DType;
 
 use crate::cuda::attention::ColumnSums;
-use crate::cuda::lt::{Epilogue, LtKey, LtPlans, LtTypes};
+use crate::cuda::lt::{alignment, Epilogue, LtKey, LtPlans, LtTypes};
 use crate::launches::{self, LaunchOp, Product};
 
 /// A place in the one allocation.
@@ -424,7 +424,7 @@ impl Builder<'_> {
             (DType::F32, DType::F32) => LtTypes::Tf32,
             (DType::BF16, out) => {
                 let offsets = [Some(pr.a), Some(pr.b), Some(pr.y), pr.bias, pr.pre];
-                let align = offsets.into_iter().flatten().map(|o| 1u32 << o.trailing_zeros().min(8)).min().unwrap_or(256);
+                let align = alignment(offsets.into_iter().flatten());
                 if align < 16 || (spec.gelu && call.ldc % 8 != 0) {
                     return Ok(None);
                 }

@@ -52,6 +52,12 @@ pub(crate) enum LtTypes {
     Bf16 { out: DType, align: u32 },
 }
 
+/// The bytes every one of `offsets` is aligned to (at most 256, the allocation's alignment):
+/// the `align` of [`LtTypes::Bf16`].
+pub(crate) fn alignment(offsets: impl IntoIterator<Item = u64>) -> u32 {
+    offsets.into_iter().map(|o| 1u32 << o.trailing_zeros().min(8)).min().unwrap_or(256)
+}
+
 /// What a plan is made for: the call (cuBLAS's column-major terms), epilogue and types.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub(crate) struct LtKey {

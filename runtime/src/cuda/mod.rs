@@ -52,6 +52,7 @@ use cudarc::cublas::sys as blas;
 use cudarc::driver::sys;
 use fusec_ir::interp::Tensor;
 use fusec_codegen_cuda::flash;
+use fusec_codegen_cuda::gemm::Batched;
 use fusec_ir::DType;
 use fusec_passes::memplan::ALIGN;
 
@@ -345,30 +346,11 @@ impl CudaExecutor {
                 ckb(r, "cuBLAS sgemm")
             }
             Step::Gemm { g, a, b, c, beta, ab, out } => {
-                // bf16 operands, fp32 accumulation, an f32 or bf16 result.
-                let ty = |d: DType| match d {
-                    DType::BF16 => Ok(blas::cudaDataType::CUDA_R_16BF),
-                    DType::F32 => Ok(blas::cudaDataType::CUDA_R_32F),
-                    d => Err(format!("internal: a cuBLAS product with {d} data")),
-                };
                 if *ab != DType::BF16 {
                     return Err(format!("internal: a cuBLAS product of {ab} operands with a {out} result"));
                 }
-                let k = &g.call;
-                let (pa, pb, pc) = (self.addr(*b) as *const c_void, self.addr(*a) as *const c_void, self.addr(*c) as *mut c_void);
-                let (abt, ct) = (ty(*ab)?, ty(*out)?);
-                let (compute, alg) = (blas::cublasComputeType_t::CUBLAS_COMPUTE_32F, blas::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT);
-                let (al, be) = (&one as *const f32 as *const c_void, beta as *const f32 as *const c_void);
-                let (ta, tb) = (op(k.trans_a), op(k.trans_b));
-                let r = if g.batch == 1 {
-                    blas::cublasGemmEx(d.blas, ta, tb, k.m, k.n, k.k, al, pa, abt, k.lda, pb, abt, k.ldb, be, pc, ct, k.ldc, compute, alg)
-                } else {
-                    blas::cublasGemmStridedBatchedEx(
-                        d.blas, ta, tb, k.m, k.n, k.k, al, pa, abt, k.lda, g.stride_a, pb, abt, k.ldb, g.stride_b, be, pc, ct, k.ldc,
-                        g.stride_c, g.batch, compute, alg,
-                    )
-                };
-                ckb(r, "cuBLAS bf16 product")
+                // cuBLAS's A is the row-major product's `b`, its B is `a`.
+                gemm_bf16(d, g, self.addr(*b), self.addr(*a), self.addr(*c), *out, *beta)
             }
             Step::GemmLt { plan, a, b, c, bias, aux } => {
                 let handle = d.lt.ok_or("internal: a cuBLASLt launch without a cuBLASLt handle")?;
@@ -515,6 +497,37 @@ fn plan_and_compile<'r>(
     mods.compile();
     phase("nvrtc");
     Ok((plan, src, mods))
+}
+
+/// A cuBLAS product of bf16 operands (`cublasGemmEx`, strided-batched past one batch): f32
+/// compute, an `out` (f32 or bf16) result, `c = A_op B_op + beta c` in cuBLAS's column-major
+/// terms (`a` is cuBLAS's A).
+///
+/// # Safety
+/// Device addresses of buffers of `g`'s shape.
+pub(crate) unsafe fn gemm_bf16(d: &Device, g: &Batched, a: u64, b: u64, c: u64, out: DType, beta: f32) -> Result<(), String> {
+    let op = |t: bool| if t { blas::cublasOperation_t::CUBLAS_OP_T } else { blas::cublasOperation_t::CUBLAS_OP_N };
+    let bf16 = blas::cudaDataType::CUDA_R_16BF;
+    let ct = match out {
+        DType::BF16 => bf16,
+        DType::F32 => blas::cudaDataType::CUDA_R_32F,
+        d => return Err(format!("internal: a cuBLAS product with {d} data")),
+    };
+    let k = &g.call;
+    let (pa, pb, pc) = (a as *const c_void, b as *const c_void, c as *mut c_void);
+    let (compute, alg) = (blas::cublasComputeType_t::CUBLAS_COMPUTE_32F, blas::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT);
+    let one = 1f32;
+    let (al, be) = (&one as *const f32 as *const c_void, &beta as *const f32 as *const c_void);
+    let (ta, tb) = (op(k.trans_a), op(k.trans_b));
+    let r = if g.batch == 1 {
+        blas::cublasGemmEx(d.blas, ta, tb, k.m, k.n, k.k, al, pa, bf16, k.lda, pb, bf16, k.ldb, be, pc, ct, k.ldc, compute, alg)
+    } else {
+        blas::cublasGemmStridedBatchedEx(
+            d.blas, ta, tb, k.m, k.n, k.k, al, pa, bf16, k.lda, g.stride_a, pb, bf16, k.ldb, g.stride_b, be, pc, ct, k.ldc, g.stride_c,
+            g.batch, compute, alg,
+        )
+    };
+    ckb(r, "cuBLAS bf16 product")
 }
 
 fn resolve(base: u64, scratch: u64, stat: u64, a: Addr) -> u64 {

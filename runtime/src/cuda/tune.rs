@@ -21,14 +21,15 @@ use std::ffi::c_void;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use cudarc::cublas::sys as blas;
 use cudarc::cublaslt::sys as lt;
 use cudarc::driver::sys;
+use fusec_codegen_cuda::gemm::Batched;
 use fusec_ir::DType;
 
-use super::device::{ck, ckb, Device};
+use super::device::{ck, Device};
+use super::gemm_bf16;
 use super::launch::{Addr, Launch, Step};
-use super::lt::{Epilogue, LtKey, LtPlans, LtTypes};
+use super::lt::{alignment, Epilogue, LtKey, LtPlans, LtTypes};
 use crate::atomic::write_atomic;
 
 /// Timed rounds: each candidate runs once per round, after the L2 cache is flushed.
@@ -131,7 +132,7 @@ fn plain_key(st: &Step) -> Option<LtKey> {
     let off = |x: &Addr| match *x {
         Addr::Plan(o) | Addr::Scratch(o) | Addr::Static(o) => o,
     };
-    let align = [a, b, c].into_iter().map(|x| 1u32 << off(x).trailing_zeros().min(8)).min().unwrap_or(256);
+    let align = alignment([a, b, c].map(off));
     (align >= 16).then_some(LtKey {
         call: g.call,
         epilogue: Epilogue::None,
@@ -173,7 +174,8 @@ pub(crate) fn tune(launches: &mut [&mut Vec<Launch>], plans: &mut LtPlans, dev: 
     let name = |key: &LtKey| format!("{} | cuBLASLt {version} | {METHOD} | {key:?}", dev.name);
     let mut timer: Option<Result<Timer, String>> = None;
     let mut stored = false;
-    let mut choices: HashMap<LtKey, Choice> = HashMap::new();
+    // The choice of each tuned product, with its plan.
+    let mut choices: HashMap<LtKey, (Choice, usize)> = HashMap::new();
     for &(key, plan, uses) in &keys {
         let p = &plans.plans[plan];
         let valid = |e: &Entry| match e.choice {
@@ -186,9 +188,12 @@ pub(crate) fn tune(launches: &mut [&mut Vec<Launch>], plans: &mut LtPlans, dev: 
                 *e
             }
             None => {
-                let sum = |k: &LtKey| operand_bytes(k).iter().fold(0u64, |s, &b| s.saturating_add(b));
-                let bytes = keys.iter().map(|k| sum(&k.0)).max().unwrap_or(0);
-                let t = timer.get_or_insert_with(|| Timer::new(dev, bytes.saturating_add(FLUSH + plans.workspace as u64)));
+                let t = timer.get_or_insert_with(|| {
+                    // Room for the largest product's buffers, the flush region and the workspace.
+                    let sum = |k: &LtKey| operand_bytes(k).iter().fold(0u64, |s, &b| s.saturating_add(b));
+                    let bytes = keys.iter().map(|k| sum(&k.0)).max().unwrap_or(0);
+                    Timer::new(dev, bytes.saturating_add(FLUSH + plans.workspace as u64))
+                });
                 let t = match t {
                     Ok(t) => t,
                     Err(e) => {
@@ -214,7 +219,7 @@ pub(crate) fn tune(launches: &mut [&mut Vec<Launch>], plans: &mut LtPlans, dev: 
         out.products += 1;
         out.default_us += entry.default_us * uses as f64;
         out.chosen_us += entry.chosen_us * uses as f64;
-        choices.insert(key, entry.choice);
+        choices.insert(key, (entry.choice, plan));
         if let Choice::Lt(i) = entry.choice {
             plans.plans[plan].chosen = i;
         }
@@ -225,9 +230,9 @@ pub(crate) fn tune(launches: &mut [&mut Vec<Launch>], plans: &mut LtPlans, dev: 
     // Plain products whose winner is a cuBLASLt algorithm become cuBLASLt launches.
     for st in launches.iter_mut().flat_map(|l| l.iter_mut()).flat_map(|l| l.steps.iter_mut()) {
         let Some(key) = plain_key(st) else { continue };
-        let (Some(Choice::Lt(_)), Some(k)) = (choices.get(&key), keys.iter().find(|k| k.0 == key)) else { continue };
+        let Some(&(Choice::Lt(_), plan)) = choices.get(&key) else { continue };
         let Step::Gemm { a, b, c, .. } = *st else { continue };
-        *st = Step::GemmLt { plan: k.1, a, b, c, bias: c, aux: c };
+        *st = Step::GemmLt { plan, a, b, c, bias: c, aux: c };
     }
     if stored {
         if let Some(f) = &file {
@@ -300,13 +305,19 @@ impl Timer {
         let (paux, pbias) = (py + y, py + y + aux);
         let (flush, ws) = (self.base + self.bytes - plans.workspace as u64 - FLUSH, self.base + self.bytes - plans.workspace as u64);
         // The candidates: cuBLAS's own choice for a plain product, then cuBLASLt's in order.
+        let one = Batched { call: key.call, stride_a: 0, stride_b: 0, stride_c: 0, batch: 1 };
+        let out = match key.types {
+            LtTypes::Bf16 { out, .. } => out,
+            LtTypes::Tf32 => return Err("internal: tuning a TF32 product".into()),
+        };
+        let beta = if key.accumulate { 1.0 } else { 0.0 };
         let cublas = key.epilogue == Epilogue::None;
         let mut cands: Vec<Choice> = if cublas { vec![Choice::Cublas] } else { vec![] };
         cands.extend((0..plans.plans[plan].algos.len()).map(Choice::Lt));
         let mut run = |c: Choice| -> Result<(), String> {
             match c {
                 // SAFETY: the buffer holds every operand at the planned shape.
-                Choice::Cublas => unsafe { gemm_ex(dev, &key, pa, pb, py) },
+                Choice::Cublas => unsafe { gemm_bf16(dev, &one, pa, pb, py, out, beta) },
                 Choice::Lt(i) => {
                     plans.plans[plan].chosen = i;
                     let p = &plans.plans[plan];
@@ -360,44 +371,6 @@ impl Timer {
             cudarc::driver::result::free_sync(self.base).map_err(|e| format!("freeing the tuning buffer: {e:?}"))
         }
     }
-}
-
-/// cuBLAS's own product for `key` (plain, bf16 operands).
-///
-/// # Safety
-/// Device addresses of buffers of the key's shape.
-unsafe fn gemm_ex(dev: &Device, key: &LtKey, a: u64, b: u64, c: u64) -> Result<(), String> {
-    let k = &key.call;
-    let op = |t: bool| if t { blas::cublasOperation_t::CUBLAS_OP_T } else { blas::cublasOperation_t::CUBLAS_OP_N };
-    let LtTypes::Bf16 { out, .. } = key.types else { return Err("internal: tuning a TF32 product".into()) };
-    let bf16 = blas::cudaDataType::CUDA_R_16BF;
-    let ct = if out == DType::BF16 { bf16 } else { blas::cudaDataType::CUDA_R_32F };
-    let (one, beta) = (1f32, if key.accumulate { 1f32 } else { 0.0 });
-    let (pa, pb, pc) = (a as *const c_void, b as *const c_void, c as *mut c_void);
-    ckb(
-        blas::cublasGemmEx(
-            dev.blas,
-            op(k.trans_a),
-            op(k.trans_b),
-            k.m,
-            k.n,
-            k.k,
-            &one as *const f32 as *const c_void,
-            pa,
-            bf16,
-            k.lda,
-            pb,
-            bf16,
-            k.ldb,
-            &beta as *const f32 as *const c_void,
-            pc,
-            ct,
-            k.ldc,
-            blas::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-            blas::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-        ),
-        "cuBLAS bf16 product",
-    )
 }
 
 #[cfg(test)]
