@@ -245,14 +245,26 @@ fn the_cpu_isa_is_detected_or_forced_and_a_bad_name_is_refused() {
 }
 
 #[test]
-fn gemm_tiles_per_core_are_taken_from_the_environment_and_a_bad_value_is_refused() {
+fn gemm_tiles_per_core_are_taken_from_the_environment_keep_the_bits_and_a_bad_value_is_refused() {
     let run = |v: &str| {
         let mut c = Command::new(env!("CARGO_BIN_EXE_fusec"));
         c.args(["run", "models/gpt2-tiny.graph", "--target", "cpu", "--batch", "2", "--seq", "16", "--steps", "2"]);
         c.env("FUSEC_GEMM_TILES_PER_CORE", v).output().unwrap()
     };
-    let o = run("4");
-    assert!(o.status.success(), "{}", text(&o.stderr));
+    // The summary names the count; a product's tiles split rows and columns, never the sum, so
+    // the losses are the same bits whatever the count.
+    let losses = |v: &str| {
+        let o = run(v);
+        assert!(o.status.success(), "{}", text(&o.stderr));
+        let out = text(&o.stdout);
+        assert!(out.contains(&format!("tiles each ({v} a core")), "{out}");
+        let loss = |l: &str| l.split(": loss ").nth(1).and_then(|r| r.split_whitespace().next()).map(str::to_string);
+        text(&o.stderr).lines().filter_map(loss).collect::<Vec<_>>()
+    };
+    let one = losses("1");
+    assert_eq!(one.len(), 3, "two steps and the validation");
+    assert_eq!(one, losses("4"));
+    assert_eq!(one, losses("16"));
     for bad in ["0", "17", "four"] {
         let o = run(bad);
         assert_eq!(o.status.code(), Some(2), "{bad}");

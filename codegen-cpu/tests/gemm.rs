@@ -239,3 +239,10 @@ fn missing_pre_gelu_panics() {
     let s = GemmSpec { gelu: true, ..GemmSpec::new(2, 3, 4) };
     gemm_f32(&s, &[0.0; 8], &[0.0; 12], None, &mut [0.0; 6], None, 1);
 }
+
+#[test]
+fn many_core_hosts_cut_products_into_four_tiles_a_core() {
+    use fusec_codegen_cpu::gemm::host_tiles_per_core;
+    assert_eq!((1..8).map(host_tiles_per_core).collect::<Vec<_>>(), [1; 7]);
+    assert_eq!([8, 16, 64].map(host_tiles_per_core), [4; 3]);
+}

@@ -6,6 +6,7 @@ use std::time::{Duration, Instant};
 use fusec_runtime::dist::launch_env::LaunchEnv;
 use fusec_runtime::dist::star::TcpStar;
 
+use fusec_codegen_cpu::gemm;
 use fusec_runtime::cpu::CpuExecutor;
 use fusec_runtime::cuda::CudaExecutor;
 use fusec_runtime::executor::{Executor, RefExecutor};
@@ -55,6 +56,9 @@ pub fn executor(a: &RunArgs, run: &RunPrograms, threads: usize, dist: Option<&La
                 summary.push(("ranks".into(), ranks_row(env, run, "through rank 0 over TCP")?));
             }
             summary.push(("cpu isa".into(), build.isa.describe()));
+            let (tiles, per_core) = (gemm::min_tiles(), gemm::tiles_per_core()?);
+            let env = gemm::TILES_ENV;
+            summary.push(("products".into(), format!("cut into at least {tiles} tiles each ({per_core} a core; {env}=1..16 sets it)")));
             let plan = &build.step_plan;
             let (compiled, hits) = build.kernels;
             summary.push(("kernels".into(), format!("{compiled} compiled, {hits} cache hits (identical kernels compile once)")));
