@@ -3,9 +3,10 @@
 //! through `fusec_codegen_cpu::gemm::gemm_f32`, with ms and GFLOP/s per shape and the summed
 //! GEMM time of one step: what a whole training step is compared against.
 //!
-//! `cargo run --release -p fusec-benches --bin gemm_bench -- [--threads N] [--plain]
+//! `cargo run --release -p fusec-benches --bin gemm_bench -- [--threads N] [--plain] [--cold]
 //! [--config small|124m|both] [--secs S] [--only SUBSTR] [--products LIST]`. `--plain` drops the
-//! forward epilogues (pure products); `--only` keeps the shapes whose name contains `SUBSTR`;
+//! forward epilogues (pure products); `--cold` writes 256 MiB before every timed call (untimed),
+//! so that each product starts with its operands out of the caches, as a step's products may; `--only` keeps the shapes whose name contains `SUBSTR`;
 //! `--products` lists what multiplies (comma-separated, default `f32`): `f32` (`gemm_f32`), and
 //! `bf16@LEVEL` (`gemm_bf16` on the path of an instruction-set level: `avx512bf16` dot
 //! products, `avx512` or `avx2` FMA on operands widened while packing, `scalar` widened
@@ -151,9 +152,15 @@ impl Data {
     }
 }
 
+/// Bytes `--cold` writes before each timed call: more than any host's last-level cache here.
+const COLD_BYTES: usize = 256 << 20;
+
 /// `(median, best)` seconds per call of `s` for each of `kinds`, over at least 3 rounds and
-/// about `secs` seconds per kind, the kinds alternating call by call.
-fn time(s: &GemmSpec, kinds: &[Kind], threads: usize, secs: f64) -> Vec<(f64, f64)> {
+/// about `secs` seconds per kind, the kinds alternating call by call; with `cold` a buffer of
+/// [`COLD_BYTES`] is written (on every thread of the pool) before each call.
+fn time(s: &GemmSpec, kinds: &[Kind], threads: usize, secs: f64, cold: bool) -> Vec<(f64, f64)> {
+    use rayon::prelude::*;
+    let mut flush = vec![0u64; if cold { COLD_BYTES / 8 } else { 0 }];
     let mut d = Data::new(s);
     for &k in kinds {
         d.call(s, k, threads); // warm up: page in, fill the caches
@@ -163,12 +170,13 @@ fn time(s: &GemmSpec, kinds: &[Kind], threads: usize, secs: f64) -> Vec<(f64, f6
     let budget = Duration::from_secs_f64(secs * kinds.len() as f64);
     while samples[0].len() < 3 || (start.elapsed() < budget && samples[0].len() < 1000) {
         for (k, kind) in kinds.iter().enumerate() {
+            flush.par_chunks_mut(1 << 16).for_each(|c| c.iter_mut().for_each(|x| *x = x.wrapping_add(1)));
             let t = Instant::now();
             d.call(s, *kind, threads);
             samples[k].push(t.elapsed().as_secs_f64());
         }
     }
-    std::hint::black_box((&d.y, &d.y16));
+    std::hint::black_box((&d.y, &d.y16, &flush));
     samples
         .into_iter()
         .map(|mut v| {
@@ -178,7 +186,7 @@ fn time(s: &GemmSpec, kinds: &[Kind], threads: usize, secs: f64) -> Vec<(f64, f6
         .collect()
 }
 
-fn bench(cfg: &Config, kinds: &[Kind], threads: usize, plain: bool, secs: f64, only: &str) {
+fn bench(cfg: &Config, kinds: &[Kind], threads: usize, plain: bool, secs: f64, only: &str, cold: bool) {
     println!(
         "\n== {}: L={} C={} Vp={} B={} T={} (BT={}), {} thread(s){}",
         cfg.name,
@@ -189,8 +197,11 @@ fn bench(cfg: &Config, kinds: &[Kind], threads: usize, plain: bool, secs: f64, o
         cfg.seq,
         cfg.batch * cfg.seq,
         threads,
-        if plain { ", no epilogues" } else { "" }
+        if plain { ", no epilogues" } else { "" },
     );
+    if cold {
+        println!("(cold: {} MiB written before every timed call)", COLD_BYTES >> 20);
+    }
     print!("{:<20} {:>6} {:>6} {:>6} {:>3}", "shape", "M", "N", "K", "x");
     for k in kinds {
         print!(" | {:>17} {:>7} {:>8} {:>7}", format!("{} med ms", k.name()), "GFLOP/s", "best ms", "GFLOP/s");
@@ -199,7 +210,7 @@ fn bench(cfg: &Config, kinds: &[Kind], threads: usize, plain: bool, secs: f64, o
     let mut totals = vec![(0.0, 0.0); kinds.len()];
     let mut total_flops = 0u64;
     for sh in step_shapes(cfg, plain).into_iter().filter(|s| s.name.contains(only)) {
-        let times = time(&sh.spec, kinds, threads, secs);
+        let times = time(&sh.spec, kinds, threads, secs, cold);
         let (flops, x) = (sh.spec.flops(), sh.per_step);
         total_flops += flops * x as u64;
         let s = &sh.spec;
@@ -228,7 +239,7 @@ fn bench(cfg: &Config, kinds: &[Kind], threads: usize, plain: bool, secs: f64, o
 
 fn main() {
     let mut threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let (mut plain, mut config, mut secs, mut only) = (false, "both".to_string(), 0.4, String::new());
+    let (mut plain, mut config, mut secs, mut only, mut cold) = (false, "both".to_string(), 0.4, String::new(), false);
     let mut kinds = vec![Kind::F32];
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
@@ -238,10 +249,11 @@ fn main() {
             "--config" => config = value("small, 124m or both"),
             "--secs" => secs = value("seconds").parse().expect("--secs S"),
             "--plain" => plain = true,
+            "--cold" => cold = true,
             "--only" => only = value("a substring of shape names"),
             "--products" => kinds = value("a list").split(',').map(Kind::parse).collect(),
             "-h" | "--help" => {
-                println!("gemm_bench [--threads N] [--config small|124m|both] [--secs S] [--plain] [--only SUBSTR] [--products f32,bf16@LEVEL,..]");
+                println!("gemm_bench [--threads N] [--config small|124m|both] [--secs S] [--plain] [--cold] [--only SUBSTR] [--products f32,bf16@LEVEL,..]");
                 return;
             }
             other => panic!("unknown argument `{other}` (try --help)"),
@@ -257,7 +269,7 @@ fn main() {
     let gpt2 = Config { name: "gpt2-124M", layers: 12, channels: 768, vocab_padded: 50304, batch: 4, seq: 64 };
     for cfg in [small, gpt2] {
         if config == "both" || config.eq_ignore_ascii_case(cfg.name) || (config == "124m" && cfg.layers == 12) {
-            bench(&cfg, &kinds, threads, plain, secs, &only);
+            bench(&cfg, &kinds, threads, plain, secs, &only, cold);
         }
     }
 }
