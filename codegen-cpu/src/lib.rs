@@ -35,6 +35,7 @@
 //! reduction orders independent of the thread count.
 
 pub mod clif;
+pub mod convert;
 pub mod gemm;
 pub mod isa;
 mod jit;

@@ -15,7 +15,8 @@
 
 use std::cell::RefCell;
 
-use fusec_codegen_cpu::gemm::{bf16_bits, exp, matmul_strided, widen_bits, Mat};
+use fusec_codegen_cpu::convert::{round_row, widen_row};
+use fusec_codegen_cpu::gemm::{exp, matmul_strided, Mat};
 use fusec_ir::DType;
 use rayon::prelude::*;
 
@@ -99,7 +100,7 @@ impl Storage {
         let b = take(buf, rows * d);
         for r in 0..rows {
             let src = std::slice::from_raw_parts((self.ptr as *const u16).add(off + r * rs), d);
-            b[r * d..(r + 1) * d].iter_mut().zip(src).for_each(|(x, h)| *x = widen_bits(*h));
+            widen_row(&mut b[r * d..(r + 1) * d], src);
         }
         Mat { ptr: b.as_ptr(), rs: d as isize, cs: 1 }
     }
@@ -128,7 +129,7 @@ impl Storage {
         }
         for r in 0..rows {
             let dst = std::slice::from_raw_parts_mut((self.ptr as *mut u16).add(off + r * rs), d);
-            dst.iter_mut().zip(&buf[r * d..(r + 1) * d]).for_each(|(h, x)| *h = bf16_bits(*x));
+            round_row(dst, &buf[r * d..(r + 1) * d]);
         }
     }
 }
