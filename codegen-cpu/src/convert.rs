@@ -1,78 +1,128 @@
-//! bf16 rows widened to f32 and f32 rows rounded to bf16 in the widest vectors of the level in
-//! use ([`crate::isa::current`]): the same scalar operations ([`widen_bits`], [`bf16_bits`]),
-//! compiled for AVX-512 or AVX2 as well as for this crate's SSE2 baseline, so every level gives
-//! the same bits. For code outside the generated kernels that converts whole rows (the CPU
-//! attention's heads).
+//! bf16 matrices widened to f32 and f32 matrices rounded to bf16 in the widest vectors of the
+//! level in use ([`crate::isa::current`]): the same scalar operations ([`widen_bits`],
+//! [`bf16_bits`]) compiled for AVX-512 or AVX2 as well as for this crate's SSE2 baseline, so
+//! every level gives the same bits. For code outside the generated kernels that converts whole
+//! rows (the CPU attention's heads).
 
 use crate::gemm::{bf16_bits, widen_bits};
 use crate::isa::Isa;
 
-/// `dst[i] = widen_bits(src[i])` (exact); the slices have the same length.
-pub fn widen_row(dst: &mut [f32], src: &[u16]) {
-    assert_eq!(dst.len(), src.len(), "widen_row: lengths differ");
+/// `dst[r * cols + c] = widen_bits(src[r * stride + c])` for `r < rows`, `c < cols` (exact):
+/// a strided bf16 matrix widened into a contiguous f32 one.
+///
+/// # Safety
+/// `src` must point at `rows` readable rows of `cols` values, `stride` apart.
+pub unsafe fn widen_rows(dst: &mut [f32], src: *const u16, rows: usize, cols: usize, stride: usize) {
+    assert!(dst.len() >= rows * cols, "widen_rows: the destination is too short");
+    assert!(rows <= 1 || stride >= cols, "widen_rows: rows overlap");
+    let row = |r: usize| std::slice::from_raw_parts(src.add(r * stride), cols);
     match crate::isa::current() {
-        // SAFETY: the level in use is one the host supports.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 | Isa::Avx512Bf16 | Isa::Amx => unsafe { widen_avx512(dst, src) },
+        Isa::Avx512 | Isa::Avx512Bf16 | Isa::Amx => widen_avx512(dst, rows, cols, row),
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => unsafe { widen_avx2(dst, src) },
-        _ => widen(dst, src),
+        Isa::Avx2 => widen_avx2(dst, rows, cols, row),
+        _ => widen(dst, rows, cols, row),
     }
 }
 
-/// `dst[i] = bf16_bits(src[i])` (nearest, ties to even, NaN kept quiet); same lengths.
-pub fn round_row(dst: &mut [u16], src: &[f32]) {
-    assert_eq!(dst.len(), src.len(), "round_row: lengths differ");
+/// `dst[r * stride + c] = bf16_bits(src[r * cols + c])` (nearest, ties to even, NaN kept
+/// quiet): a contiguous f32 matrix rounded into a strided bf16 one.
+///
+/// # Safety
+/// `dst` must point at `rows` writable rows of `cols` values, `stride` apart, that nothing else
+/// touches meanwhile.
+pub unsafe fn round_rows(dst: *mut u16, src: &[f32], rows: usize, cols: usize, stride: usize) {
+    assert!(src.len() >= rows * cols, "round_rows: the source is too short");
+    assert!(rows <= 1 || stride >= cols, "round_rows: rows overlap");
+    let row = |r: usize| std::slice::from_raw_parts_mut(dst.add(r * stride), cols);
     match crate::isa::current() {
-        // SAFETY: the level in use is one the host supports.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 | Isa::Avx512Bf16 | Isa::Amx => unsafe { round_avx512(dst, src) },
+        Isa::Avx512 | Isa::Avx512Bf16 | Isa::Amx => round_avx512(src, rows, cols, row),
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => unsafe { round_avx2(dst, src) },
-        _ => round(dst, src),
+        Isa::Avx2 => round_avx2(src, rows, cols, row),
+        _ => round(src, rows, cols, row),
     }
 }
 
 #[inline(always)]
-fn widen(dst: &mut [f32], src: &[u16]) {
-    dst.iter_mut().zip(src).for_each(|(x, h)| *x = widen_bits(*h));
+fn widen<'a>(dst: &mut [f32], rows: usize, cols: usize, src: impl Fn(usize) -> &'a [u16]) {
+    for r in 0..rows {
+        dst[r * cols..(r + 1) * cols].iter_mut().zip(src(r)).for_each(|(x, h)| *x = widen_bits(*h));
+    }
 }
 
 #[inline(always)]
-fn round(dst: &mut [u16], src: &[f32]) {
-    dst.iter_mut().zip(src).for_each(|(h, x)| *h = bf16_bits(*x));
+fn round<'a>(src: &[f32], rows: usize, cols: usize, dst: impl Fn(usize) -> &'a mut [u16]) {
+    for r in 0..rows {
+        dst(r).iter_mut().zip(&src[r * cols..(r + 1) * cols]).for_each(|(h, x)| *h = bf16_bits(*x));
+    }
 }
 
+/// [`widen`] compiled for AVX2 (the host must have it).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-unsafe fn widen_avx2(dst: &mut [f32], src: &[u16]) {
-    widen(dst, src)
+unsafe fn widen_avx2<'a>(dst: &mut [f32], rows: usize, cols: usize, src: impl Fn(usize) -> &'a [u16]) {
+    widen(dst, rows, cols, src)
 }
 
+/// [`widen`] compiled for AVX-512F (the host must have it).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx2")]
-unsafe fn widen_avx512(dst: &mut [f32], src: &[u16]) {
-    widen(dst, src)
+unsafe fn widen_avx512<'a>(dst: &mut [f32], rows: usize, cols: usize, src: impl Fn(usize) -> &'a [u16]) {
+    widen(dst, rows, cols, src)
 }
 
+/// [`round`] compiled for AVX2.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-unsafe fn round_avx2(dst: &mut [u16], src: &[f32]) {
-    round(dst, src)
+unsafe fn round_avx2<'a>(src: &[f32], rows: usize, cols: usize, dst: impl Fn(usize) -> &'a mut [u16]) {
+    round(src, rows, cols, dst)
 }
 
+/// [`round`] compiled for AVX-512F.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx2")]
-unsafe fn round_avx512(dst: &mut [u16], src: &[f32]) {
-    round(dst, src)
+unsafe fn round_avx512<'a>(src: &[f32], rows: usize, cols: usize, dst: impl Fn(usize) -> &'a mut [u16]) {
+    round(src, rows, cols, dst)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    /// Rounds `src` into a strided matrix and widens it back on `isa`'s copies.
+    fn roundtrip(isa: Isa, src: &[f32], rows: usize, cols: usize, stride: usize) -> (Vec<u16>, Vec<f32>) {
+        let mut strided = vec![0xabcdu16; rows * stride];
+        let mut back = vec![0f32; rows * cols];
+        let p = strided.as_mut_ptr();
+        // SAFETY: the buffer holds `rows` rows of `stride`, each used once at a time; the caller
+        // checked that the host has the level.
+        unsafe {
+            let out = |r: usize| std::slice::from_raw_parts_mut(p.add(r * stride), cols);
+            let inp = |r: usize| std::slice::from_raw_parts(p.add(r * stride) as *const u16, cols);
+            match isa {
+                #[cfg(target_arch = "x86_64")]
+                Isa::Avx2 => {
+                    round_avx2(src, rows, cols, out);
+                    widen_avx2(&mut back, rows, cols, inp);
+                }
+                #[cfg(target_arch = "x86_64")]
+                Isa::Avx512 => {
+                    round_avx512(src, rows, cols, out);
+                    widen_avx512(&mut back, rows, cols, inp);
+                }
+                _ => {
+                    round(src, rows, cols, out);
+                    widen(&mut back, rows, cols, inp);
+                }
+            }
+        }
+        (strided, back)
+    }
+
     /// Every level the host has gives the scalar bits, NaNs, infinities, ties and subnormals
-    /// included, at lengths around the vector widths.
+    /// included, at row lengths around the vector widths, and leaves the rest of a strided row
+    /// alone.
     #[test]
     fn every_level_gives_the_scalar_bits() {
         let mut x = 0x2545f4914f6cdd1du64;
@@ -86,33 +136,16 @@ mod tests {
             .collect();
         vals.extend([0.0, -0.0, 1.0 + f32::EPSILON * 64.0, f32::INFINITY, f32::NEG_INFINITY, f32::NAN, f32::MIN_POSITIVE / 3.0]);
         vals.extend([f32::from_bits(0x3f80_8000), f32::from_bits(0x3f81_8000), f32::from_bits(0x7f80_0001)]);
-        for n in [0, 1, 7, 8, 15, 16, 17, 33, vals.len()] {
-            let src = &vals[..n];
+        for (rows, cols, stride) in [(1, 0, 1), (1, 7, 7), (3, 8, 11), (2, 17, 17), (5, 33, 40), (1, vals.len(), vals.len())] {
+            let src: Vec<f32> = (0..rows * cols).map(|i| vals[i % vals.len()]).collect();
             let want: Vec<u16> = src.iter().map(|v| bf16_bits(*v)).collect();
-            let widened: Vec<f32> = want.iter().map(|h| widen_bits(*h)).collect();
-            let (mut got, mut back) = (vec![0u16; n], vec![0f32; n]);
-            round(&mut got, src);
-            assert_eq!(got, want);
-            widen(&mut back, &got);
-            assert_eq!(back.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), widened.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
-            #[cfg(target_arch = "x86_64")]
-            for isa in [Isa::Avx2, Isa::Avx512] {
-                if !isa.supported() {
-                    continue;
-                }
-                let (mut got, mut back) = (vec![0u16; n], vec![0f32; n]);
-                // SAFETY: the host supports the level.
-                unsafe {
-                    if isa == Isa::Avx2 {
-                        round_avx2(&mut got, src);
-                        widen_avx2(&mut back, &got);
-                    } else {
-                        round_avx512(&mut got, src);
-                        widen_avx512(&mut back, &got);
-                    }
-                }
+            let widened: Vec<u32> = want.iter().map(|h| widen_bits(*h).to_bits()).collect();
+            for isa in [Isa::Scalar, Isa::Avx2, Isa::Avx512].into_iter().filter(|i| i.supported()) {
+                let (strided, back) = roundtrip(isa, &src, rows, cols, stride);
+                let got: Vec<u16> = (0..rows).flat_map(|r| strided[r * stride..r * stride + cols].to_vec()).collect();
                 assert_eq!(got, want, "{}", isa.name());
-                assert_eq!(back.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), widened.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
+                assert!((0..rows).all(|r| strided[r * stride + cols..(r + 1) * stride].iter().all(|&h| h == 0xabcd)), "{}", isa.name());
+                assert_eq!(back.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), widened, "{}", isa.name());
             }
         }
     }

@@ -15,7 +15,7 @@
 
 use std::cell::RefCell;
 
-use fusec_codegen_cpu::convert::{round_row, widen_row};
+use fusec_codegen_cpu::convert::{round_rows, widen_rows};
 use fusec_codegen_cpu::gemm::{exp, matmul_strided, Mat};
 use fusec_ir::DType;
 use rayon::prelude::*;
@@ -98,10 +98,7 @@ impl Storage {
             return Mat { ptr: (self.ptr as *const f32).add(off), rs: rs as isize, cs: 1 };
         }
         let b = take(buf, rows * d);
-        for r in 0..rows {
-            let src = std::slice::from_raw_parts((self.ptr as *const u16).add(off + r * rs), d);
-            widen_row(&mut b[r * d..(r + 1) * d], src);
-        }
+        widen_rows(b, (self.ptr as *const u16).add(off), rows, d, rs);
         Mat { ptr: b.as_ptr(), rs: d as isize, cs: 1 }
     }
 
@@ -127,10 +124,7 @@ impl Storage {
         if !self.bf16 {
             return;
         }
-        for r in 0..rows {
-            let dst = std::slice::from_raw_parts_mut((self.ptr as *mut u16).add(off + r * rs), d);
-            round_row(dst, &buf[r * d..(r + 1) * d]);
-        }
+        round_rows((self.ptr as *mut u16).add(off), buf, rows, d, rs);
     }
 }
 
