@@ -11,7 +11,10 @@
 
 use std::collections::HashMap;
 use std::io::Write;
+use std::path::PathBuf;
 
+use clap::Parser;
+use fusec_benches::{arg_error, positive};
 use fusec_ir::rng::Rng;
 use fusec_models::bf16_attention_graph;
 use fusec_passes::pipeline::{compile, Mode, PipelineOptions};
@@ -24,9 +27,22 @@ const SHAPES: [(&str, usize, usize, usize, usize); 3] = [("124M", 16, 12, 1024, 
 /// The profile's names of the three launches.
 const KERNELS: [&str; 3] = ["flash_attention", "flash_attention_grad_q", "flash_attention_grad_kv"];
 
-fn args(name: &str) -> Vec<String> {
-    let a: Vec<String> = std::env::args().collect();
-    a.iter().enumerate().filter(|(_, x)| *x == name).filter_map(|(i, _)| a.get(i + 1).cloned()).collect()
+/// The command line (see the module docs).
+#[derive(Parser)]
+#[command(about = "fusec's causal flash attention on bf16 storage (CUDA): forward, dq and dk/dv per launch on GPT-2 shapes")]
+struct Args {
+    /// Timed runs per shape (after one warm-up); each launch's median is reported
+    #[arg(long, value_name = "N", default_value_t = 30, value_parser = positive)]
+    iters: usize,
+    /// Only this shape (repeatable): 124M (B=16 H=12 d=64), 1.5B (B=8 H=25 d=64), d128 (B=8 H=12 d=128) [default: all]
+    #[arg(long, value_name = "NAME", value_parser = ["124M", "1.5B", "d128"])]
+    shape: Vec<String>,
+    /// Also write one JSON line per shape and variant to FILE (`attention_sdpa.py --fusec FILE` reads it)
+    #[arg(long, value_name = "FILE")]
+    json: Option<PathBuf>,
+    /// A `FUSEC_FLASH_BF16` tile configuration to time (repeatable, timed in turn; `default`: the built-in one)
+    #[arg(long, value_name = "SPEC", default_value = "default")]
+    variant: Vec<String>,
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -65,13 +81,9 @@ fn time_shape(b: usize, h: usize, t: usize, d: usize, iters: usize) -> Result<[f
 }
 
 fn main() {
-    let iters: usize = args("--iters").first().and_then(|s| s.parse().ok()).unwrap_or(30);
-    let only = args("--shape");
-    let mut variants = args("--variant");
-    if variants.is_empty() {
-        variants.push("default".into());
-    }
-    let mut json = args("--json").first().map(|p| std::fs::File::create(p).expect("--json file"));
+    let args = Args::parse();
+    let (iters, only, variants) = (args.iters, args.shape, args.variant);
+    let mut json = args.json.map(|p| std::fs::File::create(&p).unwrap_or_else(|e| arg_error("--json", format!("{}: {e}", p.display()))));
     println!(
         "{:6} {:36} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8}",
         "shape", "variant", "fwd ms", "TFLOP/s", "dq ms", "dkv ms", "TFLOP/s", "fwd+bwd"

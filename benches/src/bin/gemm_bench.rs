@@ -14,11 +14,60 @@
 //! `--precision bf16` runs them). With more than one, each shape runs them in turn, alternating,
 //! so that a busy host slows all alike.
 
+use clap::Parser;
+use fusec_benches::arg_error;
 use fusec_codegen_cpu::gemm::{gemm_bf16_on, gemm_f32, Bf16Out};
 use fusec_codegen_cpu::isa::Isa;
 use fusec_ir::GemmSpec;
 use half::bf16;
 use std::time::{Duration, Instant};
+
+/// The command line (see the module docs).
+#[derive(Parser)]
+#[command(about = "The GEMM ceiling of one GPT-2 training step on the CPU: every matmul of the step timed alone, \
+                   with ms and GFLOP/s per shape and the summed GEMM time of one step")]
+struct Args {
+    /// Threads of the products and of rayon's pool [default: the host's cores; 0 counts as 1]
+    #[arg(long, value_name = "N")]
+    threads: Option<usize>,
+    /// Which GPT-2 shape's step: `small` (L=4 C=256 B=8 T=256), `124m` (L=12 C=768 B=4 T=64) or both
+    #[arg(long, value_enum, ignore_case = true, default_value_t = Which::Both)]
+    config: Which,
+    /// Seconds of timing per shape and product (at least 3 calls each)
+    #[arg(long, value_name = "S", default_value_t = 0.4, value_parser = seconds, allow_negative_numbers = true)]
+    secs: f64,
+    /// Drop the forward epilogues (bias, GELU): pure products
+    #[arg(long)]
+    plain: bool,
+    /// Write 256 MiB (untimed) before every timed call, so that each product starts with its operands out of the caches
+    #[arg(long)]
+    cold: bool,
+    /// Keep only the shapes whose name contains SUBSTR (e.g. `qkv`, `dW`, `gelu`) [default: all]
+    #[arg(long, value_name = "SUBSTR")]
+    only: Option<String>,
+    /// What multiplies, comma-separated, alternating call by call: `f32` (gemm_f32) and
+    /// `bf16@LEVEL` (gemm_bf16 at LEVEL: avx512bf16, avx512, avx2, scalar or amx)
+    #[arg(long, value_name = "LIST", default_value = "f32")]
+    products: String,
+}
+
+/// The `--config` choices.
+#[derive(Clone, Copy, PartialEq, clap::ValueEnum)]
+enum Which {
+    Small,
+    #[value(name = "124m", alias = "gpt2-124m")]
+    M124,
+    Both,
+}
+
+/// A `--secs` value: a finite, non-negative number.
+fn seconds(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if v.is_finite() && v >= 0.0 => Ok(v),
+        Ok(_) => Err("must be a finite, non-negative number of seconds".into()),
+        Err(e) => Err(e.to_string()),
+    }
+}
 
 /// What multiplies.
 #[derive(Clone, Copy, PartialEq, Debug)]
@@ -28,11 +77,12 @@ enum Kind {
 }
 
 impl Kind {
-    fn parse(s: &str) -> Kind {
+    fn parse(s: &str) -> Result<Kind, String> {
+        let levels = || Isa::ALL.map(Isa::name).join(", ");
         match s.split_once('@') {
-            None if s == "f32" => Kind::F32,
-            Some(("bf16", level)) => Kind::Bf16(Isa::parse(level).unwrap_or_else(|e| panic!("--products: {e}"))),
-            _ => panic!("--products: unknown `{s}` (f32, bf16@avx512bf16, bf16@avx512, bf16@avx2, bf16@scalar)"),
+            None if s == "f32" => Ok(Kind::F32),
+            Some(("bf16", level)) => Isa::parse(level).map(Kind::Bf16).map_err(|_| format!("unknown level in `{s}` (one of {})", levels())),
+            _ => Err(format!("unknown `{s}` (f32, bf16@avx512bf16, bf16@avx512, bf16@avx2, bf16@scalar)")),
         }
     }
 
@@ -238,28 +288,10 @@ fn bench(cfg: &Config, kinds: &[Kind], threads: usize, plain: bool, secs: f64, o
 }
 
 fn main() {
-    let mut threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let (mut plain, mut config, mut secs, mut only, mut cold) = (false, "both".to_string(), 0.4, String::new(), false);
-    let mut kinds = vec![Kind::F32];
-    let mut args = std::env::args().skip(1);
-    while let Some(arg) = args.next() {
-        let mut value = |what: &str| args.next().unwrap_or_else(|| panic!("{arg} needs {what}"));
-        match arg.as_str() {
-            "--threads" => threads = value("a count").parse().expect("--threads N"),
-            "--config" => config = value("small, 124m or both"),
-            "--secs" => secs = value("seconds").parse().expect("--secs S"),
-            "--plain" => plain = true,
-            "--cold" => cold = true,
-            "--only" => only = value("a substring of shape names"),
-            "--products" => kinds = value("a list").split(',').map(Kind::parse).collect(),
-            "-h" | "--help" => {
-                println!("gemm_bench [--threads N] [--config small|124m|both] [--secs S] [--plain] [--cold] [--only SUBSTR] [--products f32,bf16@LEVEL,..]");
-                return;
-            }
-            other => panic!("unknown argument `{other}` (try --help)"),
-        }
-    }
-    let threads = threads.max(1);
+    let args = Args::parse();
+    let threads = args.threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get())).max(1);
+    let kinds: Vec<Kind> =
+        args.products.split(',').map(Kind::parse).collect::<Result<_, _>>().unwrap_or_else(|e| arg_error("--products", e));
     if let Some(Kind::Bf16(isa)) = kinds.iter().find(|k| matches!(k, Kind::Bf16(i) if !i.supported())) {
         eprintln!("this host does not support {}", isa.name());
         std::process::exit(2);
@@ -267,9 +299,10 @@ fn main() {
     rayon::ThreadPoolBuilder::new().num_threads(threads).build_global().expect("the rayon pool is built once");
     let small = Config { name: "small", layers: 4, channels: 256, vocab_padded: 8192, batch: 8, seq: 256 };
     let gpt2 = Config { name: "gpt2-124M", layers: 12, channels: 768, vocab_padded: 50304, batch: 4, seq: 64 };
-    for cfg in [small, gpt2] {
-        if config == "both" || config.eq_ignore_ascii_case(cfg.name) || (config == "124m" && cfg.layers == 12) {
-            bench(&cfg, &kinds, threads, plain, secs, &only, cold);
+    let only = args.only.as_deref().unwrap_or("");
+    for (which, cfg) in [(Which::Small, small), (Which::M124, gpt2)] {
+        if args.config == Which::Both || args.config == which {
+            bench(&cfg, &kinds, threads, args.plain, args.secs, only, args.cold);
         }
     }
 }

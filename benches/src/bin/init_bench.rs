@@ -3,13 +3,41 @@
 //! of rayon's, in the same run; and a bit-for-bit comparison of the two over many values.
 //!
 //! `init_bench [N]`: times N normals (default 2^24) per path, best of 3.
-//! `init_bench check N`: compares N normals (across seeds and GPT-2's stds) and reports
-//! mismatches (must be 0) and how many values the fast path recomputed exactly.
+//! `init_bench check [N]`: compares N normals (default 2^30; across seeds and GPT-2's stds) and
+//! reports mismatches (must be 0: exit code 1 otherwise) and how many values the fast path
+//! recomputed exactly.
 
 use std::time::Instant;
 
+use clap::{Parser, Subcommand};
 use fusec_ir::rng::Rng;
 use fusec_runtime::normals::{fill, fill_exact, par_fill, FillFn};
+
+/// The command line (see the module docs).
+#[derive(Parser)]
+#[command(
+    about = "The random initialization's normals: ns per normal of the exact and the fast path, or (`check`) the two compared bit for bit",
+    args_conflicts_with_subcommands = true,
+    disable_help_subcommand = true
+)]
+struct Args {
+    /// `check`: compare the paths instead of timing them
+    #[command(subcommand)]
+    command: Option<Command>,
+    /// Normals to time per path (best of 3) [default: 2^24]
+    #[arg(value_name = "N", default_value_t = 1 << 24, hide_default_value = true)]
+    n: usize,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Compare N normals of the fast path with the exact path's, bit for bit (exit code 1 on a mismatch)
+    Check {
+        /// Normals to compare, across seeds and GPT-2's stds [default: 2^30]
+        #[arg(value_name = "N", default_value_t = 1 << 30, hide_default_value = true)]
+        n: u64,
+    },
+}
 
 /// GPT-2's stds (0.02, 0.02/√(2·48) for 1.5B) and 1.
 const STDS: [f64; 3] = [0.02, 0.002_041_241_452_319_315, 1.0];
@@ -75,10 +103,9 @@ fn check(n: u64) {
 }
 
 fn main() {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let num = |i: usize, default: u64| args.get(i).map_or(default, |s| s.parse().expect("a count"));
-    match args.first().map(String::as_str) {
-        Some("check") => check(num(1, 1 << 30)),
-        _ => bench(num(0, 1 << 24) as usize),
+    let args = Args::parse();
+    match args.command {
+        Some(Command::Check { n }) => check(n),
+        None => bench(args.n),
     }
 }

@@ -16,6 +16,8 @@
 
 use std::time::Instant;
 
+use clap::Parser;
+use fusec_benches::{arg_error, positive};
 use fusec_codegen_cpu::isa::Isa;
 use fusec_ir::interp::Tensor;
 use fusec_ir::rng::Rng;
@@ -31,6 +33,27 @@ use fusec_runtime::params::params_from_checkpoint;
 use fusec_runtime::programs::{Program, RunPrograms};
 use fusec_runtime::train::init_state;
 
+/// The command line (see the module docs).
+#[derive(Parser)]
+#[command(about = "CPU training-step benchmark: ms/step, tok/s, GFLOP/s and the share of the step outside GEMMs, \
+                   against the step's GEMMs alone and the best single product")]
+struct Args {
+    /// Timed steps per variant (one step of each variant per round); medians are reported
+    #[arg(long, value_name = "N", default_value_t = 5, value_parser = positive)]
+    steps: usize,
+    /// Threads of the executors and of rayon's pool [default: the host's cores]
+    #[arg(long, value_name = "N", value_parser = positive)]
+    threads: Option<usize>,
+    /// Only this shape: `small` (B=8, T=256) or `124m` (GPT-2 124M, B=4, T=64) [default: both]
+    #[arg(long, value_parser = ["small", "124m"])]
+    config: Option<String>,
+    /// Variants, comma-separated, each `PREC[:RECOMPUTE][@LEVEL]`: PREC `fp32`, `bf16` or
+    /// `bf16+residual`; RECOMPUTE `none`, `gelu` or `gelu+layernorm` (default: the CLI's for PREC);
+    /// LEVEL an instruction-set level (`avx2`, `avx512`, `avx512bf16`, ...; default: the host's)
+    #[arg(long, value_name = "LIST", default_value = "fp32")]
+    precision: String,
+}
+
 struct Case {
     name: &'static str,
     cfg: Gpt2Config,
@@ -44,11 +67,6 @@ struct Variant {
     ex: CpuExecutor,
     build: CpuBuild,
     compile_ms: f64,
-}
-
-fn arg(name: &str) -> Option<String> {
-    let args: Vec<String> = std::env::args().collect();
-    args.iter().position(|a| a == name).and_then(|i| args.get(i + 1).cloned())
 }
 
 /// Loads random parameters and a random batch, with the step's runtime scalars.
@@ -71,18 +89,20 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 /// `PREC[:RECOMPUTE][@LEVEL]` as `(precision, recompute, level)`.
-fn parse_variant(s: &str) -> (Precision, Recompute, Isa) {
+fn parse_variant(s: &str) -> Result<(Precision, Recompute, Isa), String> {
     let (rest, isa) = s.split_once('@').map_or((s, None), |(p, i)| (p, Some(i)));
     let (p, rc) = rest.split_once(':').map_or((rest, None), |(p, r)| (p, Some(r)));
-    let precision: Precision = p.parse().unwrap_or_else(|e| panic!("--precision {s}: {e}"));
-    let recompute = rc.map_or(Recompute::default_for(precision), |r| r.parse().unwrap_or_else(|e| panic!("--precision {s}: {e}")));
-    let isa = isa.map_or_else(fusec_codegen_cpu::isa::current, |i| Isa::parse(i).unwrap_or_else(|e| panic!("--precision {s}: {e}")));
-    (precision, recompute, isa)
+    let precision: Precision = p.parse().map_err(|e| format!("`{s}`: {e}"))?;
+    let recompute = rc.map_or(Ok(Recompute::default_for(precision)), |r| r.parse().map_err(|e| format!("`{s}`: {e}")))?;
+    let levels = || Isa::ALL.map(Isa::name).join(", ");
+    let isa = isa.map_or_else(|| Ok(fusec_codegen_cpu::isa::current()), |i| {
+        Isa::parse(i).map_err(|_| format!("`{s}`: unknown instruction-set level `{i}`; expected one of: {}", levels()))
+    })?;
+    Ok((precision, recompute, isa))
 }
 
-/// Compiles and loads one variant of `case`.
-fn variant(spec: &str, case: &Case, fwd: &Graph, threads: usize) -> Variant {
-    let (precision, recompute, isa) = parse_variant(spec);
+/// Compiles and loads one variant of `case`: `spec` as `--precision` names it, and as parsed.
+fn variant(spec: &str, (precision, recompute, isa): (Precision, Recompute, Isa), case: &Case, fwd: &Graph, threads: usize) -> Variant {
     let t0 = Instant::now();
     let opts = PipelineOptions { precision, recompute, ..PipelineOptions::default() };
     let run = RunPrograms::compile(fwd, &opts, &RunPrograms::bindings(case.b, case.t), false).unwrap();
@@ -192,12 +212,14 @@ fn report(case: &Case, v: &mut Variant, step_ms: f64, first_ms: f64, steps: usiz
 }
 
 fn main() {
-    let steps: usize = arg("--steps").and_then(|s| s.parse().ok()).unwrap_or(5);
-    let threads: usize =
-        arg("--threads").and_then(|s| s.parse().ok()).unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1));
+    let args = Args::parse();
+    let steps = args.steps;
+    let threads = args.threads.unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1));
+    let specs = args.precision;
+    let parsed: Result<Vec<_>, _> = specs.split(',').map(|s| parse_variant(s).map(|v| (s, v))).collect();
+    let parsed = parsed.unwrap_or_else(|e| arg_error("--precision", e));
     rayon::ThreadPoolBuilder::new().num_threads(threads).build_global().unwrap();
-    let only = arg("--config");
-    let specs = arg("--precision").unwrap_or_else(|| "fp32".into());
+    let only = args.config;
     let cases = [
         Case { name: "small", cfg: Gpt2Config::preset("small").unwrap(), b: 8, t: 256 },
         Case { name: "124m", cfg: Gpt2Config::preset("d12").unwrap(), b: 4, t: 64 },
@@ -205,7 +227,7 @@ fn main() {
     println!("fusec CPU training step, {threads} thread(s), median of {steps} steps, variants alternating: {specs}");
     for case in cases.iter().filter(|c| only.as_deref().is_none_or(|o| o == c.name)) {
         let fwd = build_gpt2(&case.cfg, case.name);
-        let mut vs: Vec<Variant> = specs.split(',').map(|s| variant(s, case, &fwd, threads)).collect();
+        let mut vs: Vec<Variant> = parsed.iter().map(|&(s, v)| variant(s, v, case, &fwd, threads)).collect();
         for v in vs.iter_mut() {
             time_once(&mut v.ex, &|_| true); // warm-up
         }
