@@ -48,4 +48,4 @@ pub mod thread_spans;
 mod vmath;
 
 pub use jit::KernelCompiler;
-pub use run::CompiledKernel;
+pub use run::{pool as thread_pool, CompiledKernel};

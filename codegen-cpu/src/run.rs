@@ -73,8 +73,10 @@ impl SendPtr {
     }
 }
 
-/// Rayon pools by thread count, created on first use and kept for the process.
-fn pool(threads: usize) -> Arc<rayon::ThreadPool> {
+/// Rayon pools by thread count, created on first use and kept for the process: the pool the
+/// kernels run on when called from outside a pool of `threads` (the CPU executor drives whole
+/// programs from inside it).
+pub fn pool(threads: usize) -> Arc<rayon::ThreadPool> {
     static POOLS: OnceLock<Mutex<HashMap<usize, Arc<rayon::ThreadPool>>>> = OnceLock::new();
     let mut m = POOLS.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner());
     m.entry(threads).or_insert_with(|| Arc::new(rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("rayon pool"))).clone()

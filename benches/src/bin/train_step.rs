@@ -113,7 +113,7 @@ fn variant(spec: &str, (precision, recompute, isa): (Precision, Recompute, Isa),
 }
 
 /// Milliseconds of one run of the Step program's launches that pass `keep`.
-fn time_once(ex: &mut CpuExecutor, keep: &dyn Fn(&str) -> bool) -> f64 {
+fn time_once(ex: &mut CpuExecutor, keep: &(dyn Fn(&str) -> bool + Sync)) -> f64 {
     let t = Instant::now();
     ex.run_traced(Program::Step, keep, |_| {}).unwrap();
     t.elapsed().as_secs_f64() * 1e3

@@ -126,14 +126,37 @@ impl CpuExecutor {
 
     /// Runs the launches of `program` whose name passes `keep`, calling `after(name)` after
     /// each (benchmarks time subsets such as the GEMMs alone; tests attribute allocations).
-    pub fn run_traced(&mut self, program: Program, keep: impl Fn(&str) -> bool, mut after: impl FnMut(&str)) -> Result<(), String> {
-        let prog = self.compiled(program)?;
-        for l in prog.launches.iter().filter(|l| keep(&l.name)) {
-            // SAFETY: launches were built against this arena's plan.
-            unsafe { self.exec(l) }?;
-            after(&l.name);
+    pub fn run_traced(
+        &mut self,
+        program: Program,
+        keep: impl Fn(&str) -> bool + Send,
+        mut after: impl FnMut(&str) + Send,
+    ) -> Result<(), String> {
+        self.on_pool(move |ex| {
+            let prog = ex.compiled(program)?;
+            for l in prog.launches.iter().filter(|l| keep(&l.name)) {
+                // SAFETY: launches were built against this arena's plan.
+                unsafe { ex.exec(l) }?;
+                after(&l.name);
+            }
+            Ok(())
+        })
+    }
+
+    /// Runs `f` on the pool of `threads` from one of its own threads: the launches' parallel
+    /// loops (kernels, products, attention) then all start on the pool the last one used,
+    /// without handing the work across threads or waking a second pool for each launch.
+    fn on_pool<R: Send>(&mut self, f: impl FnOnce(&mut CpuExecutor) -> R + Send) -> R {
+        let on_pool = rayon::current_thread_index().is_some() && rayon::current_num_threads() == self.threads;
+        if self.threads <= 1 || on_pool {
+            return f(self);
         }
-        Ok(())
+        let pool = fusec_codegen_cpu::thread_pool(self.threads);
+        let lent = Lent(self);
+        pool.install(move || {
+            let lent = lent;
+            f(lent.0)
+        })
     }
 
     /// The compiled `program`, or an error naming it.
@@ -150,10 +173,12 @@ impl CpuExecutor {
     /// Runs launch `i` of `program` alone, on whatever its operands hold (a benchmark's timing
     /// of one product; what it writes is left for the next run to overwrite).
     pub fn run_launch(&mut self, program: Program, i: usize) -> Result<(), String> {
-        let prog = self.compiled(program)?;
-        let l = prog.launches.get(i).ok_or_else(|| format!("program {program:?} has no launch {i}"))?;
-        // SAFETY: launches were built against this arena's plan.
-        unsafe { self.exec(l) }
+        self.on_pool(|ex| {
+            let prog = ex.compiled(program)?;
+            let l = prog.launches.get(i).ok_or_else(|| format!("program {program:?} has no launch {i}"))?;
+            // SAFETY: launches were built against this arena's plan.
+            unsafe { ex.exec(l) }
+        })
     }
 
     /// Static FLOPs of one run of `program`, split into (GEMM launches, the rest).
@@ -373,6 +398,24 @@ impl Executor for CpuExecutor {
     }
 
     fn run(&mut self, program: Program) -> Result<StepOutputs, String> {
+        // Every launch on one pool of `threads`, driven from one of its own threads: a launch's
+        // parallel loops (kernels, products, attention) then start on the pool the last one
+        // used, without handing the work across threads or waking a second pool each time.
+        self.on_pool(|ex| ex.run_launches(program))
+    }
+}
+
+/// The executor lent to a pool thread for one call of [`CpuExecutor::on_pool`].
+struct Lent<'a>(&'a mut CpuExecutor);
+
+// SAFETY: `install` blocks the lending thread until the closure returns, so one thread at a time
+// uses the executor; its raw pointers address its own arena and launch tables (no
+// thread-affine state: the arena is plain memory, the collective a socket behind a mutex).
+unsafe impl Send for Lent<'_> {}
+
+impl CpuExecutor {
+    /// [`Executor::run`]'s launches, on the calling thread's pool.
+    fn run_launches(&mut self, program: Program) -> Result<StepOutputs, String> {
         let prog = self.programs.get(&program).ok_or_else(|| format!("program {program:?} was not compiled"))?;
         let mut profile = self.profile.take();
         let timed = profile.as_mut().is_some_and(|p| p.begin(program));
