@@ -398,9 +398,6 @@ impl Executor for CpuExecutor {
     }
 
     fn run(&mut self, program: Program) -> Result<StepOutputs, String> {
-        // Every launch on one pool of `threads`, driven from one of its own threads: a launch's
-        // parallel loops (kernels, products, attention) then start on the pool the last one
-        // used, without handing the work across threads or waking a second pool each time.
         self.on_pool(|ex| ex.run_launches(program))
     }
 }
