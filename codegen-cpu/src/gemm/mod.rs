@@ -113,9 +113,14 @@ const TILE_N: usize = 1024;
 pub fn min_tiles() -> usize {
     static TILES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *TILES.get_or_init(|| {
-        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let cores = host_cores();
         cores.clamp(4, 64) * tiles_per_core().unwrap_or_else(|_| host_tiles_per_core(cores))
     })
+}
+
+/// The cores this process may run on (1 when the host does not say).
+fn host_cores() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
 }
 
 /// The variable that sets [`tiles_per_core`].
@@ -137,7 +142,7 @@ pub fn host_tiles_per_core(cores: usize) -> usize {
 /// else [`host_tiles_per_core`]. An error names a value outside the range.
 pub fn tiles_per_core() -> Result<usize, String> {
     match std::env::var(TILES_ENV) {
-        Err(_) => Ok(host_tiles_per_core(std::thread::available_parallelism().map_or(1, |n| n.get()))),
+        Err(_) => Ok(host_tiles_per_core(host_cores())),
         Ok(v) => v
             .trim()
             .parse::<usize>()
