@@ -41,6 +41,8 @@ mod amx;
 mod kernels;
 #[cfg(target_arch = "x86_64")]
 mod packed;
+#[cfg(target_arch = "x86_64")]
+mod shared;
 mod widen;
 
 #[cfg(target_arch = "x86_64")]
@@ -112,22 +114,19 @@ pub fn gemm_bf16_on(
         pre: pre_gelu.map(|v| Raw(v.as_mut_ptr() as *mut u16)),
         isa: if isa.supported() { isa } else { Isa::Scalar },
     };
-    let isa = job.isa;
-    for_each_task(job.tiling.tasks(), threads, &|t| {
-        // SAFETY: the pointers come from slices checked against the spec above, distinct tasks
-        // write disjoint tiles of `y` and `pre_gelu`, and the host supports `isa`.
-        unsafe {
-            #[cfg(target_arch = "x86_64")]
-            match isa {
-                Isa::Amx => return packed::tile::<amx::Amx>(&job, t),
-                Isa::Avx512Bf16 => return packed::tile::<kernels::Dot512>(&job, t),
-                Isa::Avx512 => return packed::tile::<kernels::Fma512>(&job, t),
-                Isa::Avx2 => return packed::tile::<kernels::Fma256>(&job, t),
-                Isa::Scalar => {}
-            }
-            widen::tile(&job, t)
+    // SAFETY: the pointers come from slices checked against the spec above, distinct tasks
+    // write disjoint tiles of `y` and `pre_gelu`, and the host supports `job.isa`.
+    unsafe {
+        #[cfg(target_arch = "x86_64")]
+        match job.isa {
+            Isa::Amx => return shared::run::<amx::Amx>(&job, threads),
+            Isa::Avx512Bf16 => return shared::run::<kernels::Dot512>(&job, threads),
+            Isa::Avx512 => return shared::run::<kernels::Fma512>(&job, threads),
+            Isa::Avx2 => return shared::run::<kernels::Fma256>(&job, threads),
+            Isa::Scalar => {}
         }
-    });
+        for_each_task(job.tiling.tasks(), threads, &|t| widen::tile(&job, t));
+    }
 }
 
 /// The result's storage.

@@ -9,9 +9,12 @@
 //! padded with zeros. The micro-kernel keeps an `MR x NR` block of f32 sums in registers; k is
 //! walked in blocks of `KC` steps so that a `b` panel stays in L1 while every `a` panel of the
 //! block passes over it. The block's sums go to per-thread f32 scratch, then the epilogue.
+//!
+//! Panels packed once for a whole call and shared by its tiles come from [`super::shared`].
 
 use std::cell::RefCell;
 
+use super::shared::Shared;
 use super::{widen_bits, Job, Tile};
 
 /// A micro-kernel and its blocking.
@@ -67,7 +70,7 @@ thread_local! {
 }
 
 /// `v[..len]`, growing `v` first if needed.
-fn take<T: Copy + Default>(v: &mut Vec<T>, len: usize) -> &mut [T] {
+pub(super) fn take<T: Copy + Default>(v: &mut Vec<T>, len: usize) -> &mut [T] {
     if v.len() < len {
         v.resize(len, T::default());
     }
@@ -124,7 +127,7 @@ unsafe fn pack_lines<M: Micro>(
 ///
 /// # Safety
 /// `src` must cover the matrix; `dst` must hold `ks * nt.next_multiple_of(NR)` values.
-unsafe fn pack_b<M: Micro>(src: *const u16, k: usize, nt: usize, rs: isize, cs: isize, dst: &mut [u32]) {
+pub(super) unsafe fn pack_b<M: Micro>(src: *const u16, k: usize, nt: usize, rs: isize, cs: isize, dst: &mut [u32]) {
     let (ks, nr) = (steps::<M>(k), M::NR);
     for p in 0..nt.div_ceil(nr) {
         let panel = &mut dst[p * ks * nr..(p + 1) * ks * nr];
@@ -141,7 +144,7 @@ unsafe fn pack_b<M: Micro>(src: *const u16, k: usize, nt: usize, rs: isize, cs: 
 ///
 /// # Safety
 /// `src` must cover the matrix; `dst` must hold `ks * mc.next_multiple_of(MR)` values.
-unsafe fn pack_a<M: Micro>(src: *const u16, mc: usize, k: usize, rs: isize, cs: isize, dst: &mut [u32]) {
+pub(super) unsafe fn pack_a<M: Micro>(src: *const u16, mc: usize, k: usize, rs: isize, cs: isize, dst: &mut [u32]) {
     let (ks, mr) = (steps::<M>(k), M::MR);
     for r in 0..mc.div_ceil(mr) {
         let panel = &mut dst[r * ks * mr..(r + 1) * ks * mr];
@@ -161,7 +164,7 @@ unsafe fn pack_a<M: Micro>(src: *const u16, mc: usize, k: usize, rs: isize, cs: 
 }
 
 /// The packed steps of `k` values: pairs or values, padded to a multiple of `KPAD`.
-fn steps<M: Micro>(k: usize) -> usize {
+pub(super) fn steps<M: Micro>(k: usize) -> usize {
     k.div_ceil(M::KU).next_multiple_of(M::KPAD)
 }
 
@@ -175,8 +178,8 @@ fn steps<M: Micro>(k: usize) -> usize {
 ///
 /// # Safety
 /// The job's pointers must cover its spec, no other task may run tile `t`, and the host must
-/// have `M`'s instruction set.
-pub(super) unsafe fn tile<M: Micro>(job: &Job, t: usize) {
+/// have `M`'s instruction set; `shared`'s panels, where present, must be this job's, packed.
+pub(super) unsafe fn tile<M: Micro>(job: &Job, t: usize, shared: &Shared) {
     let (s, tl) = (&job.spec, &job.tiling);
     let tile = tl.tile(t, s.n);
     let (a_off, b_off) = tl.operand_offsets(&tile);
@@ -197,16 +200,26 @@ pub(super) unsafe fn tile<M: Micro>(job: &Job, t: usize) {
             // k values `k0..k1` of this block, packed as `kp` steps.
             let (k0, k1) = (pc * M::KU, ((pc + kc) * M::KU).min(s.k));
             let kp = steps::<M>(k1 - k0);
-            let bp = take(&mut sc.b, kp * ntp);
-            pack_b::<M>(b_src.offset(k0 as isize * tl.b_rs), k1 - k0, tile.nt, tl.b_rs, tl.b_cs, bp);
-            let bp = bp.as_ptr();
+            let bp = match &shared.b {
+                Some(sb) => sb.at(if tl.b_batch == 0 { 0 } else { tile.z }, tile.j0 / tl.tile_n, pc / M::KC, 0),
+                None => {
+                    let bp = take(&mut sc.b, kp * ntp);
+                    pack_b::<M>(b_src.offset(k0 as isize * tl.b_rs), k1 - k0, tile.nt, tl.b_rs, tl.b_cs, bp);
+                    bp.as_ptr()
+                }
+            };
             let last = pc + kc == ks;
             for ic in (0..tile.mt).step_by(M::MC) {
                 let mc = M::MC.min(tile.mt - ic);
                 let mcp = mc.next_multiple_of(M::MR);
-                let ap = take(&mut sc.a, kp * mcp);
-                pack_a::<M>(a_src.offset(ic as isize * tl.a_rs + k0 as isize * tl.a_cs), mc, k1 - k0, tl.a_rs, tl.a_cs, ap);
-                let ap = ap.as_ptr();
+                let ap = match &shared.a {
+                    Some(sa) => sa.at(tile.z, tile.i0 / tl.tile_m, pc / M::KC, ic / M::MC),
+                    None => {
+                        let ap = take(&mut sc.a, kp * mcp);
+                        pack_a::<M>(a_src.offset(ic as isize * tl.a_rs + k0 as isize * tl.a_cs), mc, k1 - k0, tl.a_rs, tl.a_cs, ap);
+                        ap.as_ptr()
+                    }
+                };
                 for jr in 0..ntp / M::NR {
                     let b = bp.add(jr * kp * M::NR);
                     for ir in 0..mcp / M::MR {
