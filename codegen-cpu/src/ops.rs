@@ -8,7 +8,7 @@
 //! i32 0 or 1 like the interpreter's.
 
 use cranelift_codegen::ir::condcodes::{FloatCC, IntCC};
-use cranelift_codegen::ir::{types, InstBuilder, MemFlagsData, Value};
+use cranelift_codegen::ir::{types, ConstantData, InstBuilder, MemFlagsData, Value};
 use fusec_ir::rows::{Expr, Mem, NodeId, Ty, UNI_PARTIAL_STRIDE};
 use fusec_ir::{BinaryOp, CmpOp, UnaryOp};
 
@@ -255,16 +255,21 @@ pub(crate) fn store(g: &mut Gen, mem: Mem, v: Value, addr: Value) {
         Mem::F32 | Mem::I32 => {
             g.b.ins().store(flags(), v, addr, 0);
         }
+        Mem::Bf16 if g.vec => {
+            // The four lanes' high halves gathered into the low eight bytes by one byte shuffle
+            // (a shift and a saturating narrowing before: 13 operations a store, now 10).
+            let h = bf16_high(g, v);
+            let bytes = g.b.ins().bitcast(types::I8X16, lane_flags(), h);
+            let highs = g.b.func.dfg.immediates.push(ConstantData::from(vec![2u8, 3, 6, 7, 10, 11, 14, 15, 2, 3, 6, 7, 10, 11, 14, 15]));
+            let n = g.b.ins().shuffle(bytes, bytes, highs);
+            let q = g.b.ins().bitcast(types::I64X2, lane_flags(), n);
+            let lo = g.b.ins().extractlane(q, 0);
+            g.b.ins().store(flags(), lo, addr, 0);
+        }
         Mem::Bf16 => {
-            let h = bf16_bits(g, v);
-            if g.vec {
-                let n = g.b.ins().snarrow(h, h);
-                let q = g.b.ins().bitcast(types::I64X2, lane_flags(), n);
-                let lo = g.b.ins().extractlane(q, 0);
-                g.b.ins().store(flags(), lo, addr, 0);
-            } else {
-                g.b.ins().istore16(flags(), h, addr, 0);
-            }
+            let h = bf16_high(g, v);
+            let bits = g.b.ins().ushr_imm_u(h, 16);
+            g.b.ins().istore16(flags(), bits, addr, 0);
         }
     }
 }
@@ -280,18 +285,16 @@ fn rne16(g: &mut Gen, bits: Value) -> Value {
     fx.b.ins().iadd(bits, bias)
 }
 
-/// The bf16 bit pattern of `v` (round to nearest even; NaN stays a quiet NaN), sign-extended
-/// into i32 lanes so that a signed narrowing keeps it exactly.
-fn bf16_bits(g: &mut Gen, v: Value) -> Value {
+/// `v`'s bits with the bf16 pattern in each lane's high half: rounded to nearest even, or a
+/// NaN made quiet (the low half is left as it falls).
+fn bf16_high(g: &mut Gen, v: Value) -> Value {
     let bits = g.fx().as_int(v);
     let rounded = rne16(g, bits);
     let mut fx = g.fx();
-    let r = fx.b.ins().sshr_imm_u(rounded, 16);
     let quiet = fx.i(0x0040_0000);
     let qb = fx.b.ins().bor(bits, quiet);
-    let nan_r = fx.b.ins().sshr_imm_u(qb, 16);
     let is_nan = fx.fcmp(FloatCC::Unordered, v, v);
-    fx.sel(is_nan, nan_r, r)
+    fx.sel(is_nan, qb, rounded)
 }
 
 /// `v` rounded to the nearest bf16 (ties to even), as an f32.
