@@ -135,7 +135,7 @@ mod tests {
     //! a scalar kernel that reads the same layout as the tiles do.
 
     use super::super::packed::{pack_pair, tile, Micro};
-    use super::super::shared::{run, Shared};
+    use super::super::shared::{run, run_within, Shared};
     use super::super::{gemm_bf16_on, widen_bits, Bf16Out, Job, Out};
     use super::Amx;
     use crate::gemm::{Raw, Tiling};
@@ -182,7 +182,7 @@ mod tests {
         let mut rng = Rng::new(7);
         // Odd k (a half pair), k not a whole tile, k past one block of pairs; rows and columns
         // past the 32 x 32 blocks; transposed operands and a batch.
-        for (batch, m, n, k, ta, tb) in [(1, 40, 33, 7, false, false), (2, 70, 64, 300, true, false), (1, 33, 97, 517, false, true), (1, 96, 32, 32, true, true), (2, 70, 256, 600, true, false), (1, 300, 300, 33, false, true)] {
+        for (batch, m, n, k, ta, tb) in [(1, 40, 33, 7, false, false), (2, 70, 64, 300, true, false), (1, 33, 97, 517, false, true), (1, 96, 32, 32, true, true), (2, 70, 256, 600, true, false), (1, 300, 300, 33, false, true), (1, 300, 300, 800, false, true)] {
             let mut s = GemmSpec::new(m, n, k);
             (s.batch, s.trans_a, s.trans_b, s.b_shared) = (batch, ta, tb, false);
             let a: Vec<bf16> = (0..batch * m * k).map(|_| bf16::from_f32(rng.normal() as f32)).collect();
@@ -213,6 +213,12 @@ mod tests {
             // SAFETY: as above, the tasks on two threads.
             unsafe { run::<Layout>(&job, 2) };
             assert!(shared.iter().zip(&got).all(|(s, g)| s.to_bits() == g.to_bits()), "{batch}x{m}x{n}x{k}: shared packing changed bits");
+            // A small limit: `op(b)` shared a chunk of k blocks at a time where it has several.
+            let job = Job { y: Out::F32(Raw(shared.as_mut_ptr())), ..job };
+            shared.fill(f32::NAN);
+            // SAFETY: as above.
+            unsafe { run_within::<Layout>(&job, 2, 440_000) };
+            assert!(shared.iter().zip(&got).all(|(s, g)| s.to_bits() == g.to_bits()), "{batch}x{m}x{n}x{k}: chunked packing changed bits");
         }
     }
 }

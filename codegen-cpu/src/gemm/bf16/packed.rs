@@ -178,7 +178,8 @@ pub(super) fn steps<M: Micro>(k: usize) -> usize {
 ///
 /// # Safety
 /// The job's pointers must cover its spec, no other task may run tile `t`, and the host must
-/// have `M`'s instruction set; `shared`'s panels, where present, must be this job's, packed.
+/// have `M`'s instruction set; `shared`'s panels, where present, must be this job's, packed,
+/// and its sums slots, where given, must not be another task's.
 pub(super) unsafe fn tile<M: Micro>(job: &Job, t: usize, shared: &Shared) {
     let (s, tl) = (&job.spec, &job.tiling);
     let tile = tl.tile(t, s.n);
@@ -188,20 +189,24 @@ pub(super) unsafe fn tile<M: Micro>(job: &Job, t: usize, shared: &Shared) {
     SCRATCH.with(|cell| {
         let mut guard = cell.borrow_mut();
         let sc = &mut *guard;
-        let c = take(&mut sc.c, mtp * ntp);
+        let c = match shared.sums {
+            Some((sums, slot)) => std::slice::from_raw_parts_mut(sums.add(t * slot), mtp * ntp),
+            None => take(&mut sc.c, mtp * ntp),
+        };
         if ks == 0 {
             c.fill(0.0);
             job.finish(&tile, c, ntp);
             return;
         }
         let cp = c.as_mut_ptr();
-        for pc in (0..ks).step_by(M::KC) {
+        for kb in shared.blocks.clone().unwrap_or(0..ks.div_ceil(M::KC)) {
+            let pc = kb * M::KC;
             let kc = M::KC.min(ks - pc);
             // k values `k0..k1` of this block, packed as `kp` steps.
             let (k0, k1) = (pc * M::KU, ((pc + kc) * M::KU).min(s.k));
             let kp = steps::<M>(k1 - k0);
             let bp = match &shared.b {
-                Some(sb) => sb.at(if tl.b_batch == 0 { 0 } else { tile.z }, tile.j0 / tl.tile_n, pc / M::KC, 0),
+                Some(sb) => sb.at(if tl.b_batch == 0 { 0 } else { tile.z }, tile.j0 / tl.tile_n, kb, 0),
                 None => {
                     let bp = take(&mut sc.b, kp * ntp);
                     pack_b::<M>(b_src.offset(k0 as isize * tl.b_rs), k1 - k0, tile.nt, tl.b_rs, tl.b_cs, bp);
@@ -213,7 +218,7 @@ pub(super) unsafe fn tile<M: Micro>(job: &Job, t: usize, shared: &Shared) {
                 let mc = M::MC.min(tile.mt - ic);
                 let mcp = mc.next_multiple_of(M::MR);
                 let ap = match &shared.a {
-                    Some(sa) => sa.at(tile.z, tile.i0 / tl.tile_m, pc / M::KC, ic / M::MC),
+                    Some(sa) => sa.at(tile.z, tile.i0 / tl.tile_m, kb, ic / M::MC),
                     None => {
                         let ap = take(&mut sc.a, kp * mcp);
                         pack_a::<M>(a_src.offset(ic as isize * tl.a_rs + k0 as isize * tl.a_cs), mc, k1 - k0, tl.a_rs, tl.a_cs, ap);
