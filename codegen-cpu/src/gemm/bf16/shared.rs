@@ -93,7 +93,7 @@ pub(super) unsafe fn run<M: Micro>(job: &Job, threads: usize) {
     run_within::<M>(job, threads, MAX_VALUES)
 }
 
-/// [`run`] with at most `max` packed values an operand (tests take small ones).
+/// [`run`] with `max` in place of [`MAX_VALUES`] (tests take small ones).
 ///
 /// # Safety
 /// As [`tile`], for every tile.
