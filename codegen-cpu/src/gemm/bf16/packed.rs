@@ -206,7 +206,7 @@ pub(super) unsafe fn tile<M: Micro>(job: &Job, t: usize, shared: &Shared) {
             let (k0, k1) = (pc * M::KU, ((pc + kc) * M::KU).min(s.k));
             let kp = steps::<M>(k1 - k0);
             let bp = match &shared.b {
-                Some(sb) => sb.at(if tl.b_batch == 0 { 0 } else { tile.z }, tile.j0 / tl.tile_n, kb, 0),
+                Some(sb) => sb.at(tile.z, tile.j0 / tl.tile_n, kb, 0),
                 None => {
                     let bp = take(&mut sc.b, kp * ntp);
                     pack_b::<M>(b_src.offset(k0 as isize * tl.b_rs), k1 - k0, tile.nt, tl.b_rs, tl.b_cs, bp);

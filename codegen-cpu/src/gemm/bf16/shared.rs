@@ -26,23 +26,23 @@ const MAX_VALUES: usize = 32 << 20;
 /// thread's product) packs per tile.
 static BUFFER: Mutex<Vec<u32>> = Mutex::new(Vec::new());
 
-/// One operand's packed blocks: a slot of `slot` values for every `(group, tile, k block,
-/// row block)`, in that order, for k blocks `kb0..kb0 + k_blocks`; `op(b)` has one row block.
+/// One operand's packed blocks, laid out by `layout`, for k blocks `kb0..kb0 + k_blocks`.
 pub(super) struct Panels {
     base: *const u32,
-    slot: usize,
-    tiles: usize,
+    layout: Layout,
     kb0: usize,
     k_blocks: usize,
-    row_blocks: usize,
 }
 
 impl Panels {
-    /// The packed block of group `g` (batch), tile `t` (row tile for `op(a)`, column tile for
-    /// `op(b)`), k block `kb` and row block `rb`.
-    pub(super) fn at(&self, g: usize, t: usize, kb: usize, rb: usize) -> *const u32 {
-        let i = ((g * self.tiles + t) * self.k_blocks + kb - self.kb0) * self.row_blocks + rb;
-        self.base.wrapping_add(i * self.slot)
+    /// The packed block of batch `z` (its group: one for all batches where they share one
+    /// `b`), tile `t` (row tile for `op(a)`, column tile for `op(b)`), k block `kb` and row
+    /// block `rb`.
+    pub(super) fn at(&self, z: usize, t: usize, kb: usize, rb: usize) -> *const u32 {
+        let l = &self.layout;
+        let g = if l.groups == 1 { 0 } else { z };
+        let i = ((g * l.tiles + t) * self.k_blocks + kb - self.kb0) * l.row_blocks + rb;
+        self.base.wrapping_add(i * l.slot)
     }
 }
 
@@ -61,7 +61,9 @@ pub(super) struct Shared {
 // writes only its own sums slot.
 unsafe impl Sync for Shared {}
 
-/// Where a shared operand's blocks go.
+/// Where a shared operand's blocks go: a slot of `slot` values for every `(group, tile, k
+/// block, row block)`, in that order; `op(b)` has one row block.
+#[derive(Clone, Copy)]
 struct Layout {
     groups: usize,
     tiles: usize,
@@ -70,9 +72,14 @@ struct Layout {
 }
 
 impl Layout {
+    /// Blocks for `k_blocks` k blocks (`None` on overflow).
+    fn blocks(&self, k_blocks: usize) -> Option<usize> {
+        [self.tiles, k_blocks, self.row_blocks].iter().try_fold(self.groups, |v, &f| v.checked_mul(f))
+    }
+
     /// Packed values for `k_blocks` k blocks (`None` on overflow).
     fn values(&self, k_blocks: usize) -> Option<usize> {
-        [self.tiles, k_blocks, self.row_blocks, self.slot].iter().try_fold(self.groups, |v, &f| v.checked_mul(f))
+        self.blocks(k_blocks)?.checked_mul(self.slot)
     }
 
     /// (group, tile, k block, row block) of block `i` of `k_blocks` blocks from `kb0`.
@@ -128,8 +135,9 @@ pub(super) unsafe fn run_within<M: Micro>(job: &Job, threads: usize, max: usize)
     let addr = base as usize;
     for kb0 in (0..k_blocks).step_by(chunk) {
         let len = chunk.min(k_blocks - kb0);
-        let a_tasks = if kb0 == 0 { a_len / a.slot.max(1) } else { 0 };
-        let b_tasks = b_len.min(b.values(len).unwrap_or(0)) / b.slot.max(1);
+        // (Both counts fit: their values were checked above.)
+        let a_tasks = if share_a && kb0 == 0 { a.blocks(k_blocks).unwrap_or(0) } else { 0 };
+        let b_tasks = if share_b { b.blocks(len).unwrap_or(0) } else { 0 };
         for_each_task(a_tasks + b_tasks, threads, &|i| {
             let k_range = |kb: usize| (kb * M::KC * M::KU, ((kb + 1) * M::KC * M::KU).min(job.spec.k));
             if i < a_tasks {
@@ -152,17 +160,9 @@ pub(super) unsafe fn run_within<M: Micro>(job: &Job, threads: usize, max: usize)
                 pack_b::<M>(job.b.0.offset(off), k1 - k0, nt, tl.b_rs, tl.b_cs, dst);
             }
         });
-        let panels = |l: &Layout, start: usize, kb0: usize, k_blocks: usize| Panels {
-            base: base.add(start),
-            slot: l.slot,
-            tiles: l.tiles,
-            kb0,
-            k_blocks,
-            row_blocks: l.row_blocks,
-        };
         let shared = Shared {
-            a: share_a.then(|| panels(&a, 0, 0, k_blocks)),
-            b: share_b.then(|| panels(&b, a_len, kb0, len)),
+            a: share_a.then_some(Panels { base, layout: a, kb0: 0, k_blocks }),
+            b: share_b.then(|| Panels { base: base.add(a_len), layout: b, kb0, k_blocks: len }),
             blocks: Some(kb0..kb0 + len),
             sums: chunked.then(|| (base.add(a_len + b_len) as *mut f32, sums_slot)),
         };
