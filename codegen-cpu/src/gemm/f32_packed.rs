@@ -229,8 +229,7 @@ mod tests {
             return fusec_ir::testkit::skip("packed f32 products", "this host has no AVX2");
         }
         let mut rng = Rng::new(11);
-        let shapes = [(1, 300, 300, 800, false, true, true), (2, 70, 260, 600, true, false, false), (3, 130, 200, 257, false, false, true)];
-        for (batch, m, n, k, ta, tb, shared_b) in shapes {
+        for (batch, m, n, k, ta, tb, shared_b) in [(1, 300, 300, 800, false, true, true), (2, 70, 260, 600, true, false, false), (3, 130, 200, 257, false, false, true)] {
             let mut s = GemmSpec::new(m, n, k);
             (s.batch, s.trans_a, s.trans_b, s.b_shared) = (batch, ta, tb, shared_b);
             (s.bias, s.accumulate) = (true, true);

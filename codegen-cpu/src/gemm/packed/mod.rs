@@ -6,9 +6,9 @@
 //! A product is a [`Product`]: its operands (of a [`Source`] type: bf16 or f32 bits), tiling
 //! and epilogue. Per tile: the tile's columns of `op(b)` are packed once into panels of `NR`
 //! columns, each `[k steps][NR]` of `u32` (a bf16 pair of rows `2q`, `2q + 1` in the low and
-//! high half, or one f32); then per block of `MC` rows, those rows of `op(a)` are packed into
-//! panels of `MR` rows, `[k steps][MR]`. Odd `k` (pairs), rows past the tile and columns past
-//! it are padded with zeros. The micro-kernel keeps an `MR x NR` block of f32 sums in registers; k is
+//! high half, or one f32); then per block of `MC` rows, those rows of `op(a)` are packed into panels
+//! of `MR` rows, `[k steps][MR]`. Odd `k` (pairs), rows past the tile and columns past it are
+//! padded with zeros. The micro-kernel keeps an `MR x NR` block of f32 sums in registers; k is
 //! walked in blocks of `KC` steps so that a `b` panel stays in L1 while every `a` panel of the
 //! block passes over it. The block's sums go to per-thread f32 scratch, then the epilogue.
 //!
@@ -88,7 +88,7 @@ pub(super) trait Micro {
     /// Rows and columns of the register block.
     const MR: usize;
     const NR: usize;
-    /// k values per packed step: 2 (bf16 pairs) or 1 (an f32, or a bf16 widened to f32).
+    /// k values per packed step: 2 (bf16 pairs) or 1 (widened f32).
     const KU: usize;
     /// Rows of `op(a)` packed at a time (a multiple of `MR`).
     const MC: usize;
