@@ -11,10 +11,9 @@
 //!
 //! The level is the best the host supports ([`Isa::preferred`]), unless `FUSEC_CPU_ISA` names
 //! one (`scalar`, `avx2`, `avx512`, `avx512bf16`, `amx`), so that tests and benchmarks can run
-//! every path on one host. A level the host lacks, or an unknown name, is an error
-//! ([`selected`]). f32 products take the packed FMA kernels of the level (AVX-512 or AVX2: the
-//! same bits) where a product has many tiles, else the `gemm` crate, which chooses its own
-//! kernels from the host's features whatever this says ([`crate::gemm::F32Path::choose`]).
+//! every path on one host. A level the host lacks, or an unknown name, is an error ([`selected`]); the
+//! f32 products of the `gemm` crate choose their own kernels from the host's features
+//! whatever this says.
 
 use std::sync::OnceLock;
 

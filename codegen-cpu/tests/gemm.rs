@@ -291,16 +291,3 @@ fn many_core_hosts_cut_products_into_four_tiles_a_core() {
     assert_eq!((1..8).map(host_tiles_per_core).collect::<Vec<_>>(), [1; 7]);
     assert_eq!([8, 16, 64].map(host_tiles_per_core), [4; 3]);
 }
-
-#[test]
-fn f32_products_take_the_packed_kernels_from_avx2_up_on_many_tiles() {
-    use fusec_codegen_cpu::gemm::PACKED_MIN_TILES;
-    use fusec_codegen_cpu::isa::Isa;
-    let many = PACKED_MIN_TILES;
-    assert_eq!(F32Path::choose(Isa::Avx512, many), F32Path::Avx512);
-    assert_eq!(F32Path::choose(Isa::Avx512Bf16, 4 * many), F32Path::Avx512);
-    assert_eq!(F32Path::choose(Isa::Avx2, many), F32Path::Avx2);
-    assert_eq!(F32Path::choose(Isa::Scalar, 4 * many), F32Path::Crate);
-    assert_eq!(F32Path::choose(Isa::Avx512, many - 1), F32Path::Crate);
-    assert_eq!(F32Path::choose(Isa::Avx2, 4), F32Path::Crate);
-}

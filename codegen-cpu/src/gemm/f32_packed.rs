@@ -6,8 +6,7 @@
 //! Tiles are those of the `gemm` crate's path ([`Tiling`]), and each output is one FMA chain
 //! over k in order from zero, so the result depends neither on the thread count nor on the
 //! level (AVX-512 and AVX2 give the same bits); it differs from the crate's (another summation
-//! order) within f32 accumulation error. [`F32Path::choose`] says which path a level takes, by
-//! the host's tile count, with the measurements behind it.
+//! order) within f32 accumulation error. [`F32Path::for_isa`] says which path a level takes.
 
 use fusec_ir::GemmSpec;
 
@@ -16,11 +15,6 @@ use super::packed::{kernels, shared, Product};
 #[cfg(target_arch = "x86_64")]
 use super::{epilogue, Raw, Tile, Tiling};
 use crate::isa::Isa;
-
-/// Products cut into at least this many tiles take the packed kernels ([`F32Path::choose`]):
-/// between the 16 tiles where the crate and the packed path were even and the 64 where the
-/// packed path was ahead.
-pub const PACKED_MIN_TILES: usize = 32;
 
 /// What multiplies f32 operands ([`gemm_f32_on`](super::gemm_f32_on)).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -38,31 +32,11 @@ impl F32Path {
     /// Every path.
     pub const ALL: [F32Path; 3] = [F32Path::Crate, F32Path::Avx512, F32Path::Avx2];
 
-    /// The path of instruction-set level `isa` on this host: [`F32Path::choose`] with the
-    /// host's tile count ([`min_tiles`](super::min_tiles)).
+    /// The path of instruction-set level `isa`: the packed kernels of the level from AVX2 up,
+    /// the crate at [`Isa::Scalar`] (no FMA kernels there).
     pub fn for_isa(isa: Isa) -> F32Path {
-        F32Path::choose(isa, super::min_tiles())
-    }
-
-    /// The path of level `isa` for products cut into at least `tiles` tiles: the packed
-    /// kernels of the level from AVX2 up where there are at least [`PACKED_MIN_TILES`], else
-    /// the crate (always at [`Isa::Scalar`]: no FMA kernels there).
-    ///
-    /// The crate re-packs its operands in every tile, the packed path once per call, so the
-    /// packed path gains with the tile count. `gemm_bench` (f32 GEMM time of one step, medians,
-    /// the paths alternating call by call) on a 2-core Zen 4 at 2 threads, crate / packed
-    /// AVX-512 / packed AVX2 (the same rate here: Zen 4 runs zmm FMA as two ymm halves):
-    /// - 4 tiles (this host's default, one a core): `small` 353 / 388 / 427 ms, GPT-2 124M
-    ///   1036 / 1110 / 1083 ms: the crate 4-10% ahead (its kernels run closer to peak on big
-    ///   tiles: `fwd lm_head` 106 / 120 / 107 ms);
-    /// - 16 tiles (`FUSEC_GEMM_TILES_PER_CORE=4`): `small` 441 / 454 / 525 ms, 124M 2167 / 2234
-    ///   / 2645 ms (a loaded host): within 3% at AVX-512;
-    /// - 64 tiles (`FUSEC_GEMM_TILES_PER_CORE=16`, the 16-core Xeon's default count): `small`
-    ///   402 / 380 / 378 ms, 124M 1293 / 1148 / 1160 ms: the packed path 5-11% ahead.
-    pub fn choose(isa: Isa, tiles: usize) -> F32Path {
         match isa {
             Isa::Scalar => F32Path::Crate,
-            _ if tiles < PACKED_MIN_TILES => F32Path::Crate,
             Isa::Avx2 => F32Path::Avx2,
             Isa::Avx512 | Isa::Avx512Bf16 | Isa::Amx => F32Path::Avx512,
         }

@@ -1,7 +1,6 @@
 //! CPU matrix products for `matmul` and `gemm` nodes, on raw row-major f32 slices.
 //!
-//! f32 products take one of two paths ([`F32Path`], chosen by the instruction-set level and the
-//! host's tile count):
+//! f32 products take one of two paths ([`F32Path`], chosen by the instruction-set level):
 //! the packed FMA micro-kernels shared with the bf16 products (module `f32_packed`), or the
 //! `gemm` crate (AVX-512 kernels with its `x86-v4` feature), described here. Both cut the
 //! output into the same tiles and run the same epilogue.
@@ -40,7 +39,7 @@ mod packed;
 mod strided;
 
 pub use bf16::{bf16_bits, gemm_bf16, gemm_bf16_on, widen_bits, Bf16Out};
-pub use f32_packed::{F32Path, PACKED_MIN_TILES};
+pub use f32_packed::F32Path;
 #[cfg(target_arch = "x86_64")]
 pub use bf16::amx_permitted;
 pub(crate) use epilogue::gelu_scale;
