@@ -7,9 +7,7 @@
 //! [--config small|124m|both] [--secs S] [--only SUBSTR] [--products LIST]`. `--plain` drops the
 //! forward epilogues (pure products); `--cold` writes 256 MiB before every timed call (untimed),
 //! so that each product starts with its operands out of the caches, as a step's products may; `--only` keeps the shapes whose name contains `SUBSTR`;
-//! `--products` lists what multiplies (comma-separated, default `f32`): `f32` (`gemm_f32` on the
-//! selected level's path), `f32@PATH` (`gemm_f32_on`: `crate` for the `gemm` crate, `avx512` or
-//! `avx2` for the packed FMA kernels), and
+//! `--products` lists what multiplies (comma-separated, default `f32`): `f32` (`gemm_f32`), and
 //! `bf16@LEVEL` (`gemm_bf16` on the path of an instruction-set level: `avx512bf16` dot
 //! products, `avx512` or `avx2` FMA on operands widened while packing, `scalar` widened
 //! operands through the `gemm` crate; bf16 operands and activations, f32 weight gradients, as
@@ -18,7 +16,7 @@
 
 use clap::Parser;
 use fusec_benches::arg_error;
-use fusec_codegen_cpu::gemm::{gemm_bf16_on, gemm_f32, gemm_f32_on, Bf16Out, F32Path};
+use fusec_codegen_cpu::gemm::{gemm_bf16_on, gemm_f32, Bf16Out};
 use fusec_codegen_cpu::isa::Isa;
 use fusec_ir::GemmSpec;
 use half::bf16;
@@ -47,9 +45,8 @@ struct Args {
     /// Keep only the shapes whose name contains SUBSTR (e.g. `qkv`, `dW`, `gelu`) [default: all]
     #[arg(long, value_name = "SUBSTR")]
     only: Option<String>,
-    /// What multiplies, comma-separated, alternating call by call: `f32` (gemm_f32), `f32@PATH`
-    /// (gemm_f32_on: crate, avx512 or avx2) and `bf16@LEVEL` (gemm_bf16 at LEVEL: avx512bf16,
-    /// avx512, avx2, scalar or amx)
+    /// What multiplies, comma-separated, alternating call by call: `f32` (gemm_f32) and
+    /// `bf16@LEVEL` (gemm_bf16 at LEVEL: avx512bf16, avx512, avx2, scalar or amx)
     #[arg(long, value_name = "LIST", default_value = "f32")]
     products: String,
 }
@@ -76,7 +73,6 @@ fn seconds(s: &str) -> Result<f64, String> {
 #[derive(Clone, Copy, PartialEq, Debug)]
 enum Kind {
     F32,
-    F32On(F32Path),
     Bf16(Isa),
 }
 
@@ -85,16 +81,14 @@ impl Kind {
         let levels = || Isa::ALL.map(Isa::name).join(", ");
         match s.split_once('@') {
             None if s == "f32" => Ok(Kind::F32),
-            Some(("f32", path)) => F32Path::parse(path).map(Kind::F32On).ok_or_else(|| format!("unknown path in `{s}` (crate, avx512, avx2)")),
             Some(("bf16", level)) => Isa::parse(level).map(Kind::Bf16).map_err(|_| format!("unknown level in `{s}` (one of {})", levels())),
-            _ => Err(format!("unknown `{s}` (f32, f32@crate, f32@avx512, f32@avx2, bf16@avx512bf16, bf16@avx512, bf16@avx2, bf16@scalar)")),
+            _ => Err(format!("unknown `{s}` (f32, bf16@avx512bf16, bf16@avx512, bf16@avx2, bf16@scalar)")),
         }
     }
 
     fn name(self) -> String {
         match self {
             Kind::F32 => "f32".into(),
-            Kind::F32On(path) => format!("f32@{}", path.name()),
             Kind::Bf16(isa) => format!("bf16@{}", isa.name()),
         }
     }
@@ -196,9 +190,6 @@ impl Data {
     fn call(&mut self, s: &GemmSpec, kind: Kind, threads: usize) {
         match kind {
             Kind::F32 => gemm_f32(s, &self.a, &self.b, self.bias.as_deref(), &mut self.y, s.gelu.then_some(&mut self.pre[..]), threads),
-            Kind::F32On(path) => {
-                gemm_f32_on(path, s, &self.a, &self.b, self.bias.as_deref(), &mut self.y, s.gelu.then_some(&mut self.pre[..]), threads)
-            }
             Kind::Bf16(isa) => {
                 let y = if s.accumulate { Bf16Out::F32(&mut self.y) } else { Bf16Out::Bf16(&mut self.y16) };
                 let pre = s.gelu.then_some(&mut self.pre16[..]);
@@ -303,10 +294,6 @@ fn main() {
         args.products.split(',').map(Kind::parse).collect::<Result<_, _>>().unwrap_or_else(|e| arg_error("--products", e));
     if let Some(Kind::Bf16(isa)) = kinds.iter().find(|k| matches!(k, Kind::Bf16(i) if !i.supported())) {
         eprintln!("this host does not support {}", isa.name());
-        std::process::exit(2);
-    }
-    if let Some(Kind::F32On(path)) = kinds.iter().find(|k| matches!(k, Kind::F32On(p) if !p.supported())) {
-        eprintln!("this host does not support f32@{}", path.name());
         std::process::exit(2);
     }
     rayon::ThreadPoolBuilder::new().num_threads(threads).build_global().expect("the rayon pool is built once");

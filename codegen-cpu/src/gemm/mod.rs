@@ -1,13 +1,9 @@
 //! CPU matrix products for `matmul` and `gemm` nodes, on raw row-major f32 slices.
 //!
-//! f32 products take one of two paths ([`F32Path`], chosen by the instruction-set level):
-//! the packed FMA micro-kernels shared with the bf16 products (module `f32_packed`), or the
-//! `gemm` crate (AVX-512 kernels with its `x86-v4` feature), described here. Both cut the
-//! output into the same tiles and run the same epilogue.
-//!
-//! The crate's path passes strides expressing the transposes, so no operand is copied. The
-//! output is cut into tiles of fixed size (a pure function of the shape, never of the thread
-//! count, so one and two threads give the same bits); tiles run in parallel on the current rayon pool, each
+//! Every product goes through the `gemm` crate (AVX-512 kernels with its `x86-v4` feature),
+//! with strides expressing the transposes, so no operand is ever copied. The output is cut
+//! into tiles of fixed size (a pure function of the shape, never of the thread count, so one
+//! and two threads give the same bits); tiles run in parallel on the current rayon pool, each
 //! as one single-threaded `gemm` call followed at once by its epilogue (bias add, GELU with
 //! the pre-activation saved, accumulation) while the tile (at most 1024 x 1024) is still in
 //! cache. Tiles are large because each one re-packs its rows of `op(a)` and columns of
@@ -21,25 +17,20 @@
 //! Semantics are those of `Op::Gemm` in `fusec-ir`: `t = op(a) op(b)`, then `t + bias[n]`,
 //! then `pre_gelu = t, y = gelu(t)` (tanh form, evaluated in f32 exactly as llm.c's
 //! `gelu_forward`), then `y = acc + y` in place when accumulating. The product accumulates in
-//! f32 with FMA in the path's order (which depends on the shape only: the crate's, or one chain
-//! over k per output on the packed kernels), so results agree with an f64 reference to about
-//! `1e-5` relative.
+//! f32 with FMA in the crate's order (which depends on the shape only), so results agree with
+//! an f64 reference to about `1e-5` relative.
 //!
 //! bf16 operands ([`gemm_bf16`]) take the same tiles, multiplied by AVX512-BF16 dot products
 //! or on operands widened to f32 (module `bf16`).
 //!
-//! Steady-state calls allocate nothing in this module (scratch is thread-local or global and
-//! grows only); the `gemm` crate itself may allocate its packing buffers per call.
+//! Steady-state calls allocate nothing in this module (scratch is thread-local and grows
+//! only); the `gemm` crate itself may allocate its packing buffers per call.
 
 mod bf16;
 mod epilogue;
-mod f32_packed;
-#[cfg(target_arch = "x86_64")]
-mod packed;
 mod strided;
 
 pub use bf16::{bf16_bits, gemm_bf16, gemm_bf16_on, widen_bits, Bf16Out};
-pub use f32_packed::F32Path;
 #[cfg(target_arch = "x86_64")]
 pub use bf16::amx_permitted;
 pub(crate) use epilogue::gelu_scale;
@@ -86,8 +77,7 @@ fn check(spec: &GemmSpec, a: usize, b: usize, bias: Option<usize>, y: usize, pre
 }
 
 /// `y[batch][m][n] (= or +=) gelu?(op(a) op(b) (+ bias))`; with `gelu`, `pre_gelu` receives
-/// the value before GELU (never accumulated). Runs on the path of the selected level
-/// ([`F32Path::for_isa`] of [`crate::isa::current`]).
+/// the value before GELU (never accumulated).
 ///
 /// `bias` must be given exactly when `spec.bias` (length `n`) and `pre_gelu` exactly when
 /// `spec.gelu` (length of `y`). `threads <= 1` runs on the calling thread; otherwise tiles run
@@ -97,41 +87,6 @@ fn check(spec: &GemmSpec, a: usize, b: usize, bias: Option<usize>, y: usize, pre
 /// # Panics
 /// If a slice length does not match the spec.
 pub fn gemm_f32(spec: &GemmSpec, a: &[f32], b: &[f32], bias: Option<&[f32]>, y: &mut [f32], pre_gelu: Option<&mut [f32]>, threads: usize) {
-    gemm_f32_on(F32Path::for_isa(crate::isa::current()), spec, a, b, bias, y, pre_gelu, threads)
-}
-
-/// [`gemm_f32`] on `path` (tests and benchmarks compare them); a path the host does not
-/// support runs the crate's.
-///
-/// # Panics
-/// If a slice length does not match the spec.
-#[allow(clippy::too_many_arguments)]
-pub fn gemm_f32_on(
-    path: F32Path,
-    spec: &GemmSpec,
-    a: &[f32],
-    b: &[f32],
-    bias: Option<&[f32]>,
-    y: &mut [f32],
-    pre_gelu: Option<&mut [f32]>,
-    threads: usize,
-) {
-    if path == F32Path::Crate || !path.supported() {
-        return gemm_f32_crate(spec, a, b, bias, y, pre_gelu, threads);
-    }
-    check(spec, a.len(), b.len(), bias.map(<[f32]>::len), y.len(), pre_gelu.as_deref().map(<[f32]>::len));
-    if spec.y_len() == 0 {
-        return;
-    }
-    // SAFETY: the lengths were checked above and the host supports `path`.
-    #[cfg(target_arch = "x86_64")]
-    unsafe {
-        f32_packed::run(path, spec, a, b, bias, y, pre_gelu, threads)
-    }
-}
-
-/// [`gemm_f32`] through the `gemm` crate, one call per tile.
-fn gemm_f32_crate(spec: &GemmSpec, a: &[f32], b: &[f32], bias: Option<&[f32]>, y: &mut [f32], pre_gelu: Option<&mut [f32]>, threads: usize) {
     check(spec, a.len(), b.len(), bias.map(<[f32]>::len), y.len(), pre_gelu.as_deref().map(<[f32]>::len));
     if spec.y_len() == 0 {
         return;

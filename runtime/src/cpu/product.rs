@@ -1,9 +1,8 @@
-//! Products on the CPU: f32 operands through `gemm_f32_on` on the path of the executor's
-//! instruction-set level (packed FMA kernels or the `gemm` crate), bf16 operands through
-//! `gemm_bf16_on` on that level (AVX512-BF16 dot products or widened operands), into an f32
-//! or a bf16 result.
+//! Products on the CPU: f32 operands through `gemm_f32`, bf16 operands through `gemm_bf16` on
+//! the executor's instruction-set level (AVX512-BF16 dot products or widened operands), into
+//! an f32 or a bf16 result.
 
-use fusec_codegen_cpu::gemm::{gemm_bf16_on, gemm_f32_on, Bf16Out, F32Path};
+use fusec_codegen_cpu::gemm::{gemm_bf16_on, gemm_f32, Bf16Out};
 use fusec_codegen_cpu::isa::Isa;
 use fusec_ir::DType;
 use half::bf16;
@@ -50,7 +49,7 @@ pub unsafe fn run(base: *mut u8, p: &Product, isa: Isa, threads: usize) {
         let bias = p.bias.map(|o| &*at::<f32>(base, o, s.n));
         let pre = p.pre.map(|o| at::<f32>(base, o, s.y_len()));
         let y = result::<f32>(base, p);
-        gemm_f32_on(F32Path::for_isa(isa), s, at(base, p.a, s.a_len()), at(base, p.b, s.b_len()), bias, y, pre, threads);
+        gemm_f32(s, at(base, p.a, s.a_len()), at(base, p.b, s.b_len()), bias, y, pre, threads);
         return;
     }
     let bias = p.bias.map(|o| &*at::<bf16>(base, o, s.n));

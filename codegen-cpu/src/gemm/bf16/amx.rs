@@ -13,7 +13,7 @@
 
 use std::sync::OnceLock;
 
-use crate::gemm::packed::{pack_pair, Micro};
+use super::packed::{pack_pair, Micro};
 
 /// AMX-BF16 tiles: 32 x 32 sums, k in pairs, 16 pairs a tile step.
 pub(super) struct Amx;
@@ -134,8 +134,8 @@ mod tests {
     //! there). Here the packing and the padded k blocks it relies on run on every host through
     //! a scalar kernel that reads the same layout as the tiles do.
 
-    use crate::gemm::packed::shared::{run, run_within, Shared};
-    use crate::gemm::packed::{pack_pair, tile, Micro};
+    use super::super::packed::{pack_pair, tile, Micro};
+    use super::super::shared::{run, run_within, Shared};
     use super::super::{gemm_bf16_on, widen_bits, Bf16Out, Job, Out};
     use super::Amx;
     use crate::gemm::{Raw, Tiling};
@@ -202,7 +202,7 @@ mod tests {
             };
             for t in 0..job.tiling.tasks() {
                 // SAFETY: the operands and result cover the spec; one task at a time.
-                unsafe { tile::<Layout, Job>(&job, t, &Shared::default()) };
+                unsafe { tile::<Layout>(&job, t, &Shared::default()) };
             }
             for (i, (g, w)) in got.iter().zip(&want).enumerate() {
                 assert!((g - w).abs() <= 1e-4 * (1.0 + w.abs()), "{batch}x{m}x{n}x{k} ({ta}, {tb}): [{i}] {g} vs {w}");
@@ -211,13 +211,13 @@ mod tests {
             let mut shared = vec![0f32; batch * m * n];
             let job = Job { y: Out::F32(Raw(shared.as_mut_ptr())), ..job };
             // SAFETY: as above, the tasks on two threads.
-            unsafe { run::<Layout, Job>(&job, 2) };
+            unsafe { run::<Layout>(&job, 2) };
             assert!(shared.iter().zip(&got).all(|(s, g)| s.to_bits() == g.to_bits()), "{batch}x{m}x{n}x{k}: shared packing changed bits");
             // A small limit: `op(b)` shared a chunk of k blocks at a time where it has several.
             let job = Job { y: Out::F32(Raw(shared.as_mut_ptr())), ..job };
             shared.fill(f32::NAN);
             // SAFETY: as above.
-            unsafe { run_within::<Layout, Job>(&job, 2, 440_000) };
+            unsafe { run_within::<Layout>(&job, 2, 440_000) };
             assert!(shared.iter().zip(&got).all(|(s, g)| s.to_bits() == g.to_bits()), "{batch}x{m}x{n}x{k}: chunked packing changed bits");
         }
     }

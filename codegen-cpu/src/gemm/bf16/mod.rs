@@ -11,8 +11,7 @@
 //!   multiply rate of f32 FMA; the pair's two products are added to the sum one after the other,
 //!   with denormals flushed to zero, as the instruction defines);
 //! - **FMA micro-kernels on widened operands** (`avx512`: 12 x 32 in zmm, `avx2`: 6 x 16 in
-//!   ymm): the operands widened to f32 (exactly) as they are packed (module `gemm::packed`,
-//!   shared with the f32 products);
+//!   ymm): the operands widened to f32 (exactly) as they are packed (module `packed`);
 //! - **widened tiles** (`scalar`, module `widen`): the tile's rows of `op(a)` and columns of
 //!   `op(b)` widened in per-thread scratch and multiplied by the `gemm` crate's f32 kernels.
 //!
@@ -38,13 +37,17 @@
 
 #[cfg(target_arch = "x86_64")]
 mod amx;
+#[cfg(target_arch = "x86_64")]
+mod kernels;
+#[cfg(target_arch = "x86_64")]
+mod packed;
+#[cfg(target_arch = "x86_64")]
+mod shared;
 mod widen;
 
 #[cfg(target_arch = "x86_64")]
 pub use amx::amx_permitted;
 
-#[cfg(target_arch = "x86_64")]
-use super::packed::{kernels, shared, Product};
 use super::{check, for_each_task, Raw, Tile, Tiling};
 use crate::isa::Isa;
 use fusec_ir::GemmSpec;
@@ -116,10 +119,10 @@ pub fn gemm_bf16_on(
     unsafe {
         #[cfg(target_arch = "x86_64")]
         match job.isa {
-            Isa::Amx => return shared::run::<amx::Amx, Job>(&job, threads),
-            Isa::Avx512Bf16 => return shared::run::<kernels::Dot512, Job>(&job, threads),
-            Isa::Avx512 => return shared::run::<kernels::Fma512, Job>(&job, threads),
-            Isa::Avx2 => return shared::run::<kernels::Fma256, Job>(&job, threads),
+            Isa::Amx => return shared::run::<amx::Amx>(&job, threads),
+            Isa::Avx512Bf16 => return shared::run::<kernels::Dot512>(&job, threads),
+            Isa::Avx512 => return shared::run::<kernels::Fma512>(&job, threads),
+            Isa::Avx2 => return shared::run::<kernels::Fma256>(&job, threads),
             Isa::Scalar => {}
         }
         for_each_task(job.tiling.tasks(), threads, &|t| widen::tile(&job, t));
@@ -148,27 +151,6 @@ struct Job {
 
 // SAFETY: tasks read the operands and write disjoint tiles of the results.
 unsafe impl Sync for Job {}
-
-#[cfg(target_arch = "x86_64")]
-impl Product for Job {
-    type Src = u16;
-
-    fn spec(&self) -> &GemmSpec {
-        &self.spec
-    }
-
-    fn tiling(&self) -> &Tiling {
-        &self.tiling
-    }
-
-    fn operands(&self) -> (*const u16, *const u16) {
-        (self.a.0, self.b.0)
-    }
-
-    unsafe fn finish(&self, tile: &Tile, prod: &mut [f32], ld: usize) {
-        Job::finish(self, tile, prod, ld)
-    }
-}
 
 impl Job {
     /// Applies the epilogue to the tile's f32 products (overwriting them): row `i` of the tile

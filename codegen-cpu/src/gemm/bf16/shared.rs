@@ -15,8 +15,8 @@ use std::ops::Range;
 use std::sync::Mutex;
 
 use super::super::for_each_task;
-use super::{pack_a, pack_b, steps, take, tile, Micro, Product};
-use crate::gemm::Tile;
+use super::packed::{pack_a, pack_b, steps, take, tile, Micro};
+use super::{Job, Tile};
 
 /// Packed values (`u32`) a shared `op(a)` or the tiles' sums may take: 128 MiB; a chunk of
 /// `op(b)` takes a quarter of it.
@@ -27,7 +27,7 @@ const MAX_VALUES: usize = 32 << 20;
 static BUFFER: Mutex<Vec<u32>> = Mutex::new(Vec::new());
 
 /// One operand's packed blocks, laid out by `layout`, for k blocks `kb0..kb0 + k_blocks`.
-pub(in crate::gemm) struct Panels {
+pub(super) struct Panels {
     base: *const u32,
     layout: Layout,
     kb0: usize,
@@ -38,7 +38,7 @@ impl Panels {
     /// The packed block of batch `z` (its group: one for all batches where they share one
     /// `b`), tile `t` (row tile for `op(a)`, column tile for `op(b)`), k block `kb` and row
     /// block `rb`.
-    pub(in crate::gemm) fn at(&self, z: usize, t: usize, kb: usize, rb: usize) -> *const u32 {
+    pub(super) fn at(&self, z: usize, t: usize, kb: usize, rb: usize) -> *const u32 {
         let l = &self.layout;
         let g = if l.groups == 1 { 0 } else { z };
         let i = ((g * l.tiles + t) * self.k_blocks + kb - self.kb0) * l.row_blocks + rb;
@@ -50,7 +50,7 @@ impl Panels {
 /// each tile packs its own), the k blocks (all when `None`), and where the tiles keep their
 /// sums between passes (a slot of `.1` values a tile; the thread's scratch when `None`).
 #[derive(Default)]
-pub(in crate::gemm) struct Shared {
+pub(super) struct Shared {
     pub a: Option<Panels>,
     pub b: Option<Panels>,
     pub blocks: Option<Range<usize>>,
@@ -96,17 +96,17 @@ impl Layout {
 ///
 /// # Safety
 /// As [`tile`], for every tile.
-pub(in crate::gemm) unsafe fn run<M: Micro, P: Product>(job: &P, threads: usize) {
-    run_within::<M, P>(job, threads, MAX_VALUES)
+pub(super) unsafe fn run<M: Micro>(job: &Job, threads: usize) {
+    run_within::<M>(job, threads, MAX_VALUES)
 }
 
 /// [`run`] with `max` in place of [`MAX_VALUES`] (tests take small ones).
 ///
 /// # Safety
 /// As [`tile`], for every tile.
-pub(in crate::gemm) unsafe fn run_within<M: Micro, P: Product>(job: &P, threads: usize, max: usize) {
-    let (tl, spec) = (job.tiling(), job.spec());
-    let k_blocks = spec.k.div_ceil(M::KU).div_ceil(M::KC);
+pub(super) unsafe fn run_within<M: Micro>(job: &Job, threads: usize, max: usize) {
+    let tl = &job.tiling;
+    let k_blocks = job.spec.k.div_ceil(M::KU).div_ceil(M::KC);
     let full = steps::<M>(M::KC * M::KU);
     let a = Layout { groups: tl.batches, tiles: tl.row_tiles, row_blocks: tl.tile_m.div_ceil(M::MC), slot: full * M::MC };
     let b_groups = if tl.b_batch == 0 { 1 } else { tl.batches };
@@ -124,7 +124,7 @@ pub(in crate::gemm) unsafe fn run_within<M: Micro, P: Product>(job: &P, threads:
     let share_b = chunk > 0 && (!chunked || fits(tl.tasks().checked_mul(sums_slot)));
     let buffer = if (share_a || share_b) && k_blocks > 0 { BUFFER.try_lock().ok() } else { None };
     let Some(mut buffer) = buffer else {
-        return for_each_task(tl.tasks(), threads, &|t| tile::<M, P>(job, t, &Shared::default()));
+        return for_each_task(tl.tasks(), threads, &|t| tile::<M>(job, t, &Shared::default()));
     };
     let (chunk, chunked) = if share_b { (chunk, chunked) } else { (k_blocks, false) };
     let a_len = if share_a { a.values(k_blocks).unwrap_or(0) } else { 0 };
@@ -139,7 +139,7 @@ pub(in crate::gemm) unsafe fn run_within<M: Micro, P: Product>(job: &P, threads:
         let a_tasks = if share_a && kb0 == 0 { a.blocks(k_blocks).unwrap_or(0) } else { 0 };
         let b_tasks = if share_b { b.blocks(len).unwrap_or(0) } else { 0 };
         for_each_task(a_tasks + b_tasks, threads, &|i| {
-            let k_range = |kb: usize| (kb * M::KC * M::KU, ((kb + 1) * M::KC * M::KU).min(spec.k));
+            let k_range = |kb: usize| (kb * M::KC * M::KU, ((kb + 1) * M::KC * M::KU).min(job.spec.k));
             if i < a_tasks {
                 let (g, t, kb, rb) = a.block(i, 0, k_blocks);
                 let mt = tl.tile_m.min(tl.rows - t * tl.tile_m);
@@ -149,15 +149,15 @@ pub(in crate::gemm) unsafe fn run_within<M: Micro, P: Product>(job: &P, threads:
                 let (mc, (k0, k1)) = (M::MC.min(mt - rb * M::MC), k_range(kb));
                 let off = tl.operand_offsets(&Tile { z: g, i0: t * tl.tile_m + rb * M::MC, j0: 0, mt: mc, nt: 0 }).0 + k0 as isize * tl.a_cs;
                 let dst = std::slice::from_raw_parts_mut((addr as *mut u32).add(i * a.slot), steps::<M>(k1 - k0) * mc.next_multiple_of(M::MR));
-                pack_a::<M, P::Src>(job.operands().0.offset(off), mc, k1 - k0, tl.a_rs, tl.a_cs, dst);
+                pack_a::<M>(job.a.0.offset(off), mc, k1 - k0, tl.a_rs, tl.a_cs, dst);
             } else {
                 let i = i - a_tasks;
                 let (g, t, kb, _) = b.block(i, kb0, len);
                 let (j0, (k0, k1)) = (t * tl.tile_n, k_range(kb));
-                let nt = tl.tile_n.min(spec.n - j0);
+                let nt = tl.tile_n.min(job.spec.n - j0);
                 let off = tl.operand_offsets(&Tile { z: g, i0: 0, j0, mt: 0, nt }).1 + k0 as isize * tl.b_rs;
                 let dst = std::slice::from_raw_parts_mut((addr as *mut u32).add(a_len + i * b.slot), steps::<M>(k1 - k0) * nt.next_multiple_of(M::NR));
-                pack_b::<M, P::Src>(job.operands().1.offset(off), k1 - k0, nt, tl.b_rs, tl.b_cs, dst);
+                pack_b::<M>(job.b.0.offset(off), k1 - k0, nt, tl.b_rs, tl.b_cs, dst);
             }
         });
         let shared = Shared {
@@ -166,6 +166,6 @@ pub(in crate::gemm) unsafe fn run_within<M: Micro, P: Product>(job: &P, threads:
             blocks: Some(kb0..kb0 + len),
             sums: chunked.then(|| (base.add(a_len + b_len) as *mut f32, sums_slot)),
         };
-        for_each_task(tl.tasks(), threads, &|t| tile::<M, P>(job, t, &shared));
+        for_each_task(tl.tasks(), threads, &|t| tile::<M>(job, t, &shared));
     }
 }

@@ -1,14 +1,14 @@
 //! The micro-kernels of the packed paths ([`Micro`]): `vdpbf16ps` on bf16 pairs (AVX512-BF16),
-//! and f32 FMA on f32 operands or widened bf16 values in 16 lanes (AVX-512F) or 8 (AVX2). Each
-//! keeps an `MR x NR` block of sums in registers (24 vectors at AVX-512, 12 at AVX2) and per k
-//! step broadcasts one value of `a` per row against `NR / lanes` vectors of `b`.
+//! and f32 FMA on widened values in 16 lanes (AVX-512F) or 8 (AVX2). Each keeps an `MR x NR`
+//! block of sums in registers (24 vectors at AVX-512, 12 at AVX2) and per k step broadcasts one
+//! value of `a` per row against `NR / lanes` vectors of `b`.
 
 use std::arch::x86_64::*;
 
-use super::{pack_pair, pack_wide, Micro};
+use super::packed::{pack_pair, pack_wide, Micro};
 
 /// AVX512-BF16 dot products: 12 x 32 sums, k in pairs.
-pub(in crate::gemm) struct Dot512;
+pub(super) struct Dot512;
 
 impl Micro for Dot512 {
     const MR: usize = 12;
@@ -51,8 +51,8 @@ unsafe fn dot512(a: *const u32, b: *const u32, kc: usize, c: *mut f32, ldc: usiz
     }
 }
 
-/// AVX-512F FMA on f32 values (f32 operands, or bf16 widened while packing): 12 x 32 sums.
-pub(in crate::gemm) struct Fma512;
+/// AVX-512F FMA on widened values: 12 x 32 sums.
+pub(super) struct Fma512;
 
 impl Micro for Fma512 {
     const MR: usize = 12;
@@ -95,8 +95,8 @@ unsafe fn fma512(a: *const f32, b: *const f32, kc: usize, c: *mut f32, ldc: usiz
     }
 }
 
-/// AVX2 FMA on f32 values (as [`Fma512`]): 6 x 16 sums.
-pub(in crate::gemm) struct Fma256;
+/// AVX2 FMA on widened values: 6 x 16 sums.
+pub(super) struct Fma256;
 
 impl Micro for Fma256 {
     const MR: usize = 6;

@@ -1,87 +1,21 @@
-//! The packed paths of the f32 and bf16 products: BLIS-style packing of the operands and a
-//! register-blocked micro-kernel ([`Micro`]): AMX tiles or AVX512-BF16 dot products on bf16
-//! pairs, or f32 FMA (AVX-512F or AVX2) on f32 operands or on bf16 values widened while packing,
-//! so widening costs no pass of its own.
+//! The packed paths: BLIS-style packing of bf16 operands and a register-blocked micro-kernel
+//! ([`Micro`]): AMX tiles or AVX512-BF16 dot products on bf16 pairs, or f32 FMA on values
+//! widened while packing (AVX-512F or AVX2), so widening costs no pass of its own.
 //!
-//! A product is a [`Product`]: its operands (of a [`Source`] type: bf16 or f32 bits), tiling
-//! and epilogue. Per tile: the tile's columns of `op(b)` are packed once into panels of `NR`
-//! columns, each `[k steps][NR]` of `u32` (a bf16 pair of rows `2q`, `2q + 1` in the low and
-//! high half, or one f32); then per block of `MC` rows, those rows of `op(a)` are packed into panels
+//! Per tile: the tile's columns of `op(b)` are packed once into panels of `NR` columns, each
+//! `[k steps][NR]` of `u32` (a bf16 pair of rows `2q`, `2q + 1` in the low and high half, or
+//! one widened f32); then per block of `MC` rows, those rows of `op(a)` are packed into panels
 //! of `MR` rows, `[k steps][MR]`. Odd `k` (pairs), rows past the tile and columns past it are
 //! padded with zeros. The micro-kernel keeps an `MR x NR` block of f32 sums in registers; k is
 //! walked in blocks of `KC` steps so that a `b` panel stays in L1 while every `a` panel of the
 //! block passes over it. The block's sums go to per-thread f32 scratch, then the epilogue.
 //!
-//! Panels packed once for a whole call and shared by its tiles come from [`shared`].
-//!
-//! The FMA kernels sum each output as one chain of fused multiply-adds over k in order,
-//! starting from zero (a block's sums are stored and reloaded exactly between k blocks), so
-//! AVX-512 and AVX2 give the same bits, whatever the blocking, the tiles' packing (shared or
-//! not) and the thread count.
-
-pub(super) mod kernels;
-pub(super) mod shared;
+//! Panels packed once for a whole call and shared by its tiles come from [`super::shared`].
 
 use std::cell::RefCell;
 
-use fusec_ir::GemmSpec;
-
-use super::bf16::widen_bits;
-use super::{Tile, Tiling};
-use shared::Shared;
-
-/// The element type an operand is stored in, as the packing reads it: `u16` (bf16 bits) or
-/// `u32` (f32 bits).
-pub(super) trait Source: Copy + Send + Sync + 'static {
-    /// The value that pads an odd k's last pair.
-    const ZERO: Self;
-
-    /// The packed `u32` of k values `lo` and `hi` (the next k, read only when `M::KU` is 2).
-    fn pack<M: Micro>(lo: Self, hi: Self) -> u32;
-}
-
-impl Source for u16 {
-    const ZERO: u16 = 0;
-
-    #[inline(always)]
-    fn pack<M: Micro>(lo: u16, hi: u16) -> u32 {
-        M::pack(lo, hi)
-    }
-}
-
-impl Source for u32 {
-    const ZERO: u32 = 0;
-
-    /// The f32 bits as they are: f32 operands run only on the FMA kernels (one value a step).
-    #[inline(always)]
-    fn pack<M: Micro>(lo: u32, _hi: u32) -> u32 {
-        const { assert!(M::KU == 1, "f32 operands need a kernel that takes one value a step") };
-        lo
-    }
-}
-
-/// One call of a packed product, as the tiles see it: shape, tiling, operands and epilogue.
-pub(super) trait Product: Sync {
-    /// The operands' element type.
-    type Src: Source;
-
-    /// The product's shape and flags.
-    fn spec(&self) -> &GemmSpec;
-
-    /// Its tiles.
-    fn tiling(&self) -> &Tiling;
-
-    /// The first elements of `a` and `b`.
-    fn operands(&self) -> (*const Self::Src, *const Self::Src);
-
-    /// Applies the epilogue to the tile's f32 sums (which it may overwrite): row `i` of the
-    /// tile is `prod[i * ld..][..nt]`.
-    ///
-    /// # Safety
-    /// `prod` must hold the tile's rows; the product's pointers must cover its spec, and no
-    /// other task may write the tile.
-    unsafe fn finish(&self, tile: &Tile, prod: &mut [f32], ld: usize);
-}
+use super::shared::Shared;
+use super::{widen_bits, Job, Tile};
 
 /// A micro-kernel and its blocking.
 pub(super) trait Micro {
@@ -100,7 +34,7 @@ pub(super) trait Micro {
     /// by step (`[k steps][MR]`, a broadcast per row and step).
     const A_ROWS: bool = false;
 
-    /// The packed `u32` of bf16 k values `lo` (and `hi`, the next k, when `KU` is 2).
+    /// The packed `u32` of k values `lo` (and `hi`, the next k, when `KU` is 2), as bf16 bits.
     fn pack(lo: u16, hi: u16) -> u32;
 
     /// `c[MR x NR] (= or +=) a-panel · b-panel` over `kc` steps; `c` has row stride `ldc`.
@@ -151,8 +85,8 @@ pub(super) fn take<T: Copy + Default>(v: &mut Vec<T>, len: usize) -> &mut [T] {
 /// # Safety
 /// `src` must cover `k` values of every line; `dst` must hold `k.div_ceil(KU) * width` values.
 #[inline(always)]
-unsafe fn pack_lines<M: Micro, S: Source>(
-    src: *const S,
+unsafe fn pack_lines<M: Micro>(
+    src: *const u16,
     lines: usize,
     k: usize,
     k_stride: isize,
@@ -170,12 +104,12 @@ unsafe fn pack_lines<M: Micro, S: Source>(
             let lo = std::slice::from_raw_parts(base, lines);
             let hi = std::slice::from_raw_parts(base.offset(hi_off), lines);
             for ((o, l), h) in out.iter_mut().zip(lo).zip(hi) {
-                *o = S::pack::<M>(*l, *h);
+                *o = M::pack(*l, *h);
             }
         } else {
             for (l, o) in out.iter_mut().enumerate() {
                 let p = base.offset(l as isize * line_stride);
-                *o = S::pack::<M>(*p, *p.offset(hi_off));
+                *o = M::pack(*p, *p.offset(hi_off));
             }
         }
     }
@@ -183,7 +117,7 @@ unsafe fn pack_lines<M: Micro, S: Source>(
         // The last pair has one value: its partner is zero.
         let base = src.offset((M::KU * full) as isize * k_stride);
         for (l, o) in dst[full * width..full * width + lines].iter_mut().enumerate() {
-            *o = S::pack::<M>(*base.offset(l as isize * line_stride), S::ZERO);
+            *o = M::pack(*base.offset(l as isize * line_stride), 0);
         }
     }
 }
@@ -193,7 +127,7 @@ unsafe fn pack_lines<M: Micro, S: Source>(
 ///
 /// # Safety
 /// `src` must cover the matrix; `dst` must hold `ks * nt.next_multiple_of(NR)` values.
-pub(super) unsafe fn pack_b<M: Micro, S: Source>(src: *const S, k: usize, nt: usize, rs: isize, cs: isize, dst: &mut [u32]) {
+pub(super) unsafe fn pack_b<M: Micro>(src: *const u16, k: usize, nt: usize, rs: isize, cs: isize, dst: &mut [u32]) {
     let (ks, nr) = (steps::<M>(k), M::NR);
     for p in 0..nt.div_ceil(nr) {
         let panel = &mut dst[p * ks * nr..(p + 1) * ks * nr];
@@ -201,7 +135,7 @@ pub(super) unsafe fn pack_b<M: Micro, S: Source>(src: *const S, k: usize, nt: us
         if cols < nr || ks > k.div_ceil(M::KU) {
             panel.fill(0);
         }
-        pack_lines::<M, S>(src.offset((p * nr) as isize * cs), cols, k, rs, cs, nr, panel);
+        pack_lines::<M>(src.offset((p * nr) as isize * cs), cols, k, rs, cs, nr, panel);
     }
 }
 
@@ -210,7 +144,7 @@ pub(super) unsafe fn pack_b<M: Micro, S: Source>(src: *const S, k: usize, nt: us
 ///
 /// # Safety
 /// `src` must cover the matrix; `dst` must hold `ks * mc.next_multiple_of(MR)` values.
-pub(super) unsafe fn pack_a<M: Micro, S: Source>(src: *const S, mc: usize, k: usize, rs: isize, cs: isize, dst: &mut [u32]) {
+pub(super) unsafe fn pack_a<M: Micro>(src: *const u16, mc: usize, k: usize, rs: isize, cs: isize, dst: &mut [u32]) {
     let (ks, mr) = (steps::<M>(k), M::MR);
     for r in 0..mc.div_ceil(mr) {
         let panel = &mut dst[r * ks * mr..(r + 1) * ks * mr];
@@ -221,10 +155,10 @@ pub(super) unsafe fn pack_a<M: Micro, S: Source>(src: *const S, mc: usize, k: us
         let first = src.offset((r * mr) as isize * rs);
         if M::A_ROWS {
             for (ii, row) in panel.chunks_exact_mut(ks).take(rows).enumerate() {
-                pack_lines::<M, S>(first.offset(ii as isize * rs), 1, k, cs, rs, 1, row);
+                pack_lines::<M>(first.offset(ii as isize * rs), 1, k, cs, rs, 1, row);
             }
         } else {
-            pack_lines::<M, S>(first, rows, k, cs, rs, mr, panel);
+            pack_lines::<M>(first, rows, k, cs, rs, mr, panel);
         }
     }
 }
@@ -246,12 +180,12 @@ pub(super) fn steps<M: Micro>(k: usize) -> usize {
 /// The job's pointers must cover its spec, no other task may run tile `t`, and the host must
 /// have `M`'s instruction set; `shared`'s panels, where present, must be this job's, packed,
 /// and its sums slots, where given, must not be another task's.
-pub(super) unsafe fn tile<M: Micro, P: Product>(job: &P, t: usize, shared: &Shared) {
-    let (s, tl) = (job.spec(), job.tiling());
+pub(super) unsafe fn tile<M: Micro>(job: &Job, t: usize, shared: &Shared) {
+    let (s, tl) = (&job.spec, &job.tiling);
     let tile = tl.tile(t, s.n);
     let (a_off, b_off) = tl.operand_offsets(&tile);
     let (ks, ntp, mtp) = (s.k.div_ceil(M::KU), tile.nt.next_multiple_of(M::NR), tile.mt.next_multiple_of(M::MR));
-    let (a_src, b_src) = (job.operands().0.offset(a_off), job.operands().1.offset(b_off));
+    let (a_src, b_src) = (job.a.0.offset(a_off), job.b.0.offset(b_off));
     SCRATCH.with(|cell| {
         let mut guard = cell.borrow_mut();
         let sc = &mut *guard;
@@ -275,7 +209,7 @@ pub(super) unsafe fn tile<M: Micro, P: Product>(job: &P, t: usize, shared: &Shar
                 Some(sb) => sb.at(tile.z, tile.j0 / tl.tile_n, kb, 0),
                 None => {
                     let bp = take(&mut sc.b, kp * ntp);
-                    pack_b::<M, P::Src>(b_src.offset(k0 as isize * tl.b_rs), k1 - k0, tile.nt, tl.b_rs, tl.b_cs, bp);
+                    pack_b::<M>(b_src.offset(k0 as isize * tl.b_rs), k1 - k0, tile.nt, tl.b_rs, tl.b_cs, bp);
                     bp.as_ptr()
                 }
             };
@@ -287,7 +221,7 @@ pub(super) unsafe fn tile<M: Micro, P: Product>(job: &P, t: usize, shared: &Shar
                     Some(sa) => sa.at(tile.z, tile.i0 / tl.tile_m, kb, ic / M::MC),
                     None => {
                         let ap = take(&mut sc.a, kp * mcp);
-                        pack_a::<M, P::Src>(a_src.offset(ic as isize * tl.a_rs + k0 as isize * tl.a_cs), mc, k1 - k0, tl.a_rs, tl.a_cs, ap);
+                        pack_a::<M>(a_src.offset(ic as isize * tl.a_rs + k0 as isize * tl.a_cs), mc, k1 - k0, tl.a_rs, tl.a_cs, ap);
                         ap.as_ptr()
                     }
                 };
