@@ -7,8 +7,10 @@
 //!   (qkv, fc pre-activation, logits, activation gradients) are stored in bf16. A parameter
 //!   gradient (a product that reaches an `adamw` or a `grad.P` output through adds and scales,
 //!   or that is added to a graph input) is emitted as `gemm {out = f32}`: f32 accumulation and
-//!   result, never rounded to bf16. A reader that computes in f32 widens a bf16 product itself
-//!   (inside its kernel: the product is stored once, in bf16).
+//!   result, never rounded to bf16 — except under `bf16+residual` a fresh gradient that only its
+//!   update reads (no accumulator, other contribution, clipping or all-reduce), which is stored
+//!   in bf16 as llm.c stores gradients and widened inside the update. A reader that computes in
+//!   f32 widens a bf16 product itself (inside its kernel: the product is stored once, in bf16).
 //! - **bf16** (`attention`, `attention_grad`): q, k, v, out, dout and dqkv in bf16; the
 //!   softmax statistics are f32 by the op's type rule.
 //! - **f32** (LayerNorm and its gradient, softmax, cross-entropy, reductions, gather, scatter,
@@ -47,7 +49,8 @@ pub enum Precision {
     F32,
     /// bf16 activations and products, an f32 residual stream (autocast's choice).
     Bf16,
-    /// As `Bf16`, with the residual stream and its gradient in bf16 too (llm.c's choice).
+    /// As `Bf16`, with the residual stream and its gradient in bf16 too, and fresh weight
+    /// gradients stored in bf16 (llm.c's choices).
     Bf16Residual,
 }
 
@@ -94,7 +97,7 @@ pub enum Rule {
 /// The policy table: op mnemonics and their rule, and why. Ops not listed follow their
 /// operands ([`Rule::Follow`]); sources (`param`, `input`, `const`, `iota`) keep their types.
 pub const POLICY: &[(&[&str], Rule, &str)] = &[
-    (&["matmul"], Rule::Product, "tensor-core products; activations stored bf16, weight gradients accumulate f32"),
+    (&["matmul"], Rule::Product, "tensor-core products; activations stored bf16, weight gradients f32 (bf16+residual: fresh ones bf16)"),
     (&["attention", "attention_grad"], Rule::Bf16, "q, k, v, out and their gradients stored bf16; lse f32"),
     (&["layernorm", "layernorm_grad"], Rule::F32, "statistics and normalization in f32"),
     (&["softmax", "softmax_grad", "cross_entropy", "cross_entropy_grad"], Rule::F32, "exponentials and the loss in f32"),
@@ -257,6 +260,23 @@ fn accumulated(g: &Graph, uses: &Uses, v: ValueId) -> bool {
             }))
 }
 
+/// Whether old value `v` is only ever the gradient operand of `adamw` updates, through
+/// reshapes: a fresh gradient that no other contribution, accumulator, clipping or all-reduce
+/// reads, so it can be stored in bf16 (llm.c's gradients) and widened inside the update.
+fn fresh_sole_gradient(g: &Graph, uses: &Uses, v: ValueId) -> bool {
+    let users = &uses.users[v.0 as usize];
+    !uses.is_output[v.0 as usize]
+        && !users.is_empty()
+        && users.iter().all(|&u| {
+            let n = &g.nodes[u];
+            match n.op {
+                Op::AdamW { .. } => n.inputs[1] == v && n.inputs.iter().filter(|&&i| i == v).count() == 1,
+                Op::Reshape { .. } => fresh_sole_gradient(g, uses, n.results[0]),
+                _ => false,
+            }
+        })
+}
+
 /// Applies the policy; see the module docs.
 pub fn amp(g: &Graph, policy: Precision) -> Result<Graph, String> {
     if policy == Precision::F32 {
@@ -303,10 +323,12 @@ pub fn amp(g: &Graph, policy: Precision) -> Result<Graph, String> {
             }
         }
         // A parameter gradient is a product with an f32 result (`gemm {out = f32}`): f32
-        // accumulation, never rounded to bf16.
+        // accumulation, never rounded to bf16 — except, under `bf16+residual`, a fresh gradient
+        // that only its update reads, which is stored in bf16 as llm.c stores gradients.
         let op = match n.op {
             Op::MatMul { trans_a, trans_b } if grads.contains(&n.results[0]) || accumulated(g, &uses, n.results[0]) => {
-                let out = g.ty(n.results[0]).dtype;
+                let bf16 = policy == Precision::Bf16Residual && fresh_sole_gradient(g, &uses, n.results[0]);
+                let out = if bf16 { DType::BF16 } else { g.ty(n.results[0]).dtype };
                 Op::Gemm(fusec_ir::Gemm { trans_a, trans_b, bias: false, gelu: false, out, accumulate: false })
             }
             _ => n.op.clone(),

@@ -335,3 +335,42 @@ fn fresh_gradients_equal_accumulation_from_zero_without_accumulator_inputs() {
         }
     }
 }
+
+#[test]
+fn bf16_residual_stores_fresh_weight_gradients_in_bf16_as_llmc_does() {
+    // Under `bf16+residual`, a fresh weight gradient that only its update reads is the product's
+    // bf16 result (widened inside the update); a gradient with another contribution (the tied
+    // `wte`: the classifier's product plus the embedding's scatter), an accumulated one, a
+    // clipped one, or any gradient under `bf16` stays an f32 product.
+    let cfg = fusec_models::Gpt2Config::preset("tiny").unwrap();
+    let fwd = fusec_models::build_gpt2(&cfg, "tiny");
+    let mut bind = Bindings::default();
+    bind.set("B", 2).set("T", 8);
+    let gradient_gemms = |precision, fresh_grads, clip| {
+        let adamw = AdamWConfig { fresh_grads, clip, ..AdamWConfig::default() };
+        let opts = PipelineOptions { precision, adamw, ..PipelineOptions::default() };
+        let g = compile(&fwd, "amp", Mode::Step, &opts, &bind).unwrap().graph;
+        let mut dtypes: Vec<(String, DType)> = vec![];
+        for n in g.nodes.iter().filter(|n| matches!(n.op, Op::AdamW { .. })) {
+            let Op::Param { name, .. } = &g.producer(n.inputs[0]).op else { continue };
+            let mut v = n.inputs[1];
+            while matches!(g.producer(v).op, Op::Cast { .. } | Op::Reshape { .. }) {
+                v = g.producer(v).inputs[0];
+            }
+            if let Op::Gemm(gm) = &g.producer(v).op {
+                dtypes.push((name.clone(), gm.out));
+            }
+        }
+        dtypes
+    };
+    use fusec_passes::amp::Precision::{Bf16, Bf16Residual};
+    let fresh = gradient_gemms(Bf16Residual, true, false);
+    assert_eq!(fresh.len(), 4 * cfg.layers, "one weight-gradient product a layer matrix: {fresh:?}");
+    assert!(fresh.iter().all(|(_, d)| *d == DType::BF16), "{fresh:?}");
+    for (precision, fresh_grads, clip) in [(Bf16, true, false), (Bf16Residual, false, false), (Bf16Residual, true, true)] {
+        let got = gradient_gemms(precision, fresh_grads, clip);
+        assert!(got.iter().all(|(_, d)| *d == DType::F32), "{precision:?} fresh {fresh_grads} clip {clip}: {got:?}");
+    }
+    // The tied embedding's gradient is a sum, so its product stays f32 and is not in the list.
+    assert!(!fresh.iter().any(|(n, _)| n == "wte"));
+}
