@@ -15,7 +15,9 @@
 #   3. PyTorch on the same shape: eager-fp32 (TF32 allowed, as the bench sets it), eager-bf16
 #      (autocast) and compile-bf16
 #   4. with BIG=1: GPT-2 1.5B (d48) B=8, fusec bf16 and bf16+residual (each --recompute gelu, and
-#      bf16+residual --recompute none), torch.compile bf16
+#      bf16+residual --recompute none), torch.compile bf16; BIG_STEPS steps each (default 20: the
+#      step time moves +-5% from step to step with the clock under the GPU's power cap, so the
+#      medians of 10 steps moved by about 1%)
 # and prints fusec's ms/step, tokens/s and allocated memory next to each PyTorch mode's, with
 # the ratios (PyTorch's peak is torch.cuda.max_memory_allocated; fusec's the one allocation).
 #
@@ -124,14 +126,14 @@ for name, ((med, tps, l0, l1), mib) in fusec.items():
 EOF2
 
 if [ -n "${BIG:-}" ]; then
-  echo "== 4. GPT-2 1.5B (d48) B=8 T=1024: fusec bf16 and bf16+residual (and bf16+residual --recompute none) vs torch.compile bf16, 10 steps"
+  echo "== 4. GPT-2 1.5B (d48) B=8 T=1024: fusec bf16 and bf16+residual (and bf16+residual --recompute none) vs torch.compile bf16, ${BIG_STEPS:-20} steps each (medians)"
   "$BIN" export gpt2 --preset d48 -o "$OUTDIR/d48.graph"
   for cfg in bf16:${BF16_RECOMPUTE:-gelu}:d48 bf16+residual:${BF16_RECOMPUTE:-gelu}:d48_residual bf16+residual:none:d48_residual_none; do
     IFS=: read -r prec rec tag <<< "$cfg"
     "$BIN" run "$OUTDIR/d48.graph" --target cuda --precision $prec --recompute $rec --batch 8 --seq 1024 \
-      --steps 10 --val-every 1000000 --log-json "$OUTDIR/fusec_$tag.jsonl" | tee "$OUTDIR/fusec_$tag.txt" | grep -E "step time|throughput|peak memory|compile"
+      --steps "${BIG_STEPS:-20}" --val-every 1000000 --log-json "$OUTDIR/fusec_$tag.jsonl" | tee "$OUTDIR/fusec_$tag.txt" | grep -E "step time|throughput|peak memory|compile"
   done
-  python3 "$TORCH" --layers 48 --heads 25 --channels 1600 --batch 8 --seq 1024 --steps 10 --modes compile-bf16 | tee "$OUTDIR/torch_d48.jsonl"
+  python3 "$TORCH" --layers 48 --heads 25 --channels 1600 --batch 8 --seq 1024 --steps "${BIG_STEPS:-20}" --modes compile-bf16 | tee "$OUTDIR/torch_d48.jsonl"
   python3 - "$OUTDIR" <<'EOF3'
 import json, re, sys
 out = sys.argv[1]
