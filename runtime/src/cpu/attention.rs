@@ -17,6 +17,7 @@ use std::cell::RefCell;
 
 use fusec_codegen_cpu::convert::{round_rows, widen_rows};
 use fusec_codegen_cpu::gemm::{exp, matmul_strided, Mat};
+use fusec_codegen_cpu::isa::current;
 use fusec_ir::DType;
 use rayon::prelude::*;
 
@@ -202,13 +203,8 @@ unsafe fn head_stage(stage: AttnStage, dm: AttnDims, scale: f32, a: &Ptrs, sh: u
         AttnStage::GradDs => {
             let (dout, out) = (a.dout.view(row, t, d, c, b0), a.out.view(row, t, d, c, b1));
             let ds = std::slice::from_raw_parts_mut(a.ds.add(sh * t * t), t * t);
-            for i in 0..t {
-                let line = |m: Mat| std::slice::from_raw_parts(m.ptr.offset(i as isize * m.rs), d);
-                let dsum = dot(line(dout), line(out));
-                let (row, masked) = ds[i * t..(i + 1) * t].split_at_mut(i + 1);
-                row.iter_mut().zip(&p[i * t..=i * t + i]).for_each(|(x, pv)| *x = scale * pv * (*x - dsum));
-                masked.fill(0.0);
-            }
+            let line = |m: Mat, i: usize| std::slice::from_raw_parts(m.ptr.offset(i as isize * m.rs), d);
+            on_level!(current(), grad_ds(ds, p, t, scale, |i| (line(dout, i), line(out, i))))
         }
         AttnStage::GradQkv => {
             let dsm = Mat { ptr: a.ds.add(sh * t * t), rs: t as isize, cs: 1 };
@@ -252,10 +248,62 @@ unsafe fn shift(m: Mat, r: usize, c: usize) -> Mat {
     Mat { ptr: m.ptr.offset(r as isize * m.rs + c as isize * m.cs), ..m }
 }
 
+/// Runs `f(args)` compiled for instruction-set level `isa` (one the host has): the
+/// `#[inline(always)]` body inside an AVX-512 or AVX2 function (`target_feature`), or as built
+/// (the SSE2 baseline). The bodies are maps and 8-lane reductions with no fused multiply-adds,
+/// so every level computes the same operations in the same order: the same bits, in wider
+/// vectors.
+macro_rules! on_level {
+    ($isa:expr, $f:ident($($arg:expr),* $(,)?)) => {{
+        #[cfg(target_arch = "x86_64")]
+        {
+            #[target_feature(enable = "avx512f,avx2")]
+            unsafe fn avx512<R>(f: impl FnOnce() -> R) -> R {
+                f()
+            }
+            #[target_feature(enable = "avx2")]
+            unsafe fn avx2<R>(f: impl FnOnce() -> R) -> R {
+                f()
+            }
+            use fusec_codegen_cpu::isa::Isa;
+            match $isa {
+                // SAFETY: the level in use is one the host has.
+                Isa::Avx512 | Isa::Avx512Bf16 | Isa::Amx => unsafe { avx512(|| $f($($arg),*)) },
+                Isa::Avx2 => unsafe { avx2(|| $f($($arg),*)) },
+                _ => $f($($arg),*),
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            $f($($arg),*)
+        }
+    }};
+}
+use on_level;
+
+/// `ds[i, j] = scale p[i, j] (ds[i, j] - dout_i . out_i)` for `j <= i`, 0 above the diagonal;
+/// `rows(i)` gives row `i` of `dout` and `out`.
+#[inline(always)]
+fn grad_ds<'a>(ds: &mut [f32], p: &[f32], t: usize, scale: f32, rows: impl Fn(usize) -> (&'a [f32], &'a [f32])) {
+    for i in 0..t {
+        let (dout, out) = rows(i);
+        let dsum = dot(dout, out);
+        let (row, masked) = ds[i * t..(i + 1) * t].split_at_mut(i + 1);
+        row.iter_mut().zip(&p[i * t..=i * t + i]).for_each(|(x, pv)| *x = scale * pv * (*x - dsum));
+        masked.fill(0.0);
+    }
+}
+
 /// `p[i, j] = exp(scale * scores[i, j] - lse_i)` for `j <= i`, 0 above the diagonal. With
 /// `lse_out`, the row's log-sum-exp is computed (and `p = e / sum`); otherwise it is read from
-/// `lse_in`. Written as maps and 8-lane reductions so that the loops vectorize.
+/// `lse_in`. Written as maps and 8-lane reductions so that the loops vectorize, and run at the
+/// level in use ([`on_level`]).
 fn causal_softmax(p: &mut [f32], t: usize, scale: f32, lse_out: Option<&mut [f32]>, lse_in: &[f32]) {
+    on_level!(current(), softmax_rows(p, t, scale, lse_out, lse_in))
+}
+
+#[inline(always)]
+fn softmax_rows(p: &mut [f32], t: usize, scale: f32, lse_out: Option<&mut [f32]>, lse_in: &[f32]) {
     let mut lse_out = lse_out;
     for i in 0..t {
         let (row, masked) = p[i * t..(i + 1) * t].split_at_mut(i + 1);
@@ -278,6 +326,7 @@ fn causal_softmax(p: &mut [f32], t: usize, scale: f32, lse_out: Option<&mut [f32
 }
 
 /// A reduction over 8 interleaved lanes, combined in a fixed order (deterministic, vectorizes).
+#[inline(always)]
 fn lanes(x: &[f32], init: f32, f: impl Fn(f32, f32) -> f32 + Copy) -> f32 {
     let mut acc = [init; 8];
     let chunks = x.chunks_exact(8);
@@ -294,6 +343,7 @@ fn lanes(x: &[f32], init: f32, f: impl Fn(f32, f32) -> f32 + Copy) -> f32 {
     r
 }
 
+#[inline(always)]
 fn dot(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0f32; 8];
     let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
@@ -304,4 +354,50 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
         }
     }
     ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7])) + tail
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use fusec_codegen_cpu::isa::Isa;
+
+    /// The softmax (both forms) and the score gradient give the same bits at every level this
+    /// host has as in the SSE2 baseline.
+    #[test]
+    fn every_level_gives_the_baseline_bits() {
+        let (t, d, scale) = (37, 24, 0.3f32);
+        let mut x = 0x9e3779b97f4a7c15u64;
+        let mut next = || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            ((x >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 8.0
+        };
+        let scores: Vec<f32> = (0..t * t).map(|_| next()).collect();
+        let (dout, out): (Vec<f32>, Vec<f32>) = ((0..t * d).map(|_| next()).collect(), (0..t * d).map(|_| next()).collect());
+        let dp: Vec<f32> = (0..t * t).map(|_| next()).collect();
+        let run = |isa: Isa| {
+            let (mut p, mut lse) = (scores.clone(), vec![0f32; t]);
+            on_level!(isa, softmax_rows(&mut p, t, scale, Some(&mut lse), &[]));
+            let mut again = scores.clone();
+            on_level!(isa, softmax_rows(&mut again, t, scale, None, &lse));
+            let mut ds = dp.clone();
+            on_level!(isa, grad_ds(&mut ds, &p, t, scale, |i| (&dout[i * d..(i + 1) * d], &out[i * d..(i + 1) * d])));
+            [p, lse, again, ds].map(|v| v.iter().map(|f| f.to_bits()).collect::<Vec<u32>>())
+        };
+        let base = run(Isa::Scalar);
+        let mut levels = vec![];
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx2") {
+                levels.push(Isa::Avx2);
+            }
+            if std::arch::is_x86_feature_detected!("avx512f") {
+                levels.push(Isa::Avx512);
+            }
+        }
+        for isa in levels {
+            assert_eq!(run(isa), base, "{isa:?}");
+        }
+    }
 }
