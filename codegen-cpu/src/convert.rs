@@ -1,11 +1,10 @@
 //! bf16 matrices widened to f32 and f32 matrices rounded to bf16 in the widest vectors of the
 //! level in use ([`crate::isa::current`]): the same scalar operations ([`widen_bits`],
-//! [`bf16_bits`]) compiled for AVX-512 or AVX2 as well as for this crate's SSE2 baseline, so
-//! every level gives the same bits. For code outside the generated kernels that converts whole
+//! [`bf16_bits`]) compiled for AVX-512 or AVX2 as well as for this crate's SSE2 baseline
+//! ([`crate::at_level`]), so every level gives the same bits. For code outside the generated kernels that converts whole
 //! rows (the CPU attention's heads).
 
 use crate::gemm::{bf16_bits, widen_bits};
-use crate::isa::Isa;
 
 /// `dst[r * cols + c] = widen_bits(src[r * stride + c])` for `r < rows`, `c < cols` (exact):
 /// a strided bf16 matrix widened into a contiguous f32 one.
@@ -16,13 +15,7 @@ pub unsafe fn widen_rows(dst: &mut [f32], src: *const u16, rows: usize, cols: us
     assert!(dst.len() >= rows * cols, "widen_rows: the destination is too short");
     assert!(rows <= 1 || stride >= cols, "widen_rows: rows overlap");
     let row = |r: usize| std::slice::from_raw_parts(src.add(r * stride), cols);
-    match crate::isa::current() {
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 | Isa::Avx512Bf16 | Isa::Amx => widen_avx512(dst, rows, cols, row),
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => widen_avx2(dst, rows, cols, row),
-        _ => widen(dst, rows, cols, row),
-    }
+    crate::at_level!(crate::isa::current(), widen(dst, rows, cols, row))
 }
 
 /// `dst[r * stride + c] = bf16_bits(src[r * cols + c])` (nearest, ties to even, NaN kept
@@ -35,13 +28,7 @@ pub unsafe fn round_rows(dst: *mut u16, src: &[f32], rows: usize, cols: usize, s
     assert!(src.len() >= rows * cols, "round_rows: the source is too short");
     assert!(rows <= 1 || stride >= cols, "round_rows: rows overlap");
     let row = |r: usize| std::slice::from_raw_parts_mut(dst.add(r * stride), cols);
-    match crate::isa::current() {
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 | Isa::Avx512Bf16 | Isa::Amx => round_avx512(src, rows, cols, row),
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => round_avx2(src, rows, cols, row),
-        _ => round(src, rows, cols, row),
-    }
+    crate::at_level!(crate::isa::current(), round(src, rows, cols, row))
 }
 
 #[inline(always)]
@@ -58,65 +45,22 @@ fn round<'a>(src: &[f32], rows: usize, cols: usize, dst: impl Fn(usize) -> &'a m
     }
 }
 
-/// [`widen`] compiled for AVX2 (the host must have it).
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn widen_avx2<'a>(dst: &mut [f32], rows: usize, cols: usize, src: impl Fn(usize) -> &'a [u16]) {
-    widen(dst, rows, cols, src)
-}
-
-/// [`widen`] compiled for AVX-512F (the host must have it).
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx2")]
-unsafe fn widen_avx512<'a>(dst: &mut [f32], rows: usize, cols: usize, src: impl Fn(usize) -> &'a [u16]) {
-    widen(dst, rows, cols, src)
-}
-
-/// [`round`] compiled for AVX2.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn round_avx2<'a>(src: &[f32], rows: usize, cols: usize, dst: impl Fn(usize) -> &'a mut [u16]) {
-    round(src, rows, cols, dst)
-}
-
-/// [`round`] compiled for AVX-512F.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx2")]
-unsafe fn round_avx512<'a>(src: &[f32], rows: usize, cols: usize, dst: impl Fn(usize) -> &'a mut [u16]) {
-    round(src, rows, cols, dst)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::isa::Isa;
 
     /// Rounds `src` into a strided matrix and widens it back on `isa`'s copies.
     fn roundtrip(isa: Isa, src: &[f32], rows: usize, cols: usize, stride: usize) -> (Vec<u16>, Vec<f32>) {
         let mut strided = vec![0xabcdu16; rows * stride];
         let mut back = vec![0f32; rows * cols];
         let p = strided.as_mut_ptr();
-        // SAFETY: the buffer holds `rows` rows of `stride`, each used once at a time; the caller
-        // checked that the host has the level.
-        unsafe {
-            let out = |r: usize| std::slice::from_raw_parts_mut(p.add(r * stride), cols);
-            let inp = |r: usize| std::slice::from_raw_parts(p.add(r * stride) as *const u16, cols);
-            match isa {
-                #[cfg(target_arch = "x86_64")]
-                Isa::Avx2 => {
-                    round_avx2(src, rows, cols, out);
-                    widen_avx2(&mut back, rows, cols, inp);
-                }
-                #[cfg(target_arch = "x86_64")]
-                Isa::Avx512 => {
-                    round_avx512(src, rows, cols, out);
-                    widen_avx512(&mut back, rows, cols, inp);
-                }
-                _ => {
-                    round(src, rows, cols, out);
-                    widen(&mut back, rows, cols, inp);
-                }
-            }
-        }
+        // SAFETY: the buffer holds `rows` rows of `stride`, each used once at a time.
+        let out = |r: usize| unsafe { std::slice::from_raw_parts_mut(p.add(r * stride), cols) };
+        // SAFETY: as above.
+        let inp = |r: usize| unsafe { std::slice::from_raw_parts(p.add(r * stride) as *const u16, cols) };
+        crate::at_level!(isa, round(src, rows, cols, out));
+        crate::at_level!(isa, widen(&mut back, rows, cols, inp));
         (strided, back)
     }
 

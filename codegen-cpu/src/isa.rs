@@ -17,6 +17,42 @@
 
 use std::sync::OnceLock;
 
+/// Runs `f(args)` compiled for instruction-set level `isa` (one the host has): the
+/// `#[inline(always)]` function `f` inside an AVX-512 or AVX2 function (`target_feature`), so
+/// that its loops vectorize that wide, or as built (the SSE2 baseline). For loops outside the
+/// generated kernels whose operations do not depend on the vector width (maps, fixed-lane
+/// reductions, no fused multiply-adds): every level then gives the same bits. A macro, so the
+/// `target_feature` functions are instantiated beside their caller: a generic function here
+/// taking the caller's closure was tried, and LLVM left the attention's closures uninlined in
+/// it (their loops kept the baseline's four lanes).
+#[macro_export]
+macro_rules! at_level {
+    ($isa:expr, $f:ident($($arg:expr),* $(,)?)) => {{
+        #[cfg(target_arch = "x86_64")]
+        {
+            #[target_feature(enable = "avx512f,avx2")]
+            unsafe fn avx512<R>(f: impl FnOnce() -> R) -> R {
+                f()
+            }
+            #[target_feature(enable = "avx2")]
+            unsafe fn avx2<R>(f: impl FnOnce() -> R) -> R {
+                f()
+            }
+            use $crate::isa::Isa;
+            match $isa {
+                // SAFETY: the level in use is one the host has.
+                Isa::Avx512 | Isa::Avx512Bf16 | Isa::Amx => unsafe { avx512(|| $f($($arg),*)) },
+                Isa::Avx2 => unsafe { avx2(|| $f($($arg),*)) },
+                _ => $f($($arg),*),
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            $f($($arg),*)
+        }
+    }};
+}
+
 /// The environment variable that overrides the detected level.
 pub const ENV: &str = "FUSEC_CPU_ISA";
 

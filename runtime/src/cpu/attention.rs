@@ -17,6 +17,7 @@ use std::cell::RefCell;
 
 use fusec_codegen_cpu::convert::{round_rows, widen_rows};
 use fusec_codegen_cpu::gemm::{exp, matmul_strided, Mat};
+use fusec_codegen_cpu::at_level;
 use fusec_codegen_cpu::isa::current;
 use fusec_ir::DType;
 use rayon::prelude::*;
@@ -204,7 +205,7 @@ unsafe fn head_stage(stage: AttnStage, dm: AttnDims, scale: f32, a: &Ptrs, sh: u
             let (dout, out) = (a.dout.view(row, t, d, c, b0), a.out.view(row, t, d, c, b1));
             let ds = std::slice::from_raw_parts_mut(a.ds.add(sh * t * t), t * t);
             let line = |m: Mat, i: usize| std::slice::from_raw_parts(m.ptr.offset(i as isize * m.rs), d);
-            on_level!(current(), grad_ds(ds, p, t, scale, |i| (line(dout, i), line(out, i))))
+            at_level!(current(), grad_ds(ds, p, t, scale, |i| (line(dout, i), line(out, i))))
         }
         AttnStage::GradQkv => {
             let dsm = Mat { ptr: a.ds.add(sh * t * t), rs: t as isize, cs: 1 };
@@ -248,39 +249,6 @@ unsafe fn shift(m: Mat, r: usize, c: usize) -> Mat {
     Mat { ptr: m.ptr.offset(r as isize * m.rs + c as isize * m.cs), ..m }
 }
 
-/// Runs `f(args)` compiled for instruction-set level `isa` (one the host has): the
-/// `#[inline(always)]` body inside an AVX-512 or AVX2 function (`target_feature`), or as built
-/// (the SSE2 baseline). The bodies are maps and 8-lane reductions with no fused multiply-adds,
-/// so every level computes the same operations in the same order: the same bits, in wider
-/// vectors.
-macro_rules! on_level {
-    ($isa:expr, $f:ident($($arg:expr),* $(,)?)) => {{
-        #[cfg(target_arch = "x86_64")]
-        {
-            #[target_feature(enable = "avx512f,avx2")]
-            unsafe fn avx512<R>(f: impl FnOnce() -> R) -> R {
-                f()
-            }
-            #[target_feature(enable = "avx2")]
-            unsafe fn avx2<R>(f: impl FnOnce() -> R) -> R {
-                f()
-            }
-            use fusec_codegen_cpu::isa::Isa;
-            match $isa {
-                // SAFETY: the level in use is one the host has.
-                Isa::Avx512 | Isa::Avx512Bf16 | Isa::Amx => unsafe { avx512(|| $f($($arg),*)) },
-                Isa::Avx2 => unsafe { avx2(|| $f($($arg),*)) },
-                _ => $f($($arg),*),
-            }
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        {
-            $f($($arg),*)
-        }
-    }};
-}
-use on_level;
-
 /// `ds[i, j] = scale p[i, j] (ds[i, j] - dout_i . out_i)` for `j <= i`, 0 above the diagonal;
 /// `rows(i)` gives row `i` of `dout` and `out`.
 #[inline(always)]
@@ -297,9 +265,9 @@ fn grad_ds<'a>(ds: &mut [f32], p: &[f32], t: usize, scale: f32, rows: impl Fn(us
 /// `p[i, j] = exp(scale * scores[i, j] - lse_i)` for `j <= i`, 0 above the diagonal. With
 /// `lse_out`, the row's log-sum-exp is computed (and `p = e / sum`); otherwise it is read from
 /// `lse_in`. Written as maps and 8-lane reductions so that the loops vectorize, and run at the
-/// level in use ([`on_level`]).
+/// level in use ([`at_level`]).
 fn causal_softmax(p: &mut [f32], t: usize, scale: f32, lse_out: Option<&mut [f32]>, lse_in: &[f32]) {
-    on_level!(current(), softmax_rows(p, t, scale, lse_out, lse_in))
+    at_level!(current(), softmax_rows(p, t, scale, lse_out, lse_in))
 }
 
 #[inline(always)]
@@ -378,11 +346,11 @@ mod tests {
         let dp: Vec<f32> = (0..t * t).map(|_| next()).collect();
         let run = |isa: Isa| {
             let (mut p, mut lse) = (scores.clone(), vec![0f32; t]);
-            on_level!(isa, softmax_rows(&mut p, t, scale, Some(&mut lse), &[]));
+            at_level!(isa, softmax_rows(&mut p, t, scale, Some(&mut lse), &[]));
             let mut again = scores.clone();
-            on_level!(isa, softmax_rows(&mut again, t, scale, None, &lse));
+            at_level!(isa, softmax_rows(&mut again, t, scale, None, &lse));
             let mut ds = dp.clone();
-            on_level!(isa, grad_ds(&mut ds, &p, t, scale, |i| (&dout[i * d..(i + 1) * d], &out[i * d..(i + 1) * d])));
+            at_level!(isa, grad_ds(&mut ds, &p, t, scale, |i| (&dout[i * d..(i + 1) * d], &out[i * d..(i + 1) * d])));
             [p, lse, again, ds].map(|v| v.iter().map(|f| f.to_bits()).collect::<Vec<u32>>())
         };
         let base = run(Isa::Scalar);
