@@ -63,17 +63,23 @@ impl Seg<'_> {
     /// a row view that two or more of them load with the same width and steps is read from
     /// global memory by the first and from registers by the others (a LayerNorm's mean,
     /// variance and output passes over the same row), at most [`MAX_KEPT_REGS`] registers a
-    /// thread. `codes` are the passes' [`Seg::pass_code`]s; staged views are not kept.
-    pub(super) fn keep_plan(&self, team: u32, k_slots: u64, codes: &[(Vec<NodeId>, u32, bool)], staged: &[(View, u32)]) -> Vec<Kept> {
+    /// thread. With `ahead`, a row view that only a later pass loads is loaded by an earlier
+    /// pass of the same shape, so that its latency overlaps that pass's loads instead of
+    /// following the row reductions (the LayerNorm gradient's residual-gradient addend).
+    /// `codes` are the passes' [`Seg::pass_code`]s; staged views are not kept.
+    pub(super) fn keep_plan(&self, team: u32, k_slots: u64, codes: &[(Vec<NodeId>, u32, bool)], staged: &[(View, u32)], ahead: bool) -> Vec<Kept> {
         let cols = self.p.cols;
         // Each view with the passes that load it, `None` once one of them has another shape.
         let mut seen: Vec<(Kept, Option<usize>)> = vec![];
+        // The level, width and steps of each pass that may keep views.
+        let mut shapes: Vec<(u32, u32, u64)> = vec![];
         for (pass, (body, w, unrolled)) in self.plan.passes.iter().zip(codes) {
             let w = *w;
             let steps = if *unrolled { k_slots / w as u64 } else { cols.div_ceil(team as u64 * w as u64) };
             if w == 1 || (!*unrolled && steps > MAX_UNROLL) {
                 continue;
             }
+            shapes.push((pass.level, w, steps));
             for &id in body {
                 let Expr::Load(v) = &self.p.node(id).expr else { continue };
                 if v.row.is_empty() || !vectorizable(v, w) || staged.iter().any(|(x, _)| x == v) {
@@ -88,9 +94,15 @@ impl Seg<'_> {
         }
         let mut regs = 0;
         let mut kept = vec![];
-        for (k, n) in seen {
+        for (mut k, n) in seen {
             let r = k.steps * k.w as u64 * mem_bytes(k.view.mem) / 4;
-            if n.is_some_and(|n| n >= 2) && regs + r <= MAX_KEPT_REGS {
+            let earlier = shapes.iter().find(|&&(level, w, steps)| level < k.first && w == k.w && steps == k.steps).map(|s| s.0);
+            match (n, earlier) {
+                (Some(n), _) if n >= 2 => {}
+                (Some(1), Some(level)) if ahead => k.first = level,
+                _ => continue,
+            }
+            if regs + r <= MAX_KEPT_REGS {
                 regs += r;
                 kept.push(k);
             }
