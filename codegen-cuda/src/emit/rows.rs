@@ -121,8 +121,9 @@ impl Seg<'_> {
         let staged = self.stage_plan(tpb, &codes, merged);
         // Later passes' views loaded ahead only by warp teams: a block team's extra registers
         // cost it a block an SM (GPT-2 1.5B LayerNorm gradient 0.066 -> 0.074 ms, while the
-        // 124M one, warp teams, went 0.044 -> 0.038 ms on an H200).
-        let kept = self.keep_plan(team, k_slots, &codes, &staged, team <= 32);
+        // 124M one, warp teams, went 0.044 -> 0.038 ms on an H200). Not beside an online pass,
+        // which is not emitted and so could not load them.
+        let kept = self.keep_plan(team, k_slots, &codes, &staged, team <= 32 && merged.is_none());
         if in_smem || !staged.is_empty() {
             let _ = writeln!(out, "  extern __shared__ __align__(16) unsigned char stage[];");
         }
