@@ -70,13 +70,32 @@ fn torchrun(rank: usize, world: usize, port: u16) -> Vec<(&'static str, String)>
     ]
 }
 
+/// Every logged number but the timings (`loss`, `val_loss`, `grad_norm`, ...), per step.
+fn logged(path: &Path) -> Vec<(String, f64)> {
+    let s = std::fs::read_to_string(path).unwrap();
+    let mut out = vec![];
+    for l in s.lines() {
+        let v: serde_json::Value = serde_json::from_str(l).unwrap();
+        for (k, x) in v.as_object().unwrap() {
+            if k != "ms" && k != "step" {
+                out.push((format!("{k}@{}", v["step"]), x.as_f64().unwrap_or(f64::NAN)));
+            }
+        }
+    }
+    out
+}
+
 fn one_rank_is_bit_identical(target: &str) {
     let d = TempDir::new(&format!("ranks-one-{target}"));
-    for extra in [&["--batch", "2"][..], &["--batch", "2", "--precision", "bf16"], &["--batch", "1", "--grad-accum", "2", "--grad-clip", "1"]] {
+    // (Seed 6 with accumulation and clipping differed in the last bits while one rank still
+    // compiled the data-parallel program: its `all_reduce`s changed the fusions.)
+    let accum = ["--batch", "1", "--grad-accum", "2", "--grad-clip", "1"];
+    for extra in [&["--batch", "2"][..], &["--batch", "2", "--precision", "bf16"], &accum, &[&accum[..], &["--seed", "6"]].concat()] {
         let (plain, ranked) = (d.join("plain.jsonl"), d.join("ranked.jsonl"));
         train(target, &plain, extra);
         train(target, &ranked, &[extra, &["--ranks", "1"]].concat());
-        assert_eq!(losses(&plain), losses(&ranked), "{extra:?}");
+        let (a, b) = (logged(&plain), logged(&ranked));
+        assert!(a.len() > 6 && a.iter().zip(&b).all(|(x, y)| x.0 == y.0 && x.1.to_bits() == y.1.to_bits()) && a.len() == b.len(), "{extra:?}:\n{a:?}\n{b:?}");
     }
 }
 

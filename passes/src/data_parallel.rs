@@ -6,7 +6,9 @@
 //!
 //! The mean is the whole scaling: the loss is already a mean over each rank's positions, and
 //! ranks hold equal slices, so the mean over ranks is the mean over the global batch. On one
-//! rank `all_reduce` is the identity, so a one-rank run computes exactly what a plain run does.
+//! rank `all_reduce` is the identity, but it still bounds the fusions around it (the gradient
+//! norm's sums would run in other kernels, in another order): `fusec run` leaves the pass out
+//! of one-rank runs (unless ZeRO-1 shards), so they compute exactly what a plain run does.
 //! Micro-steps that only accumulate (the `Grad` program) reduce their loss but not their
 //! gradients: the last micro-step reduces the sum, as PyTorch DDP's `no_sync` does.
 

@@ -95,7 +95,11 @@ pub fn run(mut a: RunArgs) -> CliResult {
         no_fusion: a.target == Target::Ref,
         precision: a.precision,
         recompute: a.recompute.unwrap_or(Recompute::default_for(a.precision)),
-        data_parallel: dist.is_some(),
+        // One rank averages over itself: its `all_reduce`s would be identities that only cut
+        // the fusions around them (the gradient norm's sums then run in other kernels, in
+        // another order), so a one-rank run compiles the plain program and gives its bits
+        // (ZeRO-1 still shards through the pass).
+        data_parallel: dist.as_ref().is_some_and(|e| e.world_size > 1 || a.zero == 1),
         ..PipelineOptions::default()
     };
     let mut phases = Phases { init: t_start.elapsed().as_secs_f64(), ..Phases::default() };
