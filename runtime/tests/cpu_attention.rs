@@ -1,7 +1,10 @@
 //! Causal attention on the CPU target against the interpreter (the oracle), on f32 and bf16
 //! storage: outputs, `lse` and gradients at sequence lengths that cross the causal row blocks of
 //! `runtime/src/cpu/attention.rs` (1, 17, 100 and 200 rows against blocks of 64), with one and
-//! two threads giving the same bits.
+//! two threads giving the same bits, and the backward both when it reads the probabilities its
+//! forward kept and when it recomputes them (`FUSEC_CPU_KEEP_SCORES_MIB=0`; this file's one test
+//! sets the variable, so no other test in the process sees it). The two differ in the last bits:
+//! the forward's `p` is `exp(s - max) / sum`, the recomputed one `exp(s - lse)`.
 
 use std::collections::HashMap;
 
@@ -30,8 +33,19 @@ fn cpu_attention_matches_the_interpreter_across_causal_blocks() {
             feeds.get_mut("qkv").unwrap().data.iter_mut().for_each(|x| *x *= 2.0);
             let want = interp::run(&g, &run.bind, &feeds, Rounding::F32).unwrap();
             let mut runs = vec![];
-            for threads in [1, 2] {
+            // One and two threads keeping the probabilities, then one thread recomputing them.
+            for (threads, keep) in [(1, true), (2, true), (1, false)] {
+                if keep {
+                    std::env::remove_var("FUSEC_CPU_KEEP_SCORES_MIB");
+                } else {
+                    std::env::set_var("FUSEC_CPU_KEEP_SCORES_MIB", "0");
+                }
                 let (mut cpu, _) = CpuExecutor::new(&run, threads, false).unwrap_or_else(|e| panic!("{what}: {e}"));
+                std::env::remove_var("FUSEC_CPU_KEEP_SCORES_MIB");
+                let stages = cpu.launch_flops(Program::Step).iter().filter(|(n, _)| n == "gemm_attn_scores").count();
+                if stages != if keep { 1 } else { 2 } {
+                    failures.push(format!("{what}: {stages} score products with keeping {keep}"));
+                }
                 for name in ["qkv", "dout"] {
                     cpu.set(name, feeds[name].clone()).unwrap();
                 }
@@ -39,15 +53,17 @@ fn cpu_attention_matches_the_interpreter_across_causal_blocks() {
                 runs.push(["out", "lse", "dqkv"].map(|n| cpu.output(Program::Step, n).unwrap().data));
             }
             for (i, name) in ["out", "lse", "dqkv"].into_iter().enumerate() {
-                let (got, w) = (&runs[0][i], &want[i].data);
-                let rel = testkit::rel_l2(got, w);
-                // f32: products in f32 against the interpreter's f64; bf16: as `cuda_attention`
-                // (results rounded to bf16 on both sides, probabilities rounded for products).
-                let limit = if bf16 && name != "lse" { 1e-2 } else { 1e-5 };
-                if rel.is_nan() || rel > limit {
-                    failures.push(format!("{what}: {name}: relative L2 {rel:e} over {limit:e}"));
+                for (got, how) in [(&runs[0][i], "kept"), (&runs[2][i], "recomputed")] {
+                    let rel = testkit::rel_l2(got, &want[i].data);
+                    // f32: products in f32 against the interpreter's f64; bf16: as
+                    // `cuda_attention` (results rounded to bf16 on both sides, probabilities
+                    // rounded for products).
+                    let limit = if bf16 && name != "lse" { 1e-2 } else { 1e-5 };
+                    if rel.is_nan() || rel > limit {
+                        failures.push(format!("{what}: {name} ({how} probabilities): relative L2 {rel:e} over {limit:e}"));
+                    }
                 }
-                if !got.iter().zip(&runs[1][i]).all(|(a, b)| a.to_bits() == b.to_bits()) {
+                if !runs[0][i].iter().zip(&runs[1][i]).all(|(a, b)| a.to_bits() == b.to_bits()) {
                     failures.push(format!("{what}: {name} differs between one and two threads"));
                 }
             }

@@ -73,6 +73,14 @@ pub fn executor(a: &RunArgs, run: &RunPrograms, threads: usize, dist: Option<&La
                     mib(plan.naive_bytes)
                 ),
             ));
+            let (bytes, kept) = build.attention;
+            if bytes > 0 {
+                let why = match kept {
+                    0 => "score matrices; the backward recomputes the probabilities".to_string(),
+                    n => format!("score matrices and {n} layers' probabilities kept for the backward (at most 256 MiB; FUSEC_CPU_KEEP_SCORES_MIB sets it)"),
+                };
+                summary.push(("attention".into(), format!("{} outside the allocation: {why}", mib(bytes))));
+            }
             Box::new(ex)
         }
         Target::Cuda => {

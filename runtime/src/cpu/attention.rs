@@ -1,7 +1,9 @@
 //! Causal attention on the CPU, as launches of its stages over packed `qkv [S, T, 3C]` on f32
 //! or bf16 storage. Per (sequence, head), in parallel: the forward is `p = q k^T` (Scores), the
 //! causal softmax of `scale * p` with its log-sum-exp (Softmax), `out = p v` (Values); the
-//! backward recomputes `p` from the saved log-sum-exp (Scores, Softmax with `lse` given), then
+//! backward reads the `p` its forward kept where every layer's fits a budget
+//! (`launch::keep_scores`), or recomputes it from the saved log-sum-exp (Scores, Softmax with
+//! `lse` given), then
 //! `dp = dout v^T` (GradDp), `ds = scale p (dp - rowsum(dout out))` (GradDs), and `dq = ds k`,
 //! `dk = ds^T q`, `dv = p^T dout` (GradQkv). Each stage is its own launch, so the profile times
 //! the GEMMs as GEMMs. The products skip the zeros above the diagonal: they run per block of
@@ -42,28 +44,63 @@ pub enum AttnStage {
 }
 
 /// The per-head score matrices `p` and `ds` shared by every attention launch (launches run one
-/// at a time), outside the memory plan, sized once for the largest attention. Written only
-/// through the pointer taken when it was allocated (launches hold `&self`).
+/// at a time), outside the memory plan, sized once for the largest attention; and, for the
+/// layers whose backward reads the probabilities their forward kept (`launch::keep_scores`),
+/// one `p` a layer, found by the layer's `lse` offset (its forward and backward share it).
+/// Written only through the pointers taken when they were allocated (launches hold `&self`).
 pub struct AttnScratch {
     _scores: Vec<f32>,
     scores: *mut f32,
+    kept: Vec<(u64, usize, *mut f32)>,
 }
 
 impl AttnScratch {
-    /// Scratch for these attention launches.
-    pub fn new<'a>(attns: impl Iterator<Item = &'a Attention>) -> AttnScratch {
-        let len = attns.map(|a| 2 * a.dims.s * a.dims.h * a.dims.t * a.dims.t).max().unwrap_or(0);
-        let mut v = vec![0.0; len];
+    /// Scratch for these attention launches, each with whether its layer keeps `p`.
+    pub fn new<'a>(attns: impl Iterator<Item = (&'a Attention, bool)>) -> AttnScratch {
+        let attns: Vec<(&Attention, bool)> = attns.collect();
+        let len = |a: &Attention| a.dims.s * a.dims.h * a.dims.t * a.dims.t;
+        let shared = attns.iter().map(|(a, _)| 2 * len(a)).max().unwrap_or(0);
+        let mut layers: Vec<(u64, usize)> = vec![];
+        for (a, _) in attns.iter().filter(|(a, keep)| *keep && !a.forward) {
+            if !layers.iter().any(|(lse, _)| *lse == a.at.lse) {
+                layers.push((a.at.lse, len(a)));
+            }
+        }
+        let mut v = vec![0.0; shared + layers.iter().map(|l| l.1).sum::<usize>()];
         let scores = v.as_mut_ptr();
-        AttnScratch { _scores: v, scores }
+        let mut at = shared;
+        let kept = layers
+            .into_iter()
+            .map(|(lse, n)| {
+                // SAFETY: the layers' slots follow the shared scratch inside `v`.
+                let p = unsafe { scores.add(at) };
+                at += n;
+                (lse, n, p)
+            })
+            .collect();
+        AttnScratch { _scores: v, scores, kept }
     }
 
-    /// Runs one stage of `a` over the allocation at `base`, every (sequence, head) in parallel.
+    /// Bytes of score matrices, and how many layers keep their probabilities.
+    pub fn size(&self) -> (u64, usize) {
+        (self._scores.len() as u64 * 4, self.kept.len())
+    }
+
+    /// Where `a`'s probabilities are: with `keep`, its layer's kept `p` (found by its `lse`
+    /// offset and its size), else the shared scratch.
+    fn probs(&self, a: &Attention, keep: bool) -> *mut f32 {
+        let len = a.dims.s * a.dims.h * a.dims.t * a.dims.t;
+        let slot = self.kept.iter().find(|&&(lse, n, _)| keep && lse == a.at.lse && n == len);
+        slot.map_or(self.scores, |&(_, _, p)| p)
+    }
+
+    /// Runs one stage of `a` over the allocation at `base`, every (sequence, head) in parallel;
+    /// `keep`: its layer keeps its probabilities (`launch::keep_scores`).
     ///
     /// # Safety
     /// The attention's offsets must lie inside the allocation and hold its storage type; the
     /// backward's `p` must have been recomputed by its own Scores and Softmax stages first.
-    pub unsafe fn stage(&self, base: *mut u8, stage: AttnStage, a: &Attention) {
+    pub unsafe fn stage(&self, base: *mut u8, stage: AttnStage, a: &Attention, keep: bool) {
         let at = |o: u64| base.add(o as usize);
         let bf16 = a.dtype == DType::BF16;
         let t = a.at;
@@ -73,7 +110,7 @@ impl AttnScratch {
             lse: at(t.lse) as *mut f32,
             dout: Storage { ptr: t.dout.map_or(std::ptr::null_mut(), at), bf16 },
             dqkv: Storage { ptr: t.dqkv.map_or(std::ptr::null_mut(), at), bf16 },
-            p: self.scores,
+            p: self.probs(a, keep),
             ds: self.scores.add(a.dims.s * a.dims.h * a.dims.t * a.dims.t),
         };
         (0..a.dims.s * a.dims.h).into_par_iter().for_each(|sh| {

@@ -21,8 +21,9 @@ pub enum Kind {
     Gather(Gather),
     /// Embedding gradient.
     ScatterAdd(ScatterAdd),
-    /// One stage of causal attention.
-    Attention { stage: AttnStage, attn: Attention },
+    /// One stage of causal attention; `keep`: the layer's probabilities are kept from its
+    /// forward for its backward ([`keep_scores`]).
+    Attention { stage: AttnStage, attn: Attention, keep: bool },
     /// Index fill.
     Iota(Iota),
     /// Constant fill.
@@ -46,10 +47,35 @@ pub struct Launch {
     pub ops: Vec<&'static str>,
 }
 
+/// The most bytes of attention probabilities kept from the forward for the backward, in all
+/// (`FUSEC_CPU_KEEP_SCORES_MIB` overrides it, 0 turns keeping off).
+const KEEP_SCORES_BYTES: u64 = 256 << 20;
+
+/// Whether the attention backwards of `plan` read the probabilities their forwards kept instead
+/// of recomputing them (`q k^T` and the softmax again): when there are some and all of them fit
+/// [`KEEP_SCORES_BYTES`] (`S H T²` floats a layer; GPT-2 `small` at B = 8, T = 256: 8 MiB). A
+/// plan without a backward (evaluation) keeps nothing.
+pub fn keep_scores(plan: &[launches::Launch]) -> bool {
+    let budget = std::env::var("FUSEC_CPU_KEEP_SCORES_MIB").ok().and_then(|v| v.parse::<u64>().ok()).map_or(KEEP_SCORES_BYTES, |m| m << 20);
+    let mut bytes = 0u64;
+    for l in plan {
+        if let LaunchOp::Attention(a) = &l.op {
+            let d = a.dims;
+            let layer = [d.s, d.h, d.t, d.t, 4].iter().try_fold(1u64, |acc, &x| acc.checked_mul(x as u64));
+            match layer.and_then(|b| bytes.checked_add(if a.forward { 0 } else { b })) {
+                Some(b) => bytes = b,
+                None => return false,
+            }
+        }
+    }
+    bytes > 0 && bytes <= budget
+}
+
 /// The CPU launches of a program's plan, compiling kernels through `kc`; `base` is the
 /// address of the one allocation.
 pub fn translate(plan: &[launches::Launch], bind: &Bindings, kc: &mut KernelCompiler, base: *mut u8) -> Result<Vec<Launch>, String> {
     let mut out = vec![];
+    let keep = keep_scores(plan);
     for l in plan {
         if l.dtypes.contains(&DType::F16) {
             return Err(l.err("f16 storage is not supported by the CPU target (use --precision fp32 or bf16)"));
@@ -88,6 +114,12 @@ pub fn translate(plan: &[launches::Launch], bind: &Bindings, kc: &mut KernelComp
                         (AttnStage::Softmax { recompute: false }, "attn_softmax", 0),
                         (AttnStage::Values, "gemm_attn_values", gemm),
                     ]
+                } else if keep {
+                    &[
+                        (AttnStage::GradDp, "gemm_attn_dp", gemm),
+                        (AttnStage::GradDs, "attn_softmax_grad", 0),
+                        (AttnStage::GradQkv, "gemm_attn_dqkv", 3 * gemm),
+                    ]
                 } else {
                     &[
                         (AttnStage::Scores, "gemm_attn_scores", gemm),
@@ -101,7 +133,7 @@ pub fn translate(plan: &[launches::Launch], bind: &Bindings, kc: &mut KernelComp
                     return Err(l.err(format!("attention on {} storage is not supported by the CPU target", attn.dtype)));
                 }
                 for &(stage, name, flops) in stages {
-                    let kind = Kind::Attention { stage, attn: *attn };
+                    let kind = Kind::Attention { stage, attn: *attn, keep };
                     out.push(Launch { kind, name: name.into(), bytes: l.bytes, flops, ops: l.ops.clone() });
                 }
                 continue;

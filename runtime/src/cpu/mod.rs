@@ -50,6 +50,9 @@ pub struct CpuBuild {
     pub step_plan: MemPlan,
     /// The instruction-set level of the kernels and bf16 products.
     pub isa: Isa,
+    /// Attention's score matrices outside the allocation: bytes, and how many layers keep
+    /// their probabilities for the backward (`launch::keep_scores`).
+    pub attention: (u64, usize),
 }
 
 /// Runs the programs of a training run on the CPU.
@@ -98,11 +101,17 @@ impl CpuExecutor {
             programs.insert(*p, Compiled { launches, io: io.clone() });
         }
         let attn = AttnScratch::new(programs.values().flat_map(|c: &Compiled| &c.launches).filter_map(|l| match &l.kind {
-            Kind::Attention { attn, .. } => Some(attn),
+            Kind::Attention { attn, keep, .. } => Some((attn, *keep)),
             _ => None,
         }));
-        let build =
-            CpuBuild { compile_time: t0.elapsed(), kernels: kc.stats(), arena_bytes: arena.size() as u64, step_plan: plan.step_plan, isa };
+        let build = CpuBuild {
+            compile_time: t0.elapsed(),
+            kernels: kc.stats(),
+            arena_bytes: arena.size() as u64,
+            step_plan: plan.step_plan,
+            isa,
+            attention: attn.size(),
+        };
         let ex = CpuExecutor {
             arena,
             layout: plan.layout,
@@ -220,7 +229,7 @@ impl CpuExecutor {
             Kind::ScatterAdd(s) => {
                 ops::scatter_add(f(s.src, s.n * s.cols), s.cols, self.slice::<i32>(s.idx, s.n), f(s.out, s.rows * s.cols))?
             }
-            Kind::Attention { stage, attn } => self.attn.stage(base, *stage, attn),
+            Kind::Attention { stage, attn, keep } => self.attn.stage(base, *stage, attn, *keep),
             Kind::Iota(it) => {
                 let n: usize = it.shape.iter().product();
                 let inner: usize = it.shape[it.axis + 1..].iter().product();
