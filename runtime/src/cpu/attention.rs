@@ -99,7 +99,8 @@ impl AttnScratch {
     ///
     /// # Safety
     /// The attention's offsets must lie inside the allocation and hold its storage type; the
-    /// backward's `p` must have been recomputed by its own Scores and Softmax stages first.
+    /// backward's `p` must have been written first: by its forward (`keep`) or by its own
+    /// Scores and Softmax stages.
     pub unsafe fn stage(&self, base: *mut u8, stage: AttnStage, a: &Attention, keep: bool) {
         let at = |o: u64| base.add(o as usize);
         let bf16 = a.dtype == DType::BF16;
