@@ -5,9 +5,11 @@
 //! (`launch::keep_scores`), or recomputes it from the saved log-sum-exp (Scores, Softmax with
 //! `lse` given), then
 //! `dp = dout v^T` (GradDp), `ds = scale p (dp - rowsum(dout out))` (GradDs), and `dq = ds k`,
-//! `dk = ds^T q`, `dv = p^T dout` (GradQkv). Each stage is its own launch, so the profile times
-//! the GEMMs as GEMMs. The products skip the zeros above the diagonal: they run per block of
-//! [`CAUSAL_BLOCK`] rows over the keys up to the block's last row.
+//! `dk = ds^T q`, `dv = p^T dout` (GradQkv). The forward's stages are one launch and the
+//! backward's another, each head running its stages in turn while its score matrix is in
+//! cache (the profile names the launch after its stages). The products skip the zeros above
+//! the diagonal: they run per block of [`CAUSAL_BLOCK`] rows over the keys up to the block's
+//! last row.
 //!
 //! Everything computes in f32. On bf16 storage each head's rows of `q`, `k`, `v`, `out` and
 //! `dout` are widened (exactly) into per-thread buffers right before the stage reads them, and
@@ -94,14 +96,15 @@ impl AttnScratch {
         slot.map_or(self.scores, |&(_, _, p)| p)
     }
 
-    /// Runs one stage of `a` over the allocation at `base`, every (sequence, head) in parallel;
-    /// `keep`: its layer keeps its probabilities (`launch::keep_scores`).
+    /// Runs `stages` of `a` over the allocation at `base`: every (sequence, head) in parallel,
+    /// each running the stages in turn (a head's stages touch only its own rows and score
+    /// matrix); `keep`: its layer keeps its probabilities (`launch::keep_scores`).
     ///
     /// # Safety
     /// The attention's offsets must lie inside the allocation and hold its storage type; the
     /// backward's `p` must have been written first: by its forward (`keep`) or by its own
     /// Scores and Softmax stages.
-    pub unsafe fn stage(&self, base: *mut u8, stage: AttnStage, a: &Attention, keep: bool) {
+    pub unsafe fn run(&self, base: *mut u8, stages: &[AttnStage], a: &Attention, keep: bool) {
         let at = |o: u64| base.add(o as usize);
         let bf16 = a.dtype == DType::BF16;
         let t = a.at;
@@ -115,7 +118,9 @@ impl AttnScratch {
             ds: self.scores.add(a.dims.s * a.dims.h * a.dims.t * a.dims.t),
         };
         (0..a.dims.s * a.dims.h).into_par_iter().for_each(|sh| {
-            fusec_codegen_cpu::thread_spans::task(|| BUFS.with(|b| head_stage(stage, a.dims, a.scale, &ptrs, sh, &mut b.borrow_mut())));
+            fusec_codegen_cpu::thread_spans::task(|| {
+                BUFS.with(|b| stages.iter().for_each(|&stage| head_stage(stage, a.dims, a.scale, &ptrs, sh, &mut b.borrow_mut())))
+            });
         });
     }
 }

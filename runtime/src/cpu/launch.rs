@@ -21,9 +21,10 @@ pub enum Kind {
     Gather(Gather),
     /// Embedding gradient.
     ScatterAdd(ScatterAdd),
-    /// One stage of causal attention; `keep`: the layer's probabilities are kept from its
-    /// forward for its backward ([`keep_scores`]).
-    Attention { stage: AttnStage, attn: Attention, keep: bool },
+    /// Causal attention's stages, run one head after another (each head's stages in turn, its
+    /// score matrix still in cache); `keep`: the layer's probabilities are kept from its forward
+    /// for its backward ([`keep_scores`]).
+    Attention { stages: &'static [AttnStage], attn: Attention, keep: bool },
     /// Index fill.
     Iota(Iota),
     /// Constant fill.
@@ -108,34 +109,20 @@ pub fn translate(plan: &[launches::Launch], bind: &Bindings, kc: &mut KernelComp
             LaunchOp::Attention(attn) => {
                 let dm = attn.dims;
                 let gemm = (2 * dm.s * dm.h * dm.t * dm.t * dm.d) as u64;
-                let stages: &[(AttnStage, &str, u64)] = if attn.forward {
-                    &[
-                        (AttnStage::Scores, "gemm_attn_scores", gemm),
-                        (AttnStage::Softmax { recompute: false }, "attn_softmax", 0),
-                        (AttnStage::Values, "gemm_attn_values", gemm),
-                    ]
+                use AttnStage::*;
+                // (stages, the launch's name after them, products a stage of `gemm` FLOPs)
+                let (stages, name, products): (&'static [AttnStage], &str, u64) = if attn.forward {
+                    (&[Scores, Softmax { recompute: false }, Values], "gemm_attn_scores_softmax_values", 2)
                 } else if keep {
-                    &[
-                        (AttnStage::GradDp, "gemm_attn_dp", gemm),
-                        (AttnStage::GradDs, "attn_softmax_grad", 0),
-                        (AttnStage::GradQkv, "gemm_attn_dqkv", 3 * gemm),
-                    ]
+                    (&[GradDp, GradDs, GradQkv], "gemm_attn_dp_softmax_grad_dqkv", 4)
                 } else {
-                    &[
-                        (AttnStage::Scores, "gemm_attn_scores", gemm),
-                        (AttnStage::Softmax { recompute: true }, "attn_softmax", 0),
-                        (AttnStage::GradDp, "gemm_attn_dp", gemm),
-                        (AttnStage::GradDs, "attn_softmax_grad", 0),
-                        (AttnStage::GradQkv, "gemm_attn_dqkv", 3 * gemm),
-                    ]
+                    (&[Scores, Softmax { recompute: true }, GradDp, GradDs, GradQkv], "gemm_attn_scores_softmax_dp_softmax_grad_dqkv", 5)
                 };
                 if !matches!(attn.dtype, DType::F32 | DType::BF16) {
                     return Err(l.err(format!("attention on {} storage is not supported by the CPU target", attn.dtype)));
                 }
-                for &(stage, name, flops) in stages {
-                    let kind = Kind::Attention { stage, attn: *attn, keep };
-                    out.push(Launch { kind, name: name.into(), bytes: l.bytes, flops, ops: l.ops.clone() });
-                }
+                let kind = Kind::Attention { stages, attn: *attn, keep };
+                out.push(Launch { kind, name: name.into(), bytes: l.bytes, flops: products * gemm, ops: l.ops.clone() });
                 continue;
             }
             LaunchOp::Iota(i) => (Kind::Iota(i.clone()), 0),

@@ -229,7 +229,7 @@ impl CpuExecutor {
             Kind::ScatterAdd(s) => {
                 ops::scatter_add(f(s.src, s.n * s.cols), s.cols, self.slice::<i32>(s.idx, s.n), f(s.out, s.rows * s.cols))?
             }
-            Kind::Attention { stage, attn, keep } => self.attn.stage(base, *stage, attn, *keep),
+            Kind::Attention { stages, attn, keep } => self.attn.run(base, stages, attn, *keep),
             Kind::Iota(it) => {
                 let n: usize = it.shape.iter().product();
                 let inner: usize = it.shape[it.axis + 1..].iter().product();
