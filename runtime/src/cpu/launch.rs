@@ -110,7 +110,7 @@ pub fn translate(plan: &[launches::Launch], bind: &Bindings, kc: &mut KernelComp
                 let dm = attn.dims;
                 let gemm = (2 * dm.s * dm.h * dm.t * dm.t * dm.d) as u64;
                 use AttnStage::*;
-                // (stages, the launch's name after them, products a stage of `gemm` FLOPs)
+                // (stages, the launch's name after them, how many products of `gemm` FLOPs they run)
                 let (stages, name, products): (&'static [AttnStage], &str, u64) = if attn.forward {
                     (&[Scores, Softmax { recompute: false }, Values], "gemm_attn_scores_softmax_values", 2)
                 } else if keep {
