@@ -285,15 +285,21 @@ fn repeated_steps_reduce_the_loss() {
     assert!(losses[19] < losses[0] - 0.5, "loss did not go down: {losses:?}");
 }
 
+/// The GPT-2 `tiny` preset's forward graph, bound to B = 2, T = 8.
+fn tiny_gpt2() -> (fusec_models::Gpt2Config, Graph, Bindings) {
+    let cfg = fusec_models::Gpt2Config::preset("tiny").unwrap();
+    let fwd = fusec_models::build_gpt2(&cfg, "tiny");
+    let mut bind = Bindings::default();
+    bind.set("B", 2).set("T", 8);
+    (cfg, fwd, bind)
+}
+
 #[test]
 fn fresh_gradients_equal_accumulation_from_zero_without_accumulator_inputs() {
     // `fresh_grads` drops the `grad.P` accumulators: its step must equal the accumulating step
     // fed zero accumulators, on the GPT-2 tiny model through the whole pipeline (fused), with and
     // without clipping (which reads every gradient).
-    let cfg = fusec_models::Gpt2Config::preset("tiny").unwrap();
-    let fwd = fusec_models::build_gpt2(&cfg, "tiny");
-    let mut bind = Bindings::default();
-    bind.set("B", 2).set("T", 8);
+    let (_, fwd, bind) = tiny_gpt2();
     for clip in [false, true] {
         let acc = PipelineOptions { adamw: AdamWConfig { clip, ..AdamWConfig::default() }, ..PipelineOptions::default() };
         let fresh = PipelineOptions { adamw: AdamWConfig { fresh_grads: true, ..acc.adamw.clone() }, ..acc.clone() };
@@ -342,10 +348,7 @@ fn bf16_residual_stores_fresh_weight_gradients_in_bf16_as_llmc_does() {
     // bf16 result (widened inside the update); a gradient with another contribution (the tied
     // `wte`: the classifier's product plus the embedding's scatter), an accumulated one, a
     // clipped one, or any gradient under `bf16` stays an f32 product.
-    let cfg = fusec_models::Gpt2Config::preset("tiny").unwrap();
-    let fwd = fusec_models::build_gpt2(&cfg, "tiny");
-    let mut bind = Bindings::default();
-    bind.set("B", 2).set("T", 8);
+    let (cfg, fwd, bind) = tiny_gpt2();
     let gradient_gemms = |precision, fresh_grads, clip| {
         let adamw = AdamWConfig { fresh_grads, clip, ..AdamWConfig::default() };
         let opts = PipelineOptions { precision, adamw, ..PipelineOptions::default() };

@@ -60,12 +60,11 @@ impl AttnScratch {
     /// Scratch for these attention launches, each with whether its layer keeps `p`.
     pub fn new<'a>(attns: impl Iterator<Item = (&'a Attention, bool)>) -> AttnScratch {
         let attns: Vec<(&Attention, bool)> = attns.collect();
-        let len = |a: &Attention| a.dims.s * a.dims.h * a.dims.t * a.dims.t;
-        let shared = attns.iter().map(|(a, _)| 2 * len(a)).max().unwrap_or(0);
+        let shared = attns.iter().map(|(a, _)| 2 * score_floats(a.dims)).max().unwrap_or(0);
         let mut layers: Vec<(u64, usize)> = vec![];
         for (a, _) in attns.iter().filter(|(a, keep)| *keep && !a.forward) {
             if !layers.iter().any(|(lse, _)| *lse == a.at.lse) {
-                layers.push((a.at.lse, len(a)));
+                layers.push((a.at.lse, score_floats(a.dims)));
             }
         }
         let mut v = vec![0.0; shared + layers.iter().map(|l| l.1).sum::<usize>()];
@@ -91,7 +90,7 @@ impl AttnScratch {
     /// Where `a`'s probabilities are: with `keep`, its layer's kept `p` (found by its `lse`
     /// offset and its size), else the shared scratch.
     fn probs(&self, a: &Attention, keep: bool) -> *mut f32 {
-        let len = a.dims.s * a.dims.h * a.dims.t * a.dims.t;
+        let len = score_floats(a.dims);
         let slot = self.kept.iter().find(|&&(lse, n, _)| keep && lse == a.at.lse && n == len);
         slot.map_or(self.scores, |&(_, _, p)| p)
     }
@@ -115,7 +114,7 @@ impl AttnScratch {
             dout: Storage { ptr: t.dout.map_or(std::ptr::null_mut(), at), bf16 },
             dqkv: Storage { ptr: t.dqkv.map_or(std::ptr::null_mut(), at), bf16 },
             p: self.probs(a, keep),
-            ds: self.scores.add(a.dims.s * a.dims.h * a.dims.t * a.dims.t),
+            ds: self.scores.add(score_floats(a.dims)),
         };
         (0..a.dims.s * a.dims.h).into_par_iter().for_each(|sh| {
             fusec_codegen_cpu::thread_spans::task(|| {
@@ -123,6 +122,11 @@ impl AttnScratch {
             });
         });
     }
+}
+
+/// Floats in one attention's per-head score matrices, all heads (`S H T²`).
+fn score_floats(d: AttnDims) -> usize {
+    d.s * d.h * d.t * d.t
 }
 
 /// An attention tensor in the arena.
@@ -397,17 +401,7 @@ mod tests {
             [p, lse, again, ds].map(|v| v.iter().map(|f| f.to_bits()).collect::<Vec<u32>>())
         };
         let base = run(Isa::Scalar);
-        let mut levels = vec![];
-        #[cfg(target_arch = "x86_64")]
-        {
-            if std::arch::is_x86_feature_detected!("avx2") {
-                levels.push(Isa::Avx2);
-            }
-            if std::arch::is_x86_feature_detected!("avx512f") {
-                levels.push(Isa::Avx512);
-            }
-        }
-        for isa in levels {
+        for isa in [Isa::Avx2, Isa::Avx512].into_iter().filter(|i| i.supported()) {
             assert_eq!(run(isa), base, "{isa:?}");
         }
     }
