@@ -51,7 +51,8 @@ pub enum AttnStage {
 /// one `p` a layer, found by the layer's `lse` offset (its forward and backward share it).
 /// Written only through the pointers taken when they were allocated (launches hold `&self`).
 pub struct AttnScratch {
-    _scores: Vec<f32>,
+    /// The allocation `scores` and the kept slots point into.
+    buf: Vec<f32>,
     scores: *mut f32,
     kept: Vec<(u64, usize, *mut f32)>,
 }
@@ -79,12 +80,12 @@ impl AttnScratch {
                 (lse, n, p)
             })
             .collect();
-        AttnScratch { _scores: v, scores, kept }
+        AttnScratch { buf: v, scores, kept }
     }
 
     /// Bytes of score matrices, and how many layers keep their probabilities.
     pub fn size(&self) -> (u64, usize) {
-        (self._scores.len() as u64 * 4, self.kept.len())
+        (self.buf.len() as u64 * 4, self.kept.len())
     }
 
     /// Where `a`'s probabilities are: with `keep`, its layer's kept `p` (found by its `lse`
