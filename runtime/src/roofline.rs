@@ -68,7 +68,14 @@ pub struct Roof {
     pub measure_secs: f64,
     /// Why measured limits were not cached, when they were not.
     pub not_cached: Option<String>,
+    /// Cached limits were measured again because the caller's `stale` test rejected them (a
+    /// kernel faster than [`STALE_PERCENT`] of them: a measurement taken on a busy host would
+    /// stay in the cache otherwise).
+    pub remeasured: bool,
 }
+
+/// A kernel at more than this percentage of a cached limit shows it too low.
+pub const STALE_PERCENT: f64 = 120.0;
 
 impl Roof {
     /// One line for the run summary: both limits and where they came from.
@@ -88,6 +95,9 @@ impl Roof {
         );
         let uses = |o: Origin| self.bandwidth == o || self.compute == o;
         if uses(Origin::Measured) {
+            if self.remeasured {
+                s += &format!("; the cached limits were below this run's kernels (over {STALE_PERCENT:.0}% of them)");
+            }
             s += &format!("; measured in {:.2} s", self.measure_secs);
             match (&self.not_cached, &self.file) {
                 (Some(why), _) => s += &format!(", not cached: {why}"),
@@ -142,12 +152,14 @@ pub fn store(file: &Path, key: &str, lim: &Limits) -> Result<(), FileError> {
 }
 
 /// The limits for `key`: each one given (`bytes_per_s`, `flops_per_s`), else both from `file`
-/// when it holds `key`, else both from `measure` (then stored in `file`, best effort).
+/// when it holds `key` and `stale` does not reject them, else both from `measure` (then
+/// stored in `file`, best effort).
 pub fn resolve(
     key: &str,
     bytes_per_s: Option<f64>,
     flops_per_s: Option<f64>,
     file: Option<PathBuf>,
+    stale: impl Fn(&Limits) -> bool,
     measure: impl FnOnce() -> Result<Limits, String>,
 ) -> Result<Roof, String> {
     let mut roof = Roof {
@@ -158,11 +170,17 @@ pub fn resolve(
         file,
         measure_secs: 0.0,
         not_cached: None,
+        remeasured: false,
     };
     if bytes_per_s.is_some() && flops_per_s.is_some() {
         return Ok(roof);
     }
-    let (found, origin) = match roof.file.as_deref().and_then(|f| read_cached(f, key)) {
+    let cached = roof.file.as_deref().and_then(|f| read_cached(f, key));
+    // Only the cached limits are judged: a given one counts as no limit.
+    let inf = |given: Option<f64>, cached: f64| if given.is_some() { f64::INFINITY } else { cached };
+    let merged = |c: &Limits| Limits { bytes_per_s: inf(bytes_per_s, c.bytes_per_s), flops_per_s: inf(flops_per_s, c.flops_per_s) };
+    roof.remeasured = cached.as_ref().is_some_and(|c| stale(&merged(c)));
+    let (found, origin) = match cached.filter(|_| !roof.remeasured) {
         Some(lim) => (lim, Origin::Cached),
         None => {
             let t = Instant::now();
@@ -227,22 +245,30 @@ mod tests {
         let measured = Limits { bytes_per_s: 3e9, flops_per_s: 4e11 };
         let fail = || -> Result<Limits, String> { Err("must not measure".into()) };
         // Both given: nothing is read or measured.
-        let r = resolve("k\tA", Some(1.0), Some(2.0), Some(file.clone()), fail).unwrap();
+        let r = resolve("k\tA", Some(1.0), Some(2.0), Some(file.clone()), |_| true, fail).unwrap();
         assert_eq!((r.limits, r.bandwidth, r.compute), (Limits { bytes_per_s: 1.0, flops_per_s: 2.0 }, Origin::Given, Origin::Given));
         // Not cached: measured and stored; one given value wins over the measurement.
-        let r = resolve("k\tA", Some(7e9), None, Some(file.clone()), || Ok(measured)).unwrap();
+        let r = resolve("k\tA", Some(7e9), None, Some(file.clone()), |_| false, || Ok(measured)).unwrap();
         assert_eq!((r.limits.bytes_per_s, r.limits.flops_per_s), (7e9, 4e11));
         assert_eq!((&r.bandwidth, &r.compute, &r.not_cached), (&Origin::Given, &Origin::Measured, &None));
         assert!(r.describe().contains("saved to"), "{}", r.describe());
         // Cached now, next to another key.
         store(&file, "other", &LIM).unwrap();
-        let r = resolve("k\tA", None, None, Some(file.clone()), fail).unwrap();
+        let r = resolve("k\tA", None, None, Some(file.clone()), |_| false, fail).unwrap();
         assert_eq!((r.limits, r.bandwidth.clone()), (measured, Origin::Cached));
         assert!(r.describe().starts_with("memory 3.0 GB/s (cached), products 0.40 TFLOP/s (cached) for k\tA from "), "{}", r.describe());
         assert_eq!(read_cached(&file, "other"), Some(LIM));
         assert_eq!(std::fs::read_to_string(&file).unwrap().lines().count(), 2);
         // A measurement that fails is the error.
-        assert!(resolve("new", None, None, Some(file), fail).is_err());
+        assert!(resolve("new", None, None, Some(file.clone()), |_| false, fail).is_err());
+        // Cached limits that this run's kernels beat are measured again and replace the entry;
+        // `stale` sees a given limit as none.
+        let faster = Limits { bytes_per_s: 5e9, flops_per_s: 9e11 };
+        let r = resolve("k\tA", Some(8e9), None, Some(file.clone()), |l| l.bytes_per_s == f64::INFINITY && l.flops_per_s == 4e11, || Ok(faster)).unwrap();
+        assert!(r.remeasured && r.compute == Origin::Measured, "{r:?}");
+        assert_eq!((r.limits.bytes_per_s, r.limits.flops_per_s), (8e9, 9e11));
+        assert!(r.describe().contains("the cached limits were below this run's kernels"), "{}", r.describe());
+        assert_eq!(read_cached(&file, "k\tA"), Some(faster));
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

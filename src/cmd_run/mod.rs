@@ -236,8 +236,8 @@ pub fn run(mut a: RunArgs) -> CliResult {
     };
     let mut rows = summary.rows(ex, &built.summary, t_start.elapsed().as_secs_f64());
     // After the summary's rows: a measurement's buffers stay out of its host memory peak.
-    let timed = ex.profile().is_some_and(|p| p.steps > 0);
-    let roof = ((a.profile || a.profile_json.is_some()) && timed).then(|| roof::roof(&a, ex));
+    let timed = ex.profile().filter(|p| p.steps > 0);
+    let roof = timed.filter(|_| a.profile || a.profile_json.is_some()).map(|p| roof::roof(&a, ex, &p));
     if let Some(r) = &roof {
         rows.push(("roofline".into(), r.as_ref().map_or_else(|e| format!("none: {e}"), |r| r.describe())));
     }

@@ -1,6 +1,6 @@
 //! The CPU's roofline limits ([`crate::roofline`]), measured in-process: the memory bandwidth
 //! of a parallel copy of 128 MiB (larger than the last-level caches of common hosts), and the
-//! rate of one 1024³ product through the executor's own product path ([`super::product::run`])
+//! rate of one 2048³ product through the executor's own product path ([`super::product::run`])
 //! on its operand type, instruction-set level and thread count. Each is the best of a few runs
 //! after a warm-up.
 
@@ -16,9 +16,9 @@ use crate::roofline::Limits;
 /// Bytes copied by the bandwidth measurement (read once and written once per run).
 const COPY_BYTES: usize = 128 << 20;
 /// The product's m = n = k.
-const GEMM_SIZE: usize = 1024;
+const GEMM_SIZE: usize = 2048;
 /// Timed runs of each measurement (after one warm-up); the fastest counts.
-const RUNS: usize = 3;
+const RUNS: usize = 5;
 
 /// The fastest of [`RUNS`] runs of `f` after a warm-up, in seconds.
 fn fastest(mut f: impl FnMut()) -> f64 {
