@@ -141,16 +141,18 @@ impl KernelCompiler {
             return Ok(c.clone());
         }
         let mut progs = lower_kernel(k, bind)?;
+        let mut narrows = Vec::with_capacity(progs.len());
         for p in progs.iter_mut() {
             crate::vmath::assign(p, self.level);
             crate::stash::assign(p);
+            narrows.push(if crate::narrow::enabled() { crate::narrow::assign(p) } else { vec![] });
         }
         let mut segments = Vec::with_capacity(progs.len());
         let mut scratch: Vec<Vec<f32>> = Vec::new();
         let mut clif_text = String::new();
         let mut flops = 0u64;
         let mut seen: Vec<[u8; 32]> = Vec::new();
-        for p in &progs {
+        for (p, narrows) in progs.iter().zip(narrows) {
             let (code, text, fkey) = self.code_for(p)?;
             if !seen.contains(&fkey) {
                 seen.push(fkey);
@@ -169,7 +171,7 @@ impl KernelCompiler {
                 })
                 .collect();
             flops += p.flops();
-            segments.push(SegmentRun { code, slots, rows: p.rows, chunks: p.chunks });
+            segments.push(SegmentRun { code, slots, rows: p.rows, cols: p.cols, chunks: p.chunks, narrows });
         }
         let mut bytes = 0u64;
         for n in &k.body.nodes {

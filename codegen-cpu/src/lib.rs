@@ -40,6 +40,7 @@ pub mod gemm;
 pub mod isa;
 mod jit;
 mod math;
+mod narrow;
 mod ops;
 mod plan;
 mod run;

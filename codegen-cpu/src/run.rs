@@ -13,6 +13,7 @@ use fusec_ir::rows::chunk_bounds;
 use rayon::prelude::*;
 
 use crate::jit::Code;
+use crate::narrow::{self, Narrow};
 use crate::thread_spans::task;
 
 /// What an argument-array slot points at when a segment runs.
@@ -26,12 +27,15 @@ pub(crate) enum SlotRef {
     Scratch(usize),
 }
 
-/// One segment: its compiled code and what its slots point at.
+/// One segment: its compiled code, what its slots point at, and the bf16 copies rounded after
+/// each chunk ([`crate::narrow`]).
 pub(crate) struct SegmentRun {
     pub code: Arc<Code>,
     pub slots: Vec<SlotRef>,
     pub rows: u64,
+    pub cols: u64,
     pub chunks: u64,
+    pub narrows: Vec<Narrow>,
 }
 
 /// A compiled kernel, ready to run on buffers (see [`CompiledKernel::run`]).
@@ -114,12 +118,26 @@ impl CompiledKernel {
                 SlotRef::Scratch(i) => scratch[i].as_mut_ptr() as *mut u8,
             }));
             let ap = SendPtr(args.as_ptr());
-            let (chunk_fn, rows, chunks) = (seg.code.chunk, seg.rows, seg.chunks);
+            let (chunk_fn, rows, cols, chunks, narrows) = (seg.code.chunk, seg.rows, seg.cols, seg.chunks, &seg.narrows);
             let body = move |k: u64| {
                 let (b, e) = chunk_bounds(rows, chunks, k);
                 // SAFETY: the caller guarantees the buffers; chunks write disjoint rows and
                 // their own partials.
-                unsafe { chunk_fn(ap.get(), b as i64, e as i64, k as i64) }
+                unsafe {
+                    if narrows.is_empty() {
+                        chunk_fn(ap.get(), b as i64, e as i64, k as i64);
+                    } else {
+                        // A block of rows at a time, its copies rounded while it is in cache.
+                        let step = (narrow::BLOCK / cols.max(1)).max(1);
+                        let mut r = b;
+                        while r < e {
+                            let s = (r + step).min(e);
+                            chunk_fn(ap.get(), r as i64, s as i64, k as i64);
+                            narrow::run(narrows, ap.get(), cols, r, s);
+                            r = s;
+                        }
+                    }
+                }
             };
             if threads <= 1 || chunks <= 1 {
                 (0..chunks).for_each(body);
@@ -145,6 +163,12 @@ impl CompiledKernel {
     /// How many independent segments (compiled functions) the kernel runs.
     pub fn segments(&self) -> usize {
         self.segments.len()
+    }
+
+    /// How many bf16 copies of f32 results are rounded natively after each chunk instead of in
+    /// the generated code ([`crate::narrow`]).
+    pub fn native_narrows(&self) -> usize {
+        self.segments.iter().map(|s| s.narrows.len()).sum()
     }
 }
 

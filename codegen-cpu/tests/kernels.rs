@@ -307,6 +307,56 @@ fn adamw_multi_tensor() {
     check(&mut c, &kernel, &b, &ins);
 }
 
+/// AdamW writing bf16 copies of its parameters (as `--precision bf16` runs it): the copies are
+/// rounded after each chunk in native code, not in the generated loop, and are exactly the f32
+/// results rounded to bf16 (nearest, ties to even, NaN quiet), at every thread count, in place
+/// over the old copies as the memory planner puts them.
+#[test]
+fn adamw_bf16_copies_are_the_rounded_results() {
+    let mut c = KernelCompiler::new().unwrap();
+    let mut k = Body::new();
+    let lr = k.input(DType::F32, &[]);
+    let bc1 = k.input(DType::F32, &[]);
+    let bc2 = k.input(DType::F32, &[]);
+    let (mut outs, mut positive, mut copies) = (vec![], vec![1, 2], vec![]);
+    for (i, shape) in [vec![l(37)], vec![l(300), l(64)], vec![l(5), l(3), l(7)], vec![l(2), l(2048)]].into_iter().enumerate() {
+        let p = k.input(DType::F32, &shape);
+        let mut g = k.input(DType::F32, &shape);
+        if i == 1 {
+            let g2 = k.input(DType::F32, &shape);
+            g = k.bin(BinaryOp::Add, g, g2);
+        }
+        let m = k.input(DType::F32, &shape);
+        let v = k.input(DType::F32, &shape);
+        positive.push(k.n_in - 1);
+        let copy = k.input(DType::BF16, &shape);
+        copies.push((outs.len() + 3, k.n_in - 1));
+        outs.extend(k.g.add(Op::AdamW { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.1 }, &[p, g, m, v, lr, bc1, bc2, copy]));
+    }
+    let kernel = k.kernel("adamw", &outs);
+    let b = bind(1, 1);
+    let mut ins = random_inputs(&kernel, &b, 31, 1, &positive);
+    ins[0].data[0] = 1e-3;
+    check(&mut c, &kernel, &b, &ins);
+    // A NaN and an infinite gradient (NaN parameters after the step) for the rounding below.
+    ins[4].data[3] = f64::NAN;
+    ins[4].data[5] = f64::INFINITY;
+    let ck = c.compile(&kernel, &b).unwrap();
+    assert_eq!(ck.native_narrows(), 4, "every copy is rounded after its chunks");
+    for threads in [1, 2] {
+        for got in [execute(&ck, &kernel, &b, &ins, threads), execute_in_place(&ck, &kernel, &b, &ins, &copies, threads)] {
+            for &(copy, _) in &copies {
+                let (p, h) = (&got[copy - 3], &got[copy]);
+                for (i, (&x, &y)) in p.data.iter().zip(&h.data).enumerate() {
+                    let want = fusec_ir::interp::round_to(DType::BF16, x);
+                    assert!(want.to_bits() == y.to_bits() || (want.is_nan() && y.is_nan()), "result {copy}[{i}]: {y} is not {x} rounded ({want})");
+                }
+                assert!(p.data.iter().any(|x| x.is_nan()) == (copy == 3), "the NaN gradient reaches the first parameter only");
+            }
+        }
+    }
+}
+
 /// bf16 storage: bf16 operands and results, bf16-typed arithmetic, casts both ways.
 #[test]
 fn bf16_storage() {
