@@ -16,7 +16,7 @@ use std::collections::HashMap;
 use std::time::Instant;
 
 use fusec_codegen_cpu::{CompiledKernel, KernelCompiler};
-use fusec_ir::{BinaryOp, Bindings, CmpOp, DType, Graph, Kernel, Op, ReduceOp, Shape, Type, UnaryOp, ValueId};
+use fusec_ir::{BinaryOp, Bindings, CmpOp, DType, Dim, Graph, Kernel, Op, ReduceOp, Shape, Type, UnaryOp, ValueId};
 use harness::*;
 
 // ---- hand-built kernels, one per form ---------------------------------------------------------
@@ -275,18 +275,16 @@ fn cross_entropy_padded() {
     check(&mut c, &kernel, &b, &ins2);
 }
 
-/// The multi-tensor AdamW kernel: three parameters of different shapes, one with a gradient
-/// accumulation prologue; shared lr and bias corrections; results in place semantics aside.
-#[test]
-fn adamw_multi_tensor() {
-    let mut c = KernelCompiler::new().unwrap();
+/// A multi-tensor AdamW kernel over parameters of `shapes` (the second with a gradient
+/// accumulation prologue, the first without weight decay), with bf16 weight copies if `copies`:
+/// the kernel, the inputs that must be positive, and (copy result, old copy operand) pairs.
+fn adamw_kernel(shapes: Vec<Vec<Dim>>, copies: bool) -> (Kernel, Vec<usize>, Vec<(usize, usize)>) {
     let mut k = Body::new();
     let lr = k.input(DType::F32, &[]);
     let bc1 = k.input(DType::F32, &[]);
     let bc2 = k.input(DType::F32, &[]);
-    let mut outs = vec![];
-    let mut positive = vec![1, 2];
-    for (i, shape) in [vec![l(37)], vec![l(6), l(64)], vec![l(5), l(3), l(7)]].into_iter().enumerate() {
+    let (mut outs, mut positive, mut pairs) = (vec![], vec![1, 2], vec![]);
+    for (i, shape) in shapes.into_iter().enumerate() {
         let p = k.input(DType::F32, &shape);
         let mut g = k.input(DType::F32, &shape);
         if i == 1 {
@@ -296,11 +294,23 @@ fn adamw_multi_tensor() {
         let m = k.input(DType::F32, &shape);
         let v = k.input(DType::F32, &shape);
         positive.push(k.n_in - 1);
+        let mut ins = vec![p, g, m, v, lr, bc1, bc2];
+        if copies {
+            ins.push(k.input(DType::BF16, &shape));
+            pairs.push((outs.len() + 3, k.n_in - 1));
+        }
         let wd = if i == 0 { 0.0 } else { 0.1 };
-        let r = k.g.add(Op::AdamW { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: wd }, &[p, g, m, v, lr, bc1, bc2]);
-        outs.extend(r);
+        outs.extend(k.g.add(Op::AdamW { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: wd }, &ins));
     }
-    let kernel = k.kernel("adamw", &outs);
+    (k.kernel("adamw", &outs), positive, pairs)
+}
+
+/// The multi-tensor AdamW kernel: three parameters of different shapes, one with a gradient
+/// accumulation prologue; shared lr and bias corrections; results in place semantics aside.
+#[test]
+fn adamw_multi_tensor() {
+    let mut c = KernelCompiler::new().unwrap();
+    let (kernel, positive, _) = adamw_kernel(vec![vec![l(37)], vec![l(6), l(64)], vec![l(5), l(3), l(7)]], false);
     let b = bind(1, 1);
     let mut ins = random_inputs(&kernel, &b, 13, 1, &positive);
     ins[0].data[0] = 1e-3;
@@ -308,32 +318,14 @@ fn adamw_multi_tensor() {
 }
 
 /// AdamW writing bf16 copies of its parameters (as `--precision bf16` runs it): the copies are
-/// rounded after each chunk in native code, not in the generated loop, and are exactly the f32
-/// results rounded to bf16 (nearest, ties to even, NaN quiet), at every thread count, in place
-/// over the old copies as the memory planner puts them.
+/// rounded after each block of rows in native code, not in the generated loop, and are exactly
+/// the f32 results rounded to bf16 (nearest, ties to even, NaN quiet), at every thread count, in
+/// place over the old copies as the memory planner puts them.
 #[test]
 fn adamw_bf16_copies_are_the_rounded_results() {
     let mut c = KernelCompiler::new().unwrap();
-    let mut k = Body::new();
-    let lr = k.input(DType::F32, &[]);
-    let bc1 = k.input(DType::F32, &[]);
-    let bc2 = k.input(DType::F32, &[]);
-    let (mut outs, mut positive, mut copies) = (vec![], vec![1, 2], vec![]);
-    for (i, shape) in [vec![l(37)], vec![l(300), l(64)], vec![l(5), l(3), l(7)], vec![l(2), l(2048)]].into_iter().enumerate() {
-        let p = k.input(DType::F32, &shape);
-        let mut g = k.input(DType::F32, &shape);
-        if i == 1 {
-            let g2 = k.input(DType::F32, &shape);
-            g = k.bin(BinaryOp::Add, g, g2);
-        }
-        let m = k.input(DType::F32, &shape);
-        let v = k.input(DType::F32, &shape);
-        positive.push(k.n_in - 1);
-        let copy = k.input(DType::BF16, &shape);
-        copies.push((outs.len() + 3, k.n_in - 1));
-        outs.extend(k.g.add(Op::AdamW { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.1 }, &[p, g, m, v, lr, bc1, bc2, copy]));
-    }
-    let kernel = k.kernel("adamw", &outs);
+    let shapes = vec![vec![l(37)], vec![l(300), l(64)], vec![l(5), l(3), l(7)], vec![l(2), l(20000)]];
+    let (kernel, positive, copies) = adamw_kernel(shapes, true);
     let b = bind(1, 1);
     let mut ins = random_inputs(&kernel, &b, 31, 1, &positive);
     ins[0].data[0] = 1e-3;
@@ -342,7 +334,7 @@ fn adamw_bf16_copies_are_the_rounded_results() {
     ins[4].data[3] = f64::NAN;
     ins[4].data[5] = f64::INFINITY;
     let ck = c.compile(&kernel, &b).unwrap();
-    assert_eq!(ck.native_narrows(), 4, "every copy is rounded after its chunks");
+    assert_eq!(ck.native_narrows(), 4, "every copy is rounded after its blocks of rows");
     for threads in [1, 2] {
         for got in [execute(&ck, &kernel, &b, &ins, threads), execute_in_place(&ck, &kernel, &b, &ins, &copies, threads)] {
             for &(copy, _) in &copies {
