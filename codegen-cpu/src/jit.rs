@@ -173,6 +173,10 @@ impl KernelCompiler {
             flops += p.flops();
             segments.push(SegmentRun { code, slots, rows: p.rows, cols: p.cols, chunks: p.chunks, narrows });
         }
+        let copies: usize = segments.iter().map(|s: &SegmentRun| s.narrows.len()).sum();
+        if copies > 0 {
+            let _ = writeln!(clif_text, "; {copies} bf16 copies of f32 results are rounded natively after each block of rows, not in these functions");
+        }
         let mut bytes = 0u64;
         for n in &k.body.nodes {
             if let fusec_ir::Op::Input { ty, .. } = &n.op {

@@ -335,6 +335,7 @@ fn adamw_bf16_copies_are_the_rounded_results() {
     ins[4].data[5] = f64::INFINITY;
     let ck = c.compile(&kernel, &b).unwrap();
     assert_eq!(ck.native_narrows(), 4, "every copy is rounded after its blocks of rows");
+    assert!(ck.clif.contains("4 bf16 copies of f32 results are rounded natively"), "the dump says so:\n{}", ck.clif);
     for threads in [1, 2] {
         for got in [execute(&ck, &kernel, &b, &ins, threads), execute_in_place(&ck, &kernel, &b, &ins, &copies, threads)] {
             for &(copy, _) in &copies {
