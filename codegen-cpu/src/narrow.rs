@@ -1,4 +1,4 @@
-//! bf16 copies of f32 results rounded after each chunk in native code. AdamW stores `p'` twice,
+//! bf16 copies of f32 results rounded in native code after each block of rows. AdamW stores `p'` twice,
 //! as the f32 parameter and as its bf16 copy for the products; the generated code rounds four
 //! lanes to bf16 in about ten integer operations, which made the bf16 AdamW half again as slow
 //! as the f32 one. Such a copy's store leaves the row program ([`assign`]); the runner calls the
@@ -14,7 +14,7 @@ use crate::convert::round_rows;
 /// every common core).
 pub(crate) const BLOCK: u64 = 16 * 1024;
 
-/// A copy the runner makes after each chunk: the argument slots of an f32 result and of its
+/// A copy the runner makes after each block of rows: the argument slots of an f32 result and of its
 /// bf16 copy, both `cols` contiguous elements a row.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Narrow {

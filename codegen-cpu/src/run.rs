@@ -28,7 +28,7 @@ pub(crate) enum SlotRef {
 }
 
 /// One segment: its compiled code, what its slots point at, and the bf16 copies rounded after
-/// each chunk ([`crate::narrow`]).
+/// each block of rows ([`crate::narrow`]).
 pub(crate) struct SegmentRun {
     pub code: Arc<Code>,
     pub slots: Vec<SlotRef>,
@@ -165,8 +165,8 @@ impl CompiledKernel {
         self.segments.len()
     }
 
-    /// How many bf16 copies of f32 results are rounded natively after each chunk instead of in
-    /// the generated code ([`crate::narrow`]).
+    /// How many bf16 copies of f32 results are rounded natively after each block of rows instead
+    /// of in the generated code ([`crate::narrow`]).
     pub fn native_narrows(&self) -> usize {
         self.segments.iter().map(|s| s.narrows.len()).sum()
     }
