@@ -73,11 +73,14 @@ pub fn executor(a: &RunArgs, run: &RunPrograms, threads: usize, dist: Option<&La
                     mib(plan.naive_bytes)
                 ),
             ));
-            let (bytes, kept) = build.attention;
+            let (bytes, kept, budget) = build.attention;
             if bytes > 0 {
                 let why = match kept {
                     0 => "score matrices; the backward recomputes the probabilities".to_string(),
-                    n => format!("score matrices and {n} layers' probabilities kept for the backward (at most 256 MiB; FUSEC_CPU_KEEP_SCORES_MIB sets it)"),
+                    n => format!(
+                        "score matrices and {n} layers' probabilities kept for the backward (at most {}; FUSEC_CPU_KEEP_SCORES_MIB sets it)",
+                        mib(budget)
+                    ),
                 };
                 summary.push(("attention".into(), format!("{} outside the allocation: {why}", mib(bytes))));
             }

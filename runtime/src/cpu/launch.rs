@@ -52,12 +52,18 @@ pub struct Launch {
 /// (`FUSEC_CPU_KEEP_SCORES_MIB` overrides it, 0 turns keeping off).
 const KEEP_SCORES_BYTES: u64 = 256 << 20;
 
+/// The bytes of probabilities that may be kept: `FUSEC_CPU_KEEP_SCORES_MIB` MiB, else
+/// [`KEEP_SCORES_BYTES`].
+pub fn keep_budget() -> u64 {
+    std::env::var("FUSEC_CPU_KEEP_SCORES_MIB").ok().and_then(|v| v.parse::<u64>().ok()).map_or(KEEP_SCORES_BYTES, |m| m << 20)
+}
+
 /// Whether the attention backwards of `plan` read the probabilities their forwards kept instead
 /// of recomputing them (`q k^T` and the softmax again): when there are some and all of them fit
 /// [`KEEP_SCORES_BYTES`] (`S H T²` floats a layer; GPT-2 `small` at B = 8, T = 256: 8 MiB). A
 /// plan without a backward (evaluation) keeps nothing.
 pub fn keep_scores(plan: &[launches::Launch]) -> bool {
-    let budget = std::env::var("FUSEC_CPU_KEEP_SCORES_MIB").ok().and_then(|v| v.parse::<u64>().ok()).map_or(KEEP_SCORES_BYTES, |m| m << 20);
+    let budget = keep_budget();
     let mut bytes = 0u64;
     for l in plan {
         if let LaunchOp::Attention(a) = &l.op {

@@ -50,9 +50,9 @@ pub struct CpuBuild {
     pub step_plan: MemPlan,
     /// The instruction-set level of the kernels and bf16 products.
     pub isa: Isa,
-    /// Attention's score matrices outside the allocation: bytes, and how many layers keep
-    /// their probabilities for the backward (`launch::keep_scores`).
-    pub attention: (u64, usize),
+    /// Attention's score matrices outside the allocation: bytes, how many layers keep their
+    /// probabilities for the backward (`launch::keep_scores`), and the bytes they may take.
+    pub attention: (u64, usize, u64),
 }
 
 /// Runs the programs of a training run on the CPU.
@@ -104,13 +104,14 @@ impl CpuExecutor {
             Kind::Attention { attn, keep, .. } => Some((attn, *keep)),
             _ => None,
         }));
+        let (scores, kept) = attn.size();
         let build = CpuBuild {
             compile_time: t0.elapsed(),
             kernels: kc.stats(),
             arena_bytes: arena.size() as u64,
             step_plan: plan.step_plan,
             isa,
-            attention: attn.size(),
+            attention: (scores, kept, launch::keep_budget()),
         };
         let ex = CpuExecutor {
             arena,
