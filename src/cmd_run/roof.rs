@@ -22,7 +22,7 @@ pub fn roof(a: &RunArgs, ex: &mut dyn Executor, profile: &Profile) -> Result<Roo
     let stale = |lim: &Limits| {
         let product = |name: &str| (name.starts_with("matmul") || name.starts_with("gemm")) && !name.contains("attn");
         rows.iter()
-            .filter(|(name, _)| product(name))
+            .filter(|(name, st)| product(name) && !st.total.is_zero())
             .any(|(_, st)| st.flops as f64 / st.total.as_secs_f64() > STALE_PERCENT / 100.0 * lim.flops_per_s)
     };
     resolve(&key, gbps, tflops, cache_file(), stale, || ex.measure_limits(operands))
