@@ -141,11 +141,11 @@ impl KernelCompiler {
             return Ok(c.clone());
         }
         let mut progs = lower_kernel(k, bind)?;
-        let mut narrows = Vec::with_capacity(progs.len());
+        let (mut narrows, native_narrows) = (Vec::with_capacity(progs.len()), crate::narrow::enabled());
         for p in progs.iter_mut() {
             crate::vmath::assign(p, self.level);
             crate::stash::assign(p);
-            narrows.push(if crate::narrow::enabled() { crate::narrow::assign(p) } else { vec![] });
+            narrows.push(if native_narrows { crate::narrow::assign(p) } else { vec![] });
         }
         let mut segments = Vec::with_capacity(progs.len());
         let mut scratch: Vec<Vec<f32>> = Vec::new();
