@@ -150,6 +150,21 @@ fn many_tiles() {
 }
 
 #[test]
+fn tall_tiles_over_a_long_contraction() {
+    // At most 16 columns and k >= 1024: on a host with AVX-512 every tile (at least 64 rows) is
+    // computed column-major into scratch and copied into place (`column_major_pays`), plain and
+    // accumulating; elsewhere these are row-major tiles like the rest.
+    for (m, n, k) in [(300, 16, 1030), (129, 13, 1024)] {
+        for trans in [(false, false), (true, false), (false, true), (true, true)] {
+            for (batch, b_shared, accumulate) in [(1, true, false), (1, true, true), (2, false, true)] {
+                let s = GemmSpec { batch, m, n, k, trans_a: trans.0, trans_b: trans.1, b_shared, bias: false, gelu: false, accumulate };
+                check(s, (m * 31 + n * 7 + k) as u64 ^ batch as u64);
+            }
+        }
+    }
+}
+
+#[test]
 fn accumulate_really_adds() {
     let s = GemmSpec { accumulate: true, ..GemmSpec::new(130, 520, 31) };
     let (a, b, _, _) = inputs(&s, 7);

@@ -306,14 +306,14 @@ impl Plan {
         let a = self.a.0.offset(a_off);
         let b = self.b.0.offset(b_off);
         let y = self.y.0.add(y_off);
-        let product = |dst: *mut f32, dst_rs: usize, read_dst: bool| {
+        let product_to = |dst: *mut f32, dst_cs: usize, dst_rs: usize, read_dst: bool| {
             count_crate_call();
             gemm::gemm(
                 mt,
                 nt,
                 s.k,
                 dst,
-                1,
+                dst_cs as isize,
                 dst_rs as isize,
                 read_dst,
                 a,
@@ -330,8 +330,16 @@ impl Plan {
                 Parallelism::None,
             )
         };
+        let product = |dst: *mut f32, dst_rs: usize, read_dst: bool| product_to(dst, 1, dst_rs, read_dst);
         if !has_epilogue(s) {
-            product(y, n, s.accumulate);
+            if column_major_pays(mt, nt, s.k) {
+                with_scratch(mt * nt, |tmp| {
+                    product_to(tmp.as_mut_ptr(), mt, 1, false);
+                    store_transposed(y, n, tmp, mt, nt, s.accumulate);
+                });
+            } else {
+                product(y, n, s.accumulate);
+            }
             return;
         }
         let bias = self.bias.map(|p| std::slice::from_raw_parts(p.0.add(j0), nt));
@@ -357,6 +365,43 @@ impl Plan {
                     epilogue::accumulate_bias(rows(y, n, i), &tmp[i * nt..(i + 1) * nt], bias);
                 }
             });
+        }
+    }
+}
+
+/// Whether a tile of `mt x nt` outputs over `k` is faster computed column-major into scratch and
+/// copied into its row-major place. The crate multiplies a row-major result as its transpose,
+/// an `nt`-row problem, which fills its register blocks worse than the `mt`-row one when the
+/// tile is tall; the copy costs `mt nt` against the product's `mt nt k`, so it pays at long `k`.
+/// Measured on a 2-core Zen 4 (`gemm_bench --only dW`, twentieth and twenty-first sessions): the
+/// `small` LM head's weight gradient (8192 x 256, k = 2,048) 49.2 / 52.7 -> 45.9 / 47.2 ms; wide
+/// or square tiles and k = 256 (the 124M shape at B = 4, T = 64) were slower, and so was the LM
+/// head on the crate's AVX2 kernels (49.1 / 48.0 -> 49.8 / 48.9 ms), so only hosts where the crate
+/// runs its AVX-512 kernels take it. `FUSEC_GEMM_COLUMN_TILES=0` keeps every tile row-major.
+fn column_major_pays(mt: usize, nt: usize, k: usize) -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    k >= 1024
+        && mt >= 4 * nt
+        && *ON.get_or_init(|| std::env::var("FUSEC_GEMM_COLUMN_TILES").map_or(true, |v| v != "0") && crate::isa::Isa::Avx512.supported())
+}
+
+/// `y[i, j] = t[j * mt + i]` (or `+=` when `accumulate`) for the `mt x nt` tile at `y` (row
+/// stride `n`), in blocks that stay in cache on both sides. `y + t` is what the crate's own
+/// accumulation computes (`1 * y + 1 * product`), so both paths give the same bits.
+///
+/// # Safety
+/// `y` must cover the tile.
+unsafe fn store_transposed(y: *mut f32, n: usize, t: &[f32], mt: usize, nt: usize, accumulate: bool) {
+    const B: usize = 32;
+    for i0 in (0..mt).step_by(B) {
+        for j0 in (0..nt).step_by(B) {
+            for i in i0..(i0 + B).min(mt) {
+                let row = std::slice::from_raw_parts_mut(y.add(i * n), nt);
+                for j in j0..(j0 + B).min(nt) {
+                    let v = t[j * mt + i];
+                    row[j] = if accumulate { row[j] + v } else { v };
+                }
+            }
         }
     }
 }
