@@ -386,8 +386,8 @@ fn column_major_pays(mt: usize, nt: usize, k: usize) -> bool {
 }
 
 /// `y[i, j] = t[j * mt + i]` (or `+=` when `accumulate`) for the `mt x nt` tile at `y` (row
-/// stride `n`), in blocks that stay in cache on both sides. `y + t` is what the crate's own
-/// accumulation computes (`1 * y + 1 * product`), so both paths give the same bits.
+/// stride `n`), in blocks that stay in cache on both sides. `y + t` is the crate's own
+/// accumulation (`1 * y + 1 * product`).
 ///
 /// # Safety
 /// `y` must cover the tile.
