@@ -28,6 +28,7 @@
 
 mod bf16;
 mod epilogue;
+mod small;
 mod strided;
 
 pub use bf16::{bf16_bits, gemm_bf16, gemm_bf16_on, widen_bits, Bf16Out};
@@ -35,6 +36,7 @@ pub use bf16::{bf16_bits, gemm_bf16, gemm_bf16_on, widen_bits, Bf16Out};
 pub use bf16::amx_permitted;
 pub(crate) use epilogue::gelu_scale;
 pub use epilogue::{exp, gelu, tanh};
+pub use small::matmul_small;
 pub use strided::{matmul_strided, Mat};
 
 static CRATE_CALLS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);

@@ -9,7 +9,9 @@
 //! backward's another, each head running its stages in turn while its score matrix is in
 //! cache (the profile names the launch after its stages). The products skip the zeros above
 //! the diagonal: they run per block of [`CAUSAL_BLOCK`] rows over the keys up to the block's
-//! last row.
+//! last row, on `matmul_small` (AVX-512 register blocks where the host has them); `k` and `v`
+//! are transposed once a head for `q k^T` and `dout v^T`, so the right operand's rows are
+//! contiguous.
 //!
 //! Everything computes in f32. On bf16 storage each head's rows of `q`, `k`, `v`, `out` and
 //! `dout` are widened (exactly) into per-thread buffers right before the stage reads them, and
@@ -20,7 +22,7 @@
 use std::cell::RefCell;
 
 use fusec_codegen_cpu::convert::{round_rows, widen_rows};
-use fusec_codegen_cpu::gemm::{exp, matmul_strided, Mat};
+use fusec_codegen_cpu::gemm::{exp, matmul_small, Mat};
 use fusec_codegen_cpu::at_level;
 use fusec_codegen_cpu::isa::current;
 use fusec_ir::DType;
@@ -223,8 +225,9 @@ unsafe fn head_stage(stage: AttnStage, dm: AttnDims, scale: f32, a: &Ptrs, sh: u
     match stage {
         AttnStage::Scores => {
             let (q, k) = (a.qkv.view(part(0), t, d, 3 * c, b0), a.qkv.view(part(1), t, d, 3 * c, b1));
+            let kt = transposed(k, t, d, b2);
             for (r0, n, keys) in causal_blocks(t) {
-                matmul_strided(n, keys, d, p.as_mut_ptr().add(r0 * t), t as isize, shift(q, r0, 0), k.t(), false)
+                matmul_small(n, keys, d, p.as_mut_ptr().add(r0 * t), t as isize, shift(q, r0, 0), kt, false)
             }
         }
         AttnStage::Softmax { recompute } => {
@@ -239,14 +242,15 @@ unsafe fn head_stage(stage: AttnStage, dm: AttnDims, scale: f32, a: &Ptrs, sh: u
             let v = a.qkv.view(part(2), t, d, 3 * c, b0);
             let (dst, rs) = a.out.target(row, t, d, c, b1);
             for (r0, n, keys) in causal_blocks(t) {
-                matmul_strided(n, d, keys, dst.offset(r0 as isize * rs), rs, shift(pm, r0, 0), v, false);
+                matmul_small(n, d, keys, dst.offset(r0 as isize * rs), rs, shift(pm, r0, 0), v, false);
             }
             a.out.commit(row, t, d, c, b1);
         }
         AttnStage::GradDp => {
             let (dout, v) = (a.dout.view(row, t, d, c, b0), a.qkv.view(part(2), t, d, 3 * c, b1));
+            let vt = transposed(v, t, d, b2);
             for (r0, n, keys) in causal_blocks(t) {
-                matmul_strided(n, keys, d, a.ds.add(sh * t * t + r0 * t), t as isize, shift(dout, r0, 0), v.t(), false)
+                matmul_small(n, keys, d, a.ds.add(sh * t * t + r0 * t), t as isize, shift(dout, r0, 0), vt, false)
             }
         }
         AttnStage::GradDs => {
@@ -264,10 +268,10 @@ unsafe fn head_stage(stage: AttnStage, dm: AttnDims, scale: f32, a: &Ptrs, sh: u
                     let at = dst.offset(r0 as isize * rs);
                     if which == 0 {
                         // dq: a query row reads the keys up to its own.
-                        matmul_strided(n, d, keys, at, rs, shift(lhs, r0, 0), rhs, false);
+                        matmul_small(n, d, keys, at, rs, shift(lhs, r0, 0), rhs, false);
                     } else {
                         // dk, dv: a key's sums run over the query rows from its own on.
-                        matmul_strided(n, d, t - r0, at, rs, shift(lhs, r0, r0), shift(rhs, r0, 0), false);
+                        matmul_small(n, d, t - r0, at, rs, shift(lhs, r0, r0), shift(rhs, r0, 0), false);
                     }
                 }
                 a.dqkv.commit(part(which), t, d, 3 * c, b3);
@@ -287,6 +291,22 @@ fn causal_blocks(t: usize) -> impl Iterator<Item = (usize, usize, usize)> {
         let n = CAUSAL_BLOCK.min(t - r0);
         (r0, n, r0 + n)
     })
+}
+
+/// The `cols x rows` transpose of the `rows x cols` view `m`, row-major in `buf`: the right
+/// operand of `q k^T` and `dout v^T` with its rows contiguous, made once a head.
+///
+/// # Safety
+/// `m` must cover its extent.
+unsafe fn transposed(m: Mat, rows: usize, cols: usize, buf: &mut Vec<f32>) -> Mat {
+    let out = take(buf, rows * cols);
+    for i in 0..rows {
+        let src = m.ptr.offset(i as isize * m.rs);
+        for j in 0..cols {
+            out[j * rows + i] = *src.offset(j as isize * m.cs);
+        }
+    }
+    Mat { ptr: out.as_ptr(), rs: rows as isize, cs: 1 }
 }
 
 /// `m` from row `r` and column `c` on.
