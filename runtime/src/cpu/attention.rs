@@ -47,8 +47,8 @@ pub enum AttnStage {
     GradQkv,
 }
 
-/// The per-head score matrices `p` and `ds` shared by every attention launch (launches run one
-/// at a time), outside the memory plan, sized once for the largest attention; and, for the
+/// The per-head score matrices `p` shared by every attention launch (launches run one at a
+/// time), outside the memory plan, sized once for the largest attention; and, for the
 /// layers whose backward reads the probabilities their forward kept (`launch::keep_scores`),
 /// one `p` a layer, found by the layer's `lse` offset (its forward and backward share it).
 /// Written only through the pointers taken when they were allocated (launches hold `&self`).
@@ -63,7 +63,7 @@ impl AttnScratch {
     /// Scratch for these attention launches, each with whether its layer keeps `p`.
     pub fn new<'a>(attns: impl Iterator<Item = (&'a Attention, bool)>) -> AttnScratch {
         let attns: Vec<(&Attention, bool)> = attns.collect();
-        let shared = attns.iter().map(|(a, _)| 2 * score_floats(a.dims)).max().unwrap_or(0);
+        let shared = attns.iter().map(|(a, _)| score_floats(a.dims)).max().unwrap_or(0);
         let mut layers: Vec<(u64, usize)> = vec![];
         for (a, _) in attns.iter().filter(|(a, keep)| *keep && !a.forward) {
             if !layers.iter().any(|(lse, _)| *lse == a.at.lse) {
@@ -117,11 +117,12 @@ impl AttnScratch {
             dout: Storage { ptr: t.dout.map_or(std::ptr::null_mut(), at), bf16 },
             dqkv: Storage { ptr: t.dqkv.map_or(std::ptr::null_mut(), at), bf16 },
             p: self.probs(a, keep),
-            ds: self.scores.add(score_floats(a.dims)),
         };
         (0..a.dims.s * a.dims.h).into_par_iter().for_each(|sh| {
             fusec_codegen_cpu::thread_spans::task(|| {
-                BUFS.with(|b| stages.iter().for_each(|&stage| head_stage(stage, a.dims, a.scale, &ptrs, sh, &mut b.borrow_mut())))
+                BUFS.with(|b| {
+                    DS.with(|ds| stages.iter().for_each(|&stage| head_stage(stage, a.dims, a.scale, &ptrs, sh, &mut b.borrow_mut(), &mut ds.borrow_mut())))
+                })
             });
         });
     }
@@ -180,8 +181,7 @@ impl Storage {
     }
 }
 
-/// The tensors of one attention launch and the score scratch (`S * H * T * T` floats each for
-/// `p` and `ds`).
+/// The tensors of one attention launch and the probabilities `p` (`S * H * T * T` floats).
 struct Ptrs {
     qkv: Storage,
     out: Storage,
@@ -189,7 +189,6 @@ struct Ptrs {
     dout: Storage,
     dqkv: Storage,
     p: *mut f32,
-    ds: *mut f32,
 }
 
 // SAFETY: heads touch disjoint parts of the results and of the scratch.
@@ -198,6 +197,10 @@ unsafe impl Sync for Ptrs {}
 thread_local! {
     /// Per-thread buffers for widened heads and results before rounding (grown, never shrunk).
     static BUFS: RefCell<[Vec<f32>; 4]> = const { RefCell::new([Vec::new(), Vec::new(), Vec::new(), Vec::new()]) };
+    /// The head's `ds` (`T x T`), from its `dp` stage to its gradients: per thread, so that it
+    /// stays in cache from one head to the next (a slot per head in one shared matrix was a
+    /// first write to cold memory for every head).
+    static DS: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
 
 /// `v[..len]`, growing `v` first if needed.
@@ -212,7 +215,7 @@ fn take(v: &mut Vec<f32>, len: usize) -> &mut [f32] {
 ///
 /// # Safety
 /// As [`AttnScratch::stage`].
-unsafe fn head_stage(stage: AttnStage, dm: AttnDims, scale: f32, a: &Ptrs, sh: usize, b: &mut [Vec<f32>; 4]) {
+unsafe fn head_stage(stage: AttnStage, dm: AttnDims, scale: f32, a: &Ptrs, sh: usize, b: &mut [Vec<f32>; 4], ds_buf: &mut Vec<f32>) {
     let (t, d, c) = (dm.t, dm.d, dm.h * dm.d);
     let (s, head) = (sh / dm.h, sh % dm.h);
     // Element offsets of this head's part `k` (q, k, v) of `qkv` / `dqkv` (row stride 3C), and
@@ -250,17 +253,17 @@ unsafe fn head_stage(stage: AttnStage, dm: AttnDims, scale: f32, a: &Ptrs, sh: u
             let (dout, v) = (a.dout.view(row, t, d, c, b0), a.qkv.view(part(2), t, d, 3 * c, b1));
             let vt = transposed(v, t, d, b2);
             for (r0, n, keys) in causal_blocks(t) {
-                matmul_small(n, keys, d, a.ds.add(sh * t * t + r0 * t), t as isize, shift(dout, r0, 0), vt, false)
+                matmul_small(n, keys, d, take(ds_buf, t * t).as_mut_ptr().add(r0 * t), t as isize, shift(dout, r0, 0), vt, false)
             }
         }
         AttnStage::GradDs => {
             let (dout, out) = (a.dout.view(row, t, d, c, b0), a.out.view(row, t, d, c, b1));
-            let ds = std::slice::from_raw_parts_mut(a.ds.add(sh * t * t), t * t);
+            let ds = take(ds_buf, t * t);
             let line = |m: Mat, i: usize| std::slice::from_raw_parts(m.ptr.offset(i as isize * m.rs), d);
             at_level!(current(), grad_ds(ds, p, t, scale, |i| (line(dout, i), line(out, i))))
         }
         AttnStage::GradQkv => {
-            let dsm = Mat { ptr: a.ds.add(sh * t * t), rs: t as isize, cs: 1 };
+            let dsm = Mat { ptr: take(ds_buf, t * t).as_ptr(), rs: t as isize, cs: 1 };
             let (q, k, dout) = (a.qkv.view(part(0), t, d, 3 * c, b0), a.qkv.view(part(1), t, d, 3 * c, b1), a.dout.view(row, t, d, c, b2));
             for (which, lhs, rhs) in [(0, dsm, k), (1, dsm.t(), q), (2, pm.t(), dout)] {
                 let (dst, rs) = a.dqkv.target(part(which), t, d, 3 * c, b3);
