@@ -1,6 +1,6 @@
 //! `matmul_small` (attention's per-head products) against an f64 triple loop, in the operand
-//! layouts attention passes: contiguous and strided right operands (the second packed into a
-//! per-thread buffer), row-major and transposed left operands, row counts that are not whole
+//! layouts attention passes and others: contiguous and strided right operands (the second
+//! through the crate), row-major and transposed left operands, row counts that are not whole
 //! register blocks and column counts that are not whole vectors; accumulation falls back to
 //! the crate and must add.
 

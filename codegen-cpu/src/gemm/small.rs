@@ -1,9 +1,9 @@
 //! Small single-threaded products on AVX-512 registers, for attention's per-head stages
 //! (`64 × keys × 64` and `64 × 64 × keys` blocks): the `gemm` crate packs both operands on every
 //! call and ran these at about 60% of its large products' rate. Here the right operand's rows
-//! are read in place when they are contiguous (else packed once into a per-thread buffer),
-//! the left operand's elements are broadcast from wherever they are, and each 6-row by 64-column
-//! block of the result stays in 24 registers over the whole contraction.
+//! are read in place (attention makes them contiguous), the left operand's elements are
+//! broadcast from wherever they are, and each 6-row by 64-column block of the result stays in 24
+//! registers over the whole contraction.
 
 use super::strided::{matmul_strided, Mat};
 
@@ -14,16 +14,17 @@ const MAX_MN: usize = 64 * 1024;
 const MAX_K: usize = 4096;
 
 /// `dst = lhs · rhs` (`accumulate`: `dst += lhs · rhs`), as [`matmul_strided`]: a plain
-/// product that is small, on a host with AVX-512F, runs on the register blocks above (every
-/// element one FMA chain over `k` in order); anything else is [`matmul_strided`].
+/// product that is small and whose right operand has contiguous rows, on a host with AVX-512F,
+/// runs on the register blocks above (every element one FMA chain over `k` in order); anything
+/// else is [`matmul_strided`].
 ///
 /// # Safety
 /// As [`matmul_strided`].
 pub unsafe fn matmul_small(m: usize, n: usize, k: usize, dst: *mut f32, dst_rs: isize, lhs: Mat, rhs: Mat, accumulate: bool) {
     #[cfg(target_arch = "x86_64")]
     {
-        if !accumulate && m * n <= MAX_MN && k <= MAX_K && k > 0 && enabled() {
-            return avx512::matmul(m, n, k, dst, dst_rs, lhs, rhs);
+        if !accumulate && rhs.cs == 1 && m * n <= MAX_MN && k <= MAX_K && k > 0 && enabled() {
+            return avx512::run(m, n, k, dst, dst_rs, lhs, rhs.ptr, rhs.rs);
         }
     }
     matmul_strided(m, n, k, dst, dst_rs, lhs, rhs, accumulate)
@@ -39,40 +40,14 @@ fn enabled() -> bool {
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
     use std::arch::x86_64::*;
-    use std::cell::RefCell;
 
     use super::{Mat, MR};
 
-    thread_local! {
-        /// The right operand packed row-major when its rows are not contiguous.
-        static PACKED: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
-    }
-
-    /// See [`super::matmul_small`].
-    #[allow(clippy::too_many_arguments)]
-    pub(super) unsafe fn matmul(m: usize, n: usize, k: usize, dst: *mut f32, dst_rs: isize, lhs: Mat, rhs: Mat) {
-        if rhs.cs == 1 {
-            return run(m, n, k, dst, dst_rs, lhs, rhs.ptr, rhs.rs);
-        }
-        PACKED.with(|cell| {
-            let mut buf = cell.borrow_mut();
-            if buf.len() < k * n {
-                buf.resize(k * n, 0.0);
-            }
-            for p in 0..k {
-                let row = &mut buf[p * n..(p + 1) * n];
-                for (j, v) in row.iter_mut().enumerate() {
-                    *v = *rhs.ptr.offset(p as isize * rhs.rs + j as isize * rhs.cs);
-                }
-            }
-            run(m, n, k, dst, dst_rs, lhs, buf.as_ptr(), n as isize)
-        })
-    }
-
-    /// The product with `b` row-major (row stride `b_rs`, unit column stride).
+    /// [`super::matmul_small`]'s product with `b` row-major (row stride `b_rs`, unit column
+    /// stride).
     #[target_feature(enable = "avx512f")]
     #[allow(clippy::too_many_arguments)]
-    unsafe fn run(m: usize, n: usize, k: usize, dst: *mut f32, dst_rs: isize, a: Mat, b: *const f32, b_rs: isize) {
+    pub(super) unsafe fn run(m: usize, n: usize, k: usize, dst: *mut f32, dst_rs: isize, a: Mat, b: *const f32, b_rs: isize) {
         let mut j0 = 0;
         while j0 < n {
             let w = (n - j0).min(64);

@@ -120,9 +120,7 @@ impl AttnScratch {
         };
         (0..a.dims.s * a.dims.h).into_par_iter().for_each(|sh| {
             fusec_codegen_cpu::thread_spans::task(|| {
-                BUFS.with(|b| {
-                    DS.with(|ds| stages.iter().for_each(|&stage| head_stage(stage, a.dims, a.scale, &ptrs, sh, &mut b.borrow_mut(), &mut ds.borrow_mut())))
-                })
+                BUFS.with(|b| stages.iter().for_each(|&stage| head_stage(stage, a.dims, a.scale, &ptrs, sh, &mut b.borrow_mut())))
             });
         });
     }
@@ -195,12 +193,11 @@ struct Ptrs {
 unsafe impl Sync for Ptrs {}
 
 thread_local! {
-    /// Per-thread buffers for widened heads and results before rounding (grown, never shrunk).
-    static BUFS: RefCell<[Vec<f32>; 4]> = const { RefCell::new([Vec::new(), Vec::new(), Vec::new(), Vec::new()]) };
-    /// The head's `ds` (`T x T`), from its `dp` stage to its gradients: per thread, so that it
-    /// stays in cache from one head to the next (a slot per head in one shared matrix was a
-    /// first write to cold memory for every head).
-    static DS: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    /// Per-thread buffers (grown, never shrunk): four for widened heads and results before
+    /// rounding, and the head's `ds` (`T x T`) from its `dp` stage to its gradients, per thread
+    /// so that it stays in cache from one head to the next (a slot per head in one shared matrix
+    /// was a first write to cold memory for every head).
+    static BUFS: RefCell<[Vec<f32>; 5]> = const { RefCell::new([const { Vec::new() }; 5]) };
 }
 
 /// `v[..len]`, growing `v` first if needed.
@@ -215,7 +212,7 @@ fn take(v: &mut Vec<f32>, len: usize) -> &mut [f32] {
 ///
 /// # Safety
 /// As [`AttnScratch::stage`].
-unsafe fn head_stage(stage: AttnStage, dm: AttnDims, scale: f32, a: &Ptrs, sh: usize, b: &mut [Vec<f32>; 4], ds_buf: &mut Vec<f32>) {
+unsafe fn head_stage(stage: AttnStage, dm: AttnDims, scale: f32, a: &Ptrs, sh: usize, b: &mut [Vec<f32>; 5]) {
     let (t, d, c) = (dm.t, dm.d, dm.h * dm.d);
     let (s, head) = (sh / dm.h, sh % dm.h);
     // Element offsets of this head's part `k` (q, k, v) of `qkv` / `dqkv` (row stride 3C), and
@@ -224,7 +221,7 @@ unsafe fn head_stage(stage: AttnStage, dm: AttnDims, scale: f32, a: &Ptrs, sh: u
     let row = s * t * c + head * d;
     let p = std::slice::from_raw_parts_mut(a.p.add(sh * t * t), t * t);
     let pm = Mat { ptr: p.as_ptr(), rs: t as isize, cs: 1 };
-    let [b0, b1, b2, b3] = b;
+    let [b0, b1, b2, b3, ds_buf] = b;
     match stage {
         AttnStage::Scores => {
             let (q, k) = (a.qkv.view(part(0), t, d, 3 * c, b0), a.qkv.view(part(1), t, d, 3 * c, b1));
@@ -252,8 +249,9 @@ unsafe fn head_stage(stage: AttnStage, dm: AttnDims, scale: f32, a: &Ptrs, sh: u
         AttnStage::GradDp => {
             let (dout, v) = (a.dout.view(row, t, d, c, b0), a.qkv.view(part(2), t, d, 3 * c, b1));
             let vt = transposed(v, t, d, b2);
+            let ds = take(ds_buf, t * t).as_mut_ptr();
             for (r0, n, keys) in causal_blocks(t) {
-                matmul_small(n, keys, d, take(ds_buf, t * t).as_mut_ptr().add(r0 * t), t as isize, shift(dout, r0, 0), vt, false)
+                matmul_small(n, keys, d, ds.add(r0 * t), t as isize, shift(dout, r0, 0), vt, false)
             }
         }
         AttnStage::GradDs => {
